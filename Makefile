@@ -1,0 +1,64 @@
+# Set-up, demo, tests and benchmarks. `make demo` and `make test` work on a fresh Debian machine.
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge espeak-ng sox
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-system setup-slurm demo test test-fast bench cluster-up cluster-down lint clean
+
+setup: $(VENV)/.installed
+
+# torch first (the CPU wheel pinned here) only when none is importable, so a cluster's own
+# torch build is kept; then the project with its open ranges.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	touch $@
+
+# Debian packages: SLURM and munge for the loopback cluster, espeak-ng and sox for the corpus.
+setup-system:
+	@missing=""; \
+	for tool in slurmctld slurmd sbatch munged espeak-ng sox; do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages for:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); \
+	  else \
+	    echo "error: missing$$missing; run as root: apt-get install -y $(SYSTEM_PACKAGES)" >&2; \
+	    exit 2; \
+	  fi; \
+	fi
+
+setup-slurm: setup-system
+
+demo: setup setup-system
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh
+
+test: setup setup-system
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
+
+bench: setup setup-system
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) bench/bench_chain_submit.py
+
+cluster-up: setup setup-system
+	$(VENV)/bin/orchestrator cluster up
+
+cluster-down: setup
+	$(VENV)/bin/orchestrator cluster down
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,13 @@
+"""The two kinds of failure a user sees: bad input (exit 2) and a failing scheduler (exit 1)."""
+
+
+class UsageError(Exception):
+    """Bad input caught before anything was submitted; the CLI prints it on one line, exits 2."""
+
+    exit_code = 2
+
+
+class SchedulerError(Exception):
+    """The scheduler (sbatch, squeue, a daemon) failed; the message carries its own words."""
+
+    exit_code = 1

@@ -1,0 +1,124 @@
+"""The chain manifest and the index of chains.
+
+The manifest (``manifest.json`` in the chain's run dir) is the chain's record: what was submitted,
+with which seeds, from which commit. Every write goes to a temporary file in the same directory and
+is renamed into place, so a reader never sees a torn file. The index is one small JSON file per
+chain under ``$ORCH_HOME/chains/``; one file per chain means concurrent launches never share a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+
+
+def orch_home() -> Path:
+    """The state directory: ``$ORCH_HOME``, else ``~/.orchestrator``."""
+    return Path(os.environ.get("ORCH_HOME") or Path.home() / ".orchestrator")
+
+
+def atomic_write_json(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class JobRecord:
+    index: int
+    seed: int
+    job_id: str | None = None
+    dependency: str | None = None
+    submit_time: float | None = None
+    state: str | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class Manifest:
+    chain_id: str
+    recipe: str
+    recipe_sha256: str
+    script: str
+    run_dir: str
+    backend: str
+    dependency_kind: str
+    num_jobs: int
+    args: list[str]
+    base_seed: int | None
+    git_sha: str | None
+    git_dirty: bool | None
+    created: float
+    status: str = "submitting"
+    error: str | None = None
+    sweep_id: str | None = None
+    jobs: list[JobRecord] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.run_dir) / MANIFEST_NAME
+
+    def save(self) -> None:
+        atomic_write_json(self.path, asdict(self))
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest:
+        data = json.loads(Path(path).read_text())
+        jobs = [JobRecord(**job) for job in data.pop("jobs", [])]
+        return cls(**data, jobs=jobs)
+
+    def job_ids(self) -> list[str]:
+        return [job.job_id for job in self.jobs if job.job_id]
+
+
+def index_path(chain_id: str) -> Path:
+    return orch_home() / "chains" / f"{chain_id}.json"
+
+
+def register_chain(manifest: Manifest) -> None:
+    atomic_write_json(
+        index_path(manifest.chain_id),
+        {"chain_id": manifest.chain_id, "run_dir": manifest.run_dir, "created": manifest.created},
+    )
+
+
+def find_manifest(chain_id: str) -> Manifest:
+    """Load a chain's manifest by id (from the index) or by a run dir path."""
+    from orchestrator.errors import UsageError
+
+    as_path = Path(chain_id)
+    if (as_path / MANIFEST_NAME).is_file():
+        return Manifest.load(as_path / MANIFEST_NAME)
+    entry = index_path(chain_id)
+    if not entry.is_file():
+        raise UsageError(
+            f"unknown chain {chain_id!r}: not in {entry.parent} and not a run dir; "
+            "see `orchestrator list`"
+        )
+    run_dir = Path(json.loads(entry.read_text())["run_dir"])
+    if not (run_dir / MANIFEST_NAME).is_file():
+        raise UsageError(f"chain {chain_id!r}: its manifest {run_dir / MANIFEST_NAME} is gone")
+    return Manifest.load(run_dir / MANIFEST_NAME)
+
+
+def list_chains() -> list[dict[str, Any]]:
+    folder = orch_home() / "chains"
+    if not folder.is_dir():
+        return []
+    entries = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return sorted(entries, key=lambda entry: entry["created"])
