@@ -1,0 +1,110 @@
+"""Session-wide test setup: a private ORCH_HOME and a real SLURM cluster on loopback.
+
+The cluster is started with the project's own command (``orchestrator cluster up``), so every
+session also checks that command the way a user runs it. Without SLURM installed the fixture fails
+with the command's own message (run ``make setup-slurm``): a SLURM test that silently skips would
+hide that nothing was checked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cluster
+
+REPO = Path(__file__).resolve().parents[1]
+# Inherited by the daemons of the session's clusters: names the pytest process that owns them.
+SESSION_ENV = "ORCH_TEST_SESSION_PID"
+
+# Two shared cores: every torch process the tests start stays on one thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@dataclass(frozen=True)
+class LoopbackCluster:
+    directory: Path
+    conf: Path
+    env: dict[str, str]  # os.environ plus SLURM_CONF, for subprocesses
+
+    def queue_job_ids(self) -> list[str]:
+        return cluster.queue_job_ids(self.conf)
+
+
+def cluster_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``orchestrator cluster ARGS`` run as a user would, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "cluster", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def orch_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Chains, indexes and default cluster dirs of the session land in a temporary ORCH_HOME."""
+    home = tmp_path_factory.mktemp("orch_home")
+    previous = os.environ.get("ORCH_HOME")
+    os.environ["ORCH_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("ORCH_HOME", None)
+    else:
+        os.environ["ORCH_HOME"] = previous
+
+
+def down_clusters_of_dead_sessions() -> None:
+    """A session killed before its teardown leaves its cluster running: stop those, and only
+    those (other sessions on the machine may be running their own)."""
+    for directory, environ in cluster.running_clusters().items():
+        owner = environ.get(SESSION_ENV, "")
+        if owner.isdigit() and not cluster.alive(int(owner)):
+            cluster.down(directory)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(
+    tmp_path_factory: pytest.TempPathFactory, orch_home: Path
+) -> Iterator[LoopbackCluster]:
+    """A 2-node cluster for the whole session; SLURM_CONF points every SLURM command at it."""
+    down_clusters_of_dead_sessions()
+    os.environ[SESSION_ENV] = str(os.getpid())
+    directory = tmp_path_factory.mktemp("slurm")
+    started = cluster_cli("up", "--nodes", "2", "--dir", str(directory))
+    if started.returncode != 0:
+        pytest.fail(
+            f"the loopback SLURM cluster did not start (exit {started.returncode}):\n"
+            f"{started.stderr}{started.stdout}",
+            pytrace=False,
+        )
+    conf = directory / cluster.CONF_NAME
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    try:
+        yield LoopbackCluster(directory, conf, {**os.environ, "SLURM_CONF": str(conf)})
+    finally:
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+        stopped = cluster_cli("down", "--dir", str(directory))
+        assert stopped.returncode == 0, f"cluster down failed:\n{stopped.stderr}{stopped.stdout}"
+
+
+@pytest.fixture
+def empty_queue(slurm_cluster: LoopbackCluster) -> LoopbackCluster:
+    """The session cluster with jobs left by earlier tests cancelled, so the queue starts empty."""
+    cluster.cancel_all_jobs(slurm_cluster.conf)
+    assert slurm_cluster.queue_job_ids() == []
+    return slurm_cluster
