@@ -1,0 +1,75 @@
+"""A recipe file made ready to submit: YAML recipes are rendered, .sub scripts checked as they are.
+
+A hand-written .sub never pays for Jinja2 or YAML: those load only for a YAML recipe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestrator.errors import UsageError
+from orchestrator.sbatch_directives import parse_sbatch_directives
+
+if TYPE_CHECKING:
+    from orchestrator.recipe import RecipeSpec
+
+YAML_SUFFIXES = (".yaml", ".yml")
+SCRIPT_SUFFIXES = (".sub", ".sh")
+
+# $1, ${1}, ${1:?...}: the script reads its first argument, the seed ($10 is ${1}0 to bash).
+_READS_FIRST_ARGUMENT = re.compile(r"\$(1|\{1\b)")
+
+
+@dataclass(frozen=True)
+class PreparedScript:
+    """A recipe made ready to submit."""
+
+    text: str
+    directives: dict[str, str]
+    source_kind: str  # "yaml" (rendered) or "sub" (read as it is)
+    spec: RecipeSpec | None = None  # the validated recipe, for YAML recipes
+
+
+def prepare_script(path: Path | str) -> PreparedScript:
+    """The script to submit for a recipe: rendered for .yaml/.yml, checked and read for .sub/.sh."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in YAML_SUFFIXES:
+        from orchestrator.recipe import load_recipe
+        from orchestrator.render import render_recipe
+
+        spec = load_recipe(path)
+        text = render_recipe(spec)
+        return PreparedScript(text, parse_sbatch_directives(text), "yaml", spec)
+    if suffix in SCRIPT_SUFFIXES:
+        text = _read_script(path)
+        check_seed_contract(text, path)
+        return PreparedScript(text, parse_sbatch_directives(text), "sub")
+    accepted = ", ".join(YAML_SUFFIXES + SCRIPT_SUFFIXES)
+    raise UsageError(f"recipe {path}: unknown kind {suffix or '(no extension)'}; use {accepted}")
+
+
+def check_seed_contract(text: str, path: Path) -> None:
+    """A .sub must be a script (``#!``) that reads the job's seed from its first argument."""
+    if not text.startswith("#!"):
+        raise UsageError(
+            f"recipe {path}: the first line must be a #! line such as #!/bin/bash (sbatch needs it)"
+        )
+    code = (line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    if not any(_READS_FIRST_ARGUMENT.search(line) for line in code):
+        raise UsageError(
+            f"recipe {path}: never reads $1; a .sub receives the job's seed as its first "
+            "argument (SEED=$1) and must use it"
+        )
+
+
+def _read_script(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise UsageError(f"recipe {path}: cannot read it ({error.strerror})") from error
+    except UnicodeDecodeError as error:
+        raise UsageError(f"recipe {path}: not a text file ({error.reason})") from error
