@@ -120,6 +120,15 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def first_job_id(controller_port: int) -> int:
+    """Where this cluster's job ids start, spread by its (unique) controller port.
+
+    Templates derive rendezvous ports from job ids, unique on a real cluster; two loopback
+    clusters on one machine numbering jobs from 1 would hand their first jobs the same port.
+    """
+    return 1 + (controller_port * 7919) % 19_000
+
+
 def render_conf(info: ClusterInfo) -> str:
     """slurm.conf for the cluster: absolute paths only (the daemons change directory)."""
     directory = Path(info.directory)
@@ -146,6 +155,7 @@ def render_conf(info: ClusterInfo) -> str:
         "MessageTimeout=5",
         "KillWait=2",
         "MinJobAge=300",
+        f"FirstJobId={first_job_id(info.controller_port)}",
         "InactiveLimit=0",
         "Waittime=0",
         f"StateSaveLocation={directory / 'state'}",

@@ -1,0 +1,1 @@
+"""Backends: slurm (sbatch and friends), submitit (SlurmExecutor/LocalExecutor), local."""

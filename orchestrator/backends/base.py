@@ -1,0 +1,67 @@
+"""The one small interface every backend implements.
+
+A chain is a list of ``JobRequest``s submitted in order; each names the job it waits on. Backends
+turn a request into a scheduled job and answer for its state; the chain logic (seeds, manifest,
+rollback) lives in ``orchestrator.chain`` and never depends on which backend runs the jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+DEPENDENCY_KINDS = ("afterany", "afterok", "singleton")
+
+# States reported by status, in SLURM's vocabulary whatever the backend.
+FINISHED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One job of a chain, as the backend needs it.
+
+    The payload is a batch script (``script``, run as ``script SEED *script_args``) or, for the
+    submitit backend only, a Python callable run as ``function(seed, *function_args)``.
+    """
+
+    script: Path | None
+    script_args: tuple[str, ...]
+    job_name: str
+    log_pattern: Path  # may contain %j, replaced by the job id
+    env: dict[str, str]  # the ORCH_* contract; values are plain strings
+    dependency_kind: str
+    after: str | None  # the job id this one waits on (None for the first job)
+    workdir: Path
+    seed: int
+    function: Callable[..., Any] | None = None
+    function_args: tuple[Any, ...] = ()
+
+
+@dataclass
+class JobStatus:
+    job_id: str
+    state: str
+    nodes: str = ""
+    reason: str = ""
+    start_estimate: str = ""
+    exit_code: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    name: str
+
+    def submit(self, request: JobRequest) -> str:
+        """Schedule the job; return its id. Raise SchedulerError with the scheduler's words."""
+
+    def command_line(self, request: JobRequest, after: str | None) -> list[str]:
+        """The exact command that submits ``request`` (what --dry-run prints)."""
+
+    def test_only(self, request: JobRequest) -> str | None:
+        """Ask the scheduler whether it would accept the job; None where it cannot tell."""
+
+    def cancel(self, job_ids: list[str]) -> None: ...
+
+    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]: ...

@@ -1,0 +1,209 @@
+"""A chain: N jobs of one recipe, each depending on the one before, each with its own seed.
+
+Submission is all or nothing. The manifest is saved after every accepted job, so an interrupted
+launch never leaves a queued job unrecorded; if any submission fails (or the user interrupts),
+the jobs already queued are cancelled and the manifest says why the chain was rolled back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.backends.base import Backend, JobRequest
+from orchestrator.errors import SchedulerError
+from orchestrator.manifest import JobRecord, Manifest, register_chain
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """Everything decided before the first submission.
+
+    The payload is a batch script (``script_text``, copied into the run dir) or, for the submitit
+    backend, a Python callable run as ``function(seed, *function_args)``; ``recipe`` is the file
+    the payload came from (the script, or the callable's source file), hashed into the manifest.
+    """
+
+    chain_id: str
+    recipe: Path
+    script_text: str | None
+    run_dir: Path
+    workdir: Path
+    num_jobs: int
+    seeds: tuple[int, ...]
+    dependency_kind: str
+    script_args: tuple[str, ...]
+    base_seed: int | None
+    job_name: str
+    sweep_id: str | None = None
+    function: Callable[..., Any] | None = None
+    function_args: tuple[Any, ...] = ()
+
+    @property
+    def script_path(self) -> Path:
+        """The copy of the script that every job of the chain runs (immune to later edits)."""
+        return self.run_dir / f"{self.job_name}.sub"
+
+    def request(self, index: int, after: str | None) -> JobRequest:
+        return JobRequest(
+            script=self.script_path if self.function is None else None,
+            script_args=self.script_args,
+            job_name=self.job_name,
+            log_pattern=self.run_dir / "logs" / f"{self.job_name}-%j.out",
+            env=contract_env(self, index),
+            dependency_kind=self.dependency_kind,
+            after=after,
+            workdir=self.workdir,
+            seed=self.seeds[index],
+            function=self.function,
+            function_args=self.function_args,
+        )
+
+
+def contract_env(plan: ChainPlan, index: int) -> dict[str, str]:
+    """The ORCH_* variables of the .sub contract for job ``index``."""
+    env = {
+        "ORCH_CHAIN_ID": plan.chain_id,
+        "ORCH_JOB_INDEX": str(index),
+        "ORCH_NUM_JOBS": str(plan.num_jobs),
+        "ORCH_SEED": str(plan.seeds[index]),
+        "ORCH_RUN_DIR": str(plan.run_dir),
+    }
+    if plan.sweep_id:
+        env["ORCH_SWEEP_ID"] = plan.sweep_id
+    return env
+
+
+def new_chain_id(stem: str) -> str:
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in stem)[:40] or "chain"
+    return f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def git_state(directory: Path) -> tuple[str | None, bool | None]:
+    """(commit sha, dirty flag) of the repository holding ``directory``, or (None, None)."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None, None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    return sha.stdout.strip(), bool(dirty.stdout.strip())
+
+
+def callable_name(function: Callable[..., Any]) -> str:
+    return f"python:{function.__module__}.{function.__qualname__}"
+
+
+def backend_label(backend: Backend) -> str:
+    """The backend as the manifest records it: ``slurm``, ``local``, ``submitit:slurm``..."""
+    cluster = getattr(backend, "cluster", None)
+    return f"{backend.name}:{cluster}" if cluster else backend.name
+
+
+def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
+    return Manifest(
+        chain_id=plan.chain_id,
+        recipe=str(plan.recipe),
+        recipe_sha256=hashlib.sha256(plan.recipe.read_bytes()).hexdigest(),
+        script=str(plan.script_path) if plan.function is None else callable_name(plan.function),
+        run_dir=str(plan.run_dir),
+        backend=backend_name,
+        dependency_kind=plan.dependency_kind,
+        num_jobs=plan.num_jobs,
+        args=list(plan.script_args),
+        base_seed=plan.base_seed,
+        git_sha=None,
+        git_dirty=None,
+        created=time.time(),
+        sweep_id=plan.sweep_id,
+    )
+
+
+def submit_chain(
+    plan: ChainPlan,
+    backend: Backend,
+    on_submitted: Callable[[JobRecord], None] | None = None,
+) -> Manifest:
+    """Submit every job of the plan in order; roll back the chain if any submission fails."""
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    (plan.run_dir / "logs").mkdir(exist_ok=True)
+    if plan.script_text is not None:
+        plan.script_path.write_text(plan.script_text)
+        plan.script_path.chmod(0o755)
+    manifest = new_manifest(plan, backend_label(backend))
+    manifest.save(durable=False)
+    register_chain(manifest)
+    # The git state is only for the record: read it while the jobs are being submitted.
+    git: list[tuple[str | None, bool | None]] = []
+    reader = threading.Thread(target=lambda: git.append(git_state(plan.recipe.parent)))
+    reader.start()
+    try:
+        _submit_jobs(plan, backend, manifest, on_submitted)
+    finally:
+        reader.join()
+    manifest.git_sha, manifest.git_dirty = git[0] if git else (None, None)
+    manifest.status = "submitted"
+    manifest.save()
+    return manifest
+
+
+def _submit_jobs(
+    plan: ChainPlan,
+    backend: Backend,
+    manifest: Manifest,
+    on_submitted: Callable[[JobRecord], None] | None,
+) -> None:
+    after: str | None = None
+    try:
+        for index in range(plan.num_jobs):
+            job_id = backend.submit(plan.request(index, after))
+            dependency = None
+            if plan.dependency_kind == "singleton":
+                dependency = "singleton"
+            elif after is not None:
+                dependency = f"{plan.dependency_kind}:{after}"
+            record = JobRecord(
+                index=index,
+                seed=plan.seeds[index],
+                job_id=job_id,
+                dependency=dependency,
+                submit_time=time.time(),
+            )
+            manifest.jobs.append(record)
+            manifest.save(durable=False)
+            if on_submitted is not None:
+                on_submitted(record)
+            after = job_id
+    except (SchedulerError, KeyboardInterrupt) as error:
+        rollback(manifest, backend, error)
+        raise
+
+
+def rollback(manifest: Manifest, backend: Backend, error: BaseException) -> None:
+    """Cancel what this chain queued and record why; the chain is never left half-submitted."""
+    queued = manifest.job_ids()
+    cancel_error = ""
+    try:
+        backend.cancel(queued)
+    except SchedulerError as failure:
+        cancel_error = f"; cancelling {queued} also failed: {failure}"
+    manifest.status = "rolled_back"
+    reason = str(error) or type(error).__name__
+    manifest.error = f"{reason} (cancelled {len(queued)} submitted job(s){cancel_error})"
+    manifest.save()

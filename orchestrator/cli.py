@@ -1,0 +1,417 @@
+"""Command lines: ``auto_launch`` (submit a chain) and ``orchestrator`` (look after chains)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.backends.base import FINISHED_STATES, Backend, JobStatus
+from orchestrator.chain import ChainPlan, new_chain_id, submit_chain
+from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.manifest import JobRecord, Manifest, find_manifest, list_chains, orch_home
+from orchestrator.preflight import (
+    check_dependency,
+    check_local_resources,
+    check_num_jobs,
+    check_resources,
+    check_run_dir,
+    parse_partitions,
+)
+from orchestrator.scripts import prepare_script
+from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.slurm_commands import probe_partitions
+
+BACKEND_CHOICES = ("auto", "slurm", "local", "submitit")
+
+
+def _run(handler, args: argparse.Namespace) -> int:
+    try:
+        return handler(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return UsageError.exit_code
+    except SchedulerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return SchedulerError.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# auto_launch ---------------------------------------------------------------------------------
+
+
+def auto_launch_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="auto_launch",
+        description="Submit a chain of N jobs of a recipe; each job depends on the one before, "
+        "gets its own seed as $1 and resumes the training the previous job left.",
+        epilog="Arguments after -- are passed to the recipe after the seed.",
+    )
+    parser.add_argument("recipe", help="a .sub batch script or a .yaml recipe description")
+    parser.add_argument("-n", "--num-jobs", type=int, default=1, help="jobs in the chain")
+    parser.add_argument(
+        "--dependency", default="afterany", help="afterany (default), afterok or singleton"
+    )
+    parser.add_argument("--seed", type=int, help="derive every job's seed from this one")
+    parser.add_argument("--run-dir", type=Path, help="shared by the chain's jobs")
+    parser.add_argument("--name", help="job name (default: the recipe's file name)")
+    parser.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKEND_CHOICES)}")
+    parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
+    parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
+    return parser
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
+
+
+def choose_backend(requested: str, run_dir: Path, has_slurm: bool) -> Backend:
+    if requested not in BACKEND_CHOICES:
+        raise UsageError(f"--backend {requested!r}: choose one of {', '.join(BACKEND_CHOICES)}")
+    if requested == "slurm" and not has_slurm:
+        raise UsageError(
+            "--backend slurm: no SLURM controller answers (sinfo failed); start one with "
+            "`orchestrator cluster up` and export SLURM_CONF, or use --backend local"
+        )
+    if requested == "submitit":
+        from orchestrator.backends.submitit_backend import SubmititBackend
+
+        kind = "slurm" if has_slurm else "local"
+        say(f"backend: submitit ({kind} executor)")
+        return SubmititBackend(run_dir / "submitit", cluster=kind)
+    if requested == "slurm" or (requested == "auto" and has_slurm):
+        from orchestrator.backends.slurm import SlurmBackend
+
+        reason = "chosen" if requested == "slurm" else "sbatch answered"
+        say(f"backend: slurm ({reason})")
+        return SlurmBackend()
+    from orchestrator.backends.local import LocalBackend
+
+    reason = "chosen" if requested == "local" else "no SLURM controller answered"
+    say(f"backend: local ({reason}): jobs run one after another on this machine")
+    return LocalBackend()
+
+
+def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainPlan, dict]:
+    """Validate the request (preflight, part one) and decide everything but the job ids."""
+    recipe = Path(args.recipe).expanduser().resolve()
+    check_num_jobs(args.num_jobs)
+    check_dependency(args.dependency)
+    if args.seed is not None:
+        validate_base_seed(args.seed)
+    if not recipe.exists():
+        raise UsageError(f"recipe {args.recipe} does not exist")
+    if not recipe.is_file():
+        raise UsageError(f"recipe {args.recipe} is not a file")
+    prepared = prepare_script(recipe)
+    job_name = args.name or recipe.stem
+    if not job_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"job name {job_name!r}: use letters, digits, '-', '_' and '.' only")
+    chain_id = new_chain_id(job_name)
+    run_dir = (args.run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
+    check_run_dir(run_dir)
+    plan = ChainPlan(
+        chain_id=chain_id,
+        recipe=recipe,
+        script_text=prepared.text,
+        run_dir=run_dir,
+        workdir=Path.cwd(),
+        num_jobs=args.num_jobs,
+        seeds=tuple(chain_seeds(args.num_jobs, args.seed)),
+        dependency_kind=args.dependency,
+        script_args=tuple(script_args),
+        base_seed=args.seed,
+        job_name=job_name,
+    )
+    return plan, prepared.directives
+
+
+def check_backend_resources(
+    backend: Backend, directives: dict[str, str], sinfo_table: str | None
+) -> None:
+    """Preflight, part two: the request must fit the machines the backend will use."""
+    if sinfo_table is None or backend.name == "local" or getattr(backend, "cluster", "") == "local":
+        check_local_resources(directives)
+    else:
+        check_resources(directives, parse_partitions(sinfo_table))
+
+
+def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
+    import shlex
+
+    print(f"# chain {plan.chain_id}: {plan.num_jobs} job(s), backend {backend.name}, dry run")
+    print(f"# run dir: {plan.run_dir}")
+    after: str | None = None
+    for index in range(plan.num_jobs):
+        request = plan.request(index, after)
+        print(f"# job {index}: seed {plan.seeds[index]}")
+        print(shlex.join(backend.command_line(request, after)))
+        after = f"<job id of job {index}>"
+    print(f"# script {plan.script_path}:")
+    print(plan.script_text, end="" if plan.script_text.endswith("\n") else "\n")
+    verdict = test_only_in_scratch(plan, backend)
+    if verdict is not None:
+        print(f"# sbatch --test-only: {verdict}")
+
+
+def test_only_in_scratch(plan: ChainPlan, backend: Backend) -> str | None:
+    """sbatch --test-only needs the script on disk; use a scratch copy, not the run dir."""
+    import dataclasses
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="orch-dry-run-") as scratch:
+        scratch_plan = dataclasses.replace(plan, run_dir=Path(scratch))
+        scratch_plan.script_path.write_text(plan.script_text)
+        return backend.test_only(scratch_plan.request(0, None))
+
+
+def summary(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
+    return {
+        "chain_id": manifest.chain_id,
+        "run_dir": manifest.run_dir,
+        "backend": manifest.backend,
+        "status": manifest.status,
+        "jobs": [
+            {
+                "index": job.index,
+                "job_id": job.job_id,
+                "seed": job.seed,
+                "dependency": job.dependency,
+                "state": statuses[job.job_id].state if job.job_id in statuses else None,
+            }
+            for job in manifest.jobs
+        ],
+    }
+
+
+def print_table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(row[col])) for row in [header, *rows]) for col in range(len(header))]
+    for row in [header, *rows]:
+        print(
+            "  ".join(
+                str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)
+            ).rstrip()
+        )
+
+
+def auto_launch(args: argparse.Namespace) -> int:
+    plan, directives = build_plan(args, args.script_args)
+    sinfo_table = probe_partitions()
+    backend = choose_backend(args.backend, plan.run_dir, has_slurm=sinfo_table is not None)
+    check_backend_resources(backend, directives, sinfo_table)
+    if args.dry_run:
+        print_dry_run(plan, backend)
+        return 0
+
+    def announce(record: JobRecord) -> None:
+        if backend.name != "local":
+            say(
+                f"submitted job {record.index + 1}/{plan.num_jobs}: id {record.job_id}, "
+                f"seed {record.seed}, {record.dependency or 'no dependency'}"
+            )
+
+    manifest = submit_chain(plan, backend, on_submitted=announce)
+    statuses = backend.statuses(manifest.job_ids())
+    if args.json:
+        print(json.dumps(summary(manifest, statuses)))
+        return 0
+    print(f"chain {manifest.chain_id} ({backend.name}): {plan.num_jobs} job(s)")
+    print(f"run dir  {manifest.run_dir}")
+    print(f"manifest {manifest.path}")
+    rows = [
+        [
+            str(job.index),
+            str(job.job_id),
+            str(job.seed),
+            job.dependency or "-",
+            statuses[job.job_id].state,
+            statuses[job.job_id].start_estimate or "-",
+        ]
+        for job in manifest.jobs
+    ]
+    print_table(rows, ["index", "job_id", "seed", "dependency", "state", "start_estimate"])
+    return 0
+
+
+def auto_launch_main(argv: list[str] | None = None) -> int:
+    own_args, script_args = split_script_args(list(sys.argv[1:] if argv is None else argv))
+    args = auto_launch_parser().parse_args(own_args)
+    args.script_args = script_args
+    return _run(auto_launch, args)
+
+
+# orchestrator --------------------------------------------------------------------------------
+
+
+def backend_for(manifest: Manifest) -> Backend:
+    """The backend that ran a chain, to ask it about the chain's jobs."""
+    from orchestrator.backends.local import LocalBackend
+    from orchestrator.backends.slurm import SlurmBackend
+
+    if manifest.backend == "local":
+        return LocalBackend(echo=False)
+    if manifest.backend.startswith("submitit"):
+        from orchestrator.backends.submitit_backend import SubmititBackend
+
+        kind = manifest.backend.partition(":")[2] or "slurm"
+        return SubmititBackend(Path(manifest.run_dir) / "submitit", cluster=kind)
+    return SlurmBackend()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = []
+    for entry in list_chains():
+        path = Path(entry["run_dir"]) / "manifest.json"
+        if not path.is_file():
+            rows.append([entry["chain_id"], "?", "?", "manifest missing", entry["run_dir"]])
+            continue
+        manifest = Manifest.load(path)
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
+        rows.append(
+            [
+                manifest.chain_id,
+                manifest.backend,
+                str(manifest.num_jobs),
+                manifest.status,
+                created,
+                manifest.run_dir,
+            ]
+        )
+    if not rows:
+        print(f"no chains under {orch_home()}")
+        return 0
+    print_table(rows, ["chain", "backend", "jobs", "status", "created", "run_dir"])
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    manifest = find_manifest(args.chain)
+    statuses = backend_for(manifest).statuses(manifest.job_ids())
+    if args.json:
+        payload = summary(manifest, statuses)
+        for job in payload["jobs"]:
+            status = statuses.get(job["job_id"])
+            job["nodes"] = status.nodes if status else ""
+            job["reason"] = status.reason if status else ""
+            job["exit_code"] = status.exit_code if status else None
+        print(json.dumps(payload))
+        return 0
+    print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
+    if manifest.error:
+        print(f"error: {manifest.error}")
+    rows = []
+    for job in manifest.jobs:
+        status = statuses.get(job.job_id or "")
+        rows.append(
+            [
+                str(job.index),
+                str(job.job_id),
+                str(job.seed),
+                status.state if status else "?",
+                status.nodes if status else "",
+                status.reason if status else "",
+            ]
+        )
+    print_table(rows, ["index", "job_id", "seed", "state", "nodes", "reason"])
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    manifest = find_manifest(args.chain)
+    backend = backend_for(manifest)
+    statuses = backend.statuses(manifest.job_ids())
+    live = [job_id for job_id, status in statuses.items() if status.state not in FINISHED_STATES]
+    backend.cancel(live)
+    print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
+    return 0
+
+
+def log_path(manifest: Manifest, job: JobRecord) -> Path | None:
+    matches = sorted((Path(manifest.run_dir) / "logs").glob(f"*-{job.job_id}.out"))
+    return matches[0] if matches else None
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    manifest = find_manifest(args.chain)
+    jobs = manifest.jobs
+    if args.job is not None:
+        if not 0 <= args.job < len(jobs):
+            raise UsageError(
+                f"--job {args.job}: chain {manifest.chain_id} has jobs 0..{len(jobs) - 1}"
+            )
+        jobs = [jobs[args.job]]
+    backend = backend_for(manifest)
+    for job in jobs:
+        print(f"==> job {job.index} (id {job.job_id}, seed {job.seed}) <==", flush=True)
+        if args.follow:
+            follow(manifest, job, backend)
+            continue
+        path = log_path(manifest, job)
+        if path is None:
+            print("(no log yet)")
+        else:
+            sys.stdout.write(path.read_text(errors="replace"))
+    return 0
+
+
+def follow(manifest: Manifest, job: JobRecord, backend: Backend, poll_s: float = 0.5) -> None:
+    """Stream a job's log until the job has finished and the log has no more to give."""
+    offset = 0
+    while True:
+        state = backend.statuses([job.job_id])[job.job_id].state
+        path = log_path(manifest, job)
+        if path is not None:
+            with open(path, errors="replace") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+                offset = handle.tell()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+                continue
+        if state in FINISHED_STATES or state == "UNKNOWN":
+            return
+        time.sleep(poll_s)
+
+
+def orchestrator_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrator", description="Look after chains of jobs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="chains launched from this machine")
+    listing.set_defaults(handler=cmd_list)
+    status = commands.add_parser("status", help="per job: id, seed, state, nodes")
+    status.add_argument("chain", help="chain id or run dir")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=cmd_status)
+    cancel = commands.add_parser("cancel", help="cancel a chain's unfinished jobs")
+    cancel.add_argument("chain")
+    cancel.set_defaults(handler=cmd_cancel)
+    logs = commands.add_parser("logs", help="print (or --follow) a chain's job logs")
+    logs.add_argument("chain")
+    logs.add_argument("--job", type=int, help="only job K (0-based)")
+    logs.add_argument("--follow", action="store_true", help="stream until the jobs finish")
+    logs.set_defaults(handler=cmd_logs)
+    from orchestrator import cluster
+
+    cluster.add_cluster_parser(commands)
+    return parser
+
+
+def orchestrator_main(argv: list[str] | None = None) -> int:
+    args = orchestrator_parser().parse_args(argv)
+    return _run(args.handler, args)
+
+
+if __name__ == "__main__":
+    sys.exit(orchestrator_main())

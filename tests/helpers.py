@@ -1,0 +1,85 @@
+"""Shared helpers for tests that drive the command lines as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def run_tool(
+    tool: str, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / tool), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})},
+        timeout=timeout,
+    )
+
+
+def launch_json(*args: str, cwd: Path | None = None, env: dict | None = None) -> dict:
+    """Run auto_launch --json and return its summary (its last line)."""
+    completed = run_tool("auto_launch", "--json", *args, cwd=cwd, env=env)
+    assert completed.returncode == 0, completed.stderr + completed.stdout
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def chain_status(chain: str) -> dict:
+    completed = run_tool("orchestrator", "status", chain, "--json")
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def wait_chain(chain: str, timeout: float = 180) -> dict:
+    """Poll until every job has finished, or the first unfinished one can never start."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = chain_status(chain)
+        waiting = [job for job in status["jobs"] if job["state"] not in FINISHED]
+        if not waiting or "DependencyNeverSatisfied" in waiting[0]["reason"]:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"chain {chain} not finished after {timeout} s: {status}")
+        time.sleep(1)
+
+
+def write_sub(path: Path, body: str, directives: str = "#SBATCH --time=00:05:00") -> Path:
+    """A hand-written NeMo-style .sub: #SBATCH lines, SEED=$1 required, then ``body``."""
+    path.write_text(
+        "#!/bin/bash\n"
+        + directives.strip()
+        + "\n"
+        + 'SEED=${1:?"usage: $0 SEED [args]: the job seed is required"}\n'
+        + textwrap.dedent(body).lstrip()
+    )
+    return path
+
+
+def queue_ids() -> list[str]:
+    completed = subprocess.run(
+        ["squeue", "--noheader", "--format=%i"], capture_output=True, text=True, timeout=30
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout.split()
+
+
+def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
+    """Wait until none of ``job_ids`` is still in the queue (cancelled jobs linger briefly)."""
+    deadline = time.monotonic() + timeout
+    while set(queue_ids()) & set(job_ids):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"jobs still queued after {timeout} s: {set(queue_ids()) & set(job_ids)}"
+            )
+        time.sleep(0.5)

@@ -1,0 +1,358 @@
+"""The submitit backend: chains of callables and scripts, locally and on the loopback cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from orchestrator.backends.base import FINISHED_STATES, JobRequest, JobStatus
+from orchestrator.backends.submitit_backend import SubmititBackend
+from orchestrator.errors import SchedulerError, UsageError
+from tests.helpers import write_sub
+
+# The jobs unpickle the callables below; by value, they need not import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CHAIN_ID = "submitit-test-chain"
+CONTRACT = ("ORCH_CHAIN_ID", "ORCH_JOB_INDEX", "ORCH_NUM_JOBS", "ORCH_SEED", "ORCH_RUN_DIR")
+
+
+def record_job(seed: int, out: str, fail: bool = False, sleep_s: float = 0.0) -> int:
+    """The test payload: one JSON line with what the job saw, then fail if asked."""
+    start = time.time()
+    time.sleep(sleep_s)
+    seen = {name: os.environ.get(name) for name in CONTRACT}
+    line = {"seed": seed, "start": start, "end": time.time(), "cwd": os.getcwd(), "env": seen}
+    with open(out, "a") as stream:
+        stream.write(json.dumps(line) + "\n")
+    if fail:
+        raise RuntimeError(f"job with seed {seed} fails on purpose")
+    return seed
+
+
+def seed_of(index: int) -> int:
+    return 7919 * (index + 1)
+
+
+def job_request(
+    run_dir: Path,
+    index: int,
+    num_jobs: int,
+    after: str | None,
+    kind: str,
+    function_args: tuple[Any, ...] = (),
+    script: Path | None = None,
+    script_args: tuple[str, ...] = (),
+) -> JobRequest:
+    return JobRequest(
+        script=script,
+        script_args=script_args,
+        job_name="orch-submitit-test",
+        log_pattern=run_dir / "unused-%j.out",
+        env={
+            "ORCH_CHAIN_ID": CHAIN_ID,
+            "ORCH_JOB_INDEX": str(index),
+            "ORCH_NUM_JOBS": str(num_jobs),
+            "ORCH_SEED": str(seed_of(index)),
+            "ORCH_RUN_DIR": str(run_dir),
+        },
+        dependency_kind=kind,
+        after=after,
+        workdir=run_dir,
+        seed=seed_of(index),
+        function=None if script is not None else record_job,
+        function_args=function_args,
+    )
+
+
+def submit_chain(backend: SubmititBackend, requests: list[JobRequest]) -> list[str]:
+    """Submit in order, each request waiting on the job before it (as the chain does)."""
+    ids: list[str] = []
+    for request in requests:
+        after = ids[-1] if ids else None
+        ids.append(backend.submit(dataclasses.replace(request, after=after)))
+    return ids
+
+
+def wait_finished(backend: SubmititBackend, ids: list[str], timeout_s: float) -> list[JobStatus]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = backend.statuses(ids)
+        if all(statuses[job_id].state in FINISHED_STATES for job_id in ids):
+            return [statuses[job_id] for job_id in ids]
+        assert time.monotonic() < deadline, f"jobs not finished after {timeout_s} s: {statuses}"
+        time.sleep(0.5)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_ran_in_order(lines: list[dict], indices: list[int], num_jobs: int, run_dir: Path):
+    assert [int(line["env"]["ORCH_JOB_INDEX"]) for line in lines] == indices
+    assert [line["seed"] for line in lines] == [seed_of(index) for index in indices]
+    for line, index in zip(lines, indices, strict=True):
+        assert line["env"] == {
+            "ORCH_CHAIN_ID": CHAIN_ID,
+            "ORCH_JOB_INDEX": str(index),
+            "ORCH_NUM_JOBS": str(num_jobs),
+            "ORCH_SEED": str(seed_of(index)),
+            "ORCH_RUN_DIR": str(run_dir),
+        }
+    for earlier, later in itertools.pairwise(lines):
+        assert later["start"] >= earlier["end"], "jobs overlapped"
+
+
+@pytest.fixture
+def local_backend(tmp_path: Path) -> SubmititBackend:
+    return SubmititBackend(
+        tmp_path / "submitit", cluster="local", executor_params={"timeout_min": 2}
+    )
+
+
+# local cluster
+
+
+def test_local_chain_of_a_callable_runs_in_order_with_seeds_and_env(local_backend, tmp_path):
+    out = tmp_path / "jobs.jsonl"
+    requests = [
+        job_request(tmp_path, index, 3, None, "afterany", (str(out),)) for index in range(3)
+    ]
+    ids = submit_chain(local_backend, requests)
+    assert len(set(ids)) == 3
+    statuses = wait_finished(local_backend, ids, timeout_s=60)
+    assert [status.state for status in statuses] == ["COMPLETED"] * 3
+    assert [local_backend.result(job_id) for job_id in ids] == [seed_of(i) for i in range(3)]
+    lines = read_jsonl(out)
+    assert_ran_in_order(lines, [0, 1, 2], 3, tmp_path)
+    assert {line["cwd"] for line in lines} == {str(tmp_path)}
+
+
+def test_local_afterok_after_a_failed_job_runs_nothing_more(local_backend, tmp_path):
+    out = tmp_path / "jobs.jsonl"
+    requests = [job_request(tmp_path, 0, 3, None, "afterok", (str(out), True))] + [
+        job_request(tmp_path, index, 3, None, "afterok", (str(out),)) for index in (1, 2)
+    ]
+    ids = submit_chain(local_backend, requests)
+    statuses = wait_finished(local_backend, ids, timeout_s=60)
+    assert [status.state for status in statuses] == ["FAILED", "CANCELLED", "CANCELLED"]
+    assert "fails on purpose" in statuses[0].reason
+    with pytest.raises(SchedulerError, match="fails on purpose"):
+        local_backend.result(ids[0])
+    assert [status.reason for status in statuses[1:]] == ["DependencyNeverSatisfied"] * 2
+    assert_ran_in_order(read_jsonl(out), [0], 3, tmp_path)
+
+
+def test_local_afterany_continues_after_a_failed_job(local_backend, tmp_path):
+    out = tmp_path / "jobs.jsonl"
+    requests = [
+        job_request(tmp_path, 0, 2, None, "afterany", (str(out), True)),
+        job_request(tmp_path, 1, 2, None, "afterany", (str(out),)),
+    ]
+    ids = submit_chain(local_backend, requests)
+    statuses = wait_finished(local_backend, ids, timeout_s=60)
+    assert [status.state for status in statuses] == ["FAILED", "COMPLETED"]
+    assert_ran_in_order(read_jsonl(out), [0, 1], 2, tmp_path)
+
+
+SIGNAL_BODY = """
+trap 'echo "signalled $SEED $ORCH_JOB_INDEX $2" >> "$ORCH_RUN_DIR/script.log"; exit 0' USR1
+sleep 30 &
+wait
+echo "not signalled" >> "$ORCH_RUN_DIR/script.log"
+exit 1
+"""
+
+
+def test_local_script_gets_its_seed_args_env_and_signal(local_backend, tmp_path):
+    # --time=1 with the signal 58 s before the end: the script hears USR1 about 2 s in.
+    script = write_sub(tmp_path / "signal.sub", SIGNAL_BODY, "#SBATCH --time=1 --signal=B:USR1@58")
+    request = job_request(tmp_path, 0, 1, None, "afterany", script=script, script_args=("x y",))
+    job_id = local_backend.submit(request)
+    [status] = wait_finished(local_backend, [job_id], timeout_s=30)
+    assert status.state == "COMPLETED"
+    assert (tmp_path / "script.log").read_text() == f"signalled {seed_of(0)} 0 x y\n"
+
+
+CANCEL_BODY = """
+sleep 60 &
+echo $! > "$ORCH_RUN_DIR/child.pid"
+wait
+"""
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+def test_local_cancel_ends_the_job_and_everything_its_script_started(local_backend, tmp_path):
+    script = write_sub(tmp_path / "sleep.sub", CANCEL_BODY)
+    job_id = local_backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=script))
+    child = tmp_path / "child.pid"
+    deadline = time.monotonic() + 20
+    while not child.exists() or not child.read_text().strip():
+        assert time.monotonic() < deadline, "the script never started"
+        time.sleep(0.2)
+    assert local_backend.statuses([job_id])[job_id].state == "RUNNING"
+    local_backend.cancel([job_id])
+    [status] = wait_finished(local_backend, [job_id], timeout_s=20)
+    assert status.state == "CANCELLED"
+    sleeper = int(child.read_text())
+    deadline = time.monotonic() + 5
+    while not process_gone(sleeper):
+        assert time.monotonic() < deadline, "the script's child outlived the cancelled job"
+        time.sleep(0.2)
+
+
+def test_command_line_describes_the_submission(tmp_path):
+    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm")
+    callable_request = job_request(tmp_path, 1, 2, None, "afterok", (str(tmp_path / "o"),))
+    assert backend.command_line(callable_request, "41") == [
+        "submitit",
+        "slurm",
+        "--job-name=orch-submitit-test",
+        "--dependency=afterok:41",
+        f"python:{__name__}.record_job",
+        str(seed_of(1)),
+        repr(str(tmp_path / "o")),
+    ]
+    script = write_sub(tmp_path / "a.sub", "true\n")
+    script_request = job_request(
+        tmp_path, 0, 2, None, "singleton", script=script, script_args=("a",)
+    )
+    assert backend.command_line(script_request, None)[2:] == [
+        "--job-name=orch-submitit-test",
+        "--dependency=singleton",
+        "bash",
+        str(script),
+        str(seed_of(0)),
+        "a",
+    ]
+    assert backend.test_only(script_request) is None
+
+
+def test_bad_requests_are_refused_before_anything_runs(local_backend, tmp_path):
+    request = job_request(tmp_path, 0, 1, None, "afterany", (str(tmp_path / "o"),))
+    with pytest.raises(UsageError, match="afternotok"):
+        local_backend.submit(dataclasses.replace(request, dependency_kind="afternotok"))
+    with pytest.raises(UsageError, match="either a script or a Python callable"):
+        local_backend.submit(dataclasses.replace(request, function=None))
+    array = write_sub(tmp_path / "array.sub", "true\n", "#SBATCH --array=0-3")
+    slurm_backend = SubmititBackend(tmp_path / "submitit", cluster="slurm")
+    with pytest.raises(UsageError, match="job array"):
+        slurm_backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=array))
+    with pytest.raises(UsageError, match="cluster 'pbs'"):
+        SubmititBackend(tmp_path, cluster="pbs")
+    assert not (tmp_path / "o").exists()
+
+
+# slurm cluster (the loopback cluster of tests/conftest.py)
+
+
+def scontrol_fields(job_id: str) -> dict[str, str]:
+    completed = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
+    )
+    assert completed.returncode == 0, completed.stderr
+    return dict(word.split("=", 1) for word in completed.stdout.split() if "=" in word)
+
+
+SCRIPT_BODY = """
+printf '{"seed": %s, "index": %s, "arg": "%s", "nodes": "%s", "job": "%s", "start": %s}\\n' \\
+    "$SEED" "$ORCH_JOB_INDEX" "$2" "$SLURM_JOB_NUM_NODES" "$SLURM_JOB_ID" "$(date +%s.%N)" \\
+    >> "$ORCH_RUN_DIR/script.jsonl"
+srun bash -c 'echo "$SLURM_NODEID"' >> "$ORCH_RUN_DIR/nodes.$ORCH_JOB_INDEX"
+"""
+SCRIPT_DIRECTIVES = """
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --time=00:02:00
+#SBATCH --signal=B:USR1@30
+#SBATCH --job-name=ignored-for-the-chain-name
+"""
+
+
+@pytest.mark.slurm
+def test_slurm_chains_of_a_callable_and_of_a_script(slurm_cluster, tmp_path):
+    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm", executor_params={"time": 2})
+    callable_dir = tmp_path / "callable"
+    script_dir = tmp_path / "script"
+    callable_dir.mkdir()
+    script_dir.mkdir()
+    out = callable_dir / "jobs.jsonl"
+    callable_ids = submit_chain(
+        backend,
+        [
+            job_request(callable_dir, 0, 2, None, "afterany", (str(out), False, 2.0)),
+            job_request(callable_dir, 1, 2, None, "afterany", (str(out),)),
+        ],
+    )
+    # SLURM's own view of the dependency, while the first job is still busy.
+    assert scontrol_fields(callable_ids[1])["Dependency"].startswith(f"afterany:{callable_ids[0]}")
+
+    script = write_sub(script_dir / "two_nodes.sub", SCRIPT_BODY, SCRIPT_DIRECTIVES)
+    script_ids = submit_chain(
+        backend,
+        [
+            job_request(script_dir, index, 2, None, "afterok", script=script, script_args=("a b",))
+            for index in range(2)
+        ],
+    )
+    fields = scontrol_fields(script_ids[1])
+    assert fields["Dependency"].startswith(f"afterok:{script_ids[0]}")
+    assert fields["NumNodes"] in ("2", "2-2") and fields["TimeLimit"] == "00:02:00"
+    assert fields["JobName"] == "orch-submitit-test"
+    submission = (tmp_path / "submitit" / f"{script_ids[0]}_submission.sh").read_text()
+    assert "#SBATCH --signal=B:USR1@30" in submission
+
+    statuses = wait_finished(backend, callable_ids + script_ids, timeout_s=75)
+    assert [status.state for status in statuses] == ["COMPLETED"] * 4
+
+    lines = read_jsonl(out)
+    assert_ran_in_order(lines, [0, 1], 2, callable_dir)
+    assert {line["cwd"] for line in lines} == {str(callable_dir)}
+
+    runs = read_jsonl(script_dir / "script.jsonl")
+    assert [(run["index"], run["seed"], run["arg"]) for run in runs] == [
+        (0, seed_of(0), "a b"),
+        (1, seed_of(1), "a b"),
+    ]
+    assert [run["job"] for run in runs] == script_ids
+    assert {run["nodes"] for run in runs} == {"2"}
+    for index in range(2):
+        assert sorted((script_dir / f"nodes.{index}").read_text().split()) == ["0", "1"]
+
+
+SLURM_SIGNAL_BODY = """
+trap 'echo "batch shell got USR1, seed $SEED" >> "$ORCH_RUN_DIR/signal.log"; exit 0' USR1
+sleep 90 &
+wait
+"""
+
+
+@pytest.mark.slurm
+def test_slurm_script_hears_its_batch_signal(slurm_cluster, tmp_path):
+    # B: signals go to the batch shell only; the python running the script replaces that shell
+    # and forwards the signal. SLURM checks limits every ~30 s, so it arrives within that.
+    script = write_sub(
+        tmp_path / "signal.sub", SLURM_SIGNAL_BODY, "#SBATCH --time=1 --signal=B:USR1@59"
+    )
+    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm")
+    job_id = backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=script))
+    [status] = wait_finished(backend, [job_id], timeout_s=70)
+    assert status.state == "COMPLETED"
+    assert (tmp_path / "signal.log").read_text() == f"batch shell got USR1, seed {seed_of(0)}\n"
