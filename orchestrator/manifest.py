@@ -23,7 +23,12 @@ def orch_home() -> Path:
     return Path(os.environ.get("ORCH_HOME") or Path.home() / ".orchestrator")
 
 
-def atomic_write_json(path: Path, payload: Any) -> None:
+def atomic_write_json(path: Path, payload: Any, durable: bool = True) -> None:
+    """Write via a temp file and rename: readers see the old or the new file, never a torn one.
+
+    ``durable`` also fsyncs, so the file survives a crash of the machine; progress updates that a
+    final durable write will follow can skip that cost.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -31,7 +36,8 @@ def atomic_write_json(path: Path, payload: Any) -> None:
             json.dump(payload, handle, indent=2, sort_keys=True)
             handle.write("\n")
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -73,8 +79,8 @@ class Manifest:
     def path(self) -> Path:
         return Path(self.run_dir) / MANIFEST_NAME
 
-    def save(self) -> None:
-        atomic_write_json(self.path, asdict(self))
+    def save(self, durable: bool = True) -> None:
+        atomic_write_json(self.path, asdict(self), durable=durable)
 
     @classmethod
     def load(cls, path: Path) -> Manifest:

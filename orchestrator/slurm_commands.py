@@ -31,17 +31,30 @@ SUBMIT_TRANSIENT_MARKERS = (
 RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 
 
-def slurm_available() -> bool:
-    """True when sbatch exists and the controller answers."""
+PARTITION_FORMAT = "%P|%a|%D|%c|%G|%l"
+
+
+def probe_partitions() -> str | None:
+    """sinfo's partition table (PARTITION_FORMAT), or None when no SLURM controller answers.
+
+    One call answers both "is there a SLURM?" and "what can it run?" for the preflight.
+    """
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return False
+        return None
     try:
         completed = subprocess.run(
-            ["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=10
+            ["sinfo", "--noheader", f"--format={PARTITION_FORMAT}"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return completed.returncode == 0
+        return None
+    return completed.stdout if completed.returncode == 0 else None
+
+
+def slurm_available() -> bool:
+    return probe_partitions() is not None
 
 
 def is_transient(message: str, markers: Sequence[str] = TRANSIENT_MARKERS) -> bool:
