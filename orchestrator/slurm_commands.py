@@ -74,7 +74,8 @@ def run_slurm(
     attempts = [0.0, *delays] if retry else [0.0]
     message = ""
     for delay in attempts:
-        time.sleep(delay)
+        if delay:
+            time.sleep(delay)
         try:
             completed = subprocess.run(
                 list(argv), capture_output=True, text=True, timeout=timeout_s, env=env
