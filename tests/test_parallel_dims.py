@@ -1,0 +1,86 @@
+"""ParallelDims: the layout arithmetic, checked without any process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from train.models.presets import get_preset
+from train.parallel_dims import ParallelDims
+
+TINY = get_preset("tiny")  # 4 heads, 2 KV heads, no experts
+TINY_MOE = get_preset("tiny_moe")  # 4 experts
+
+
+def test_dp_shard_takes_the_rest_of_the_world():
+    dims = ParallelDims(world_size=8, dp_replicate=2, tp=2)
+    dims.validate(TINY)
+    assert (dims.dp_shard, dims.dp, dims.efsdp) == (2, 4, 4)
+    assert dims.fsdp_dims == ("dp_replicate", "dp_shard")
+    assert ParallelDims(world_size=4, tp=2).fsdp_dims == ("dp_shard",)
+
+
+@pytest.mark.parametrize(
+    ("dims", "model", "message"),
+    [
+        (ParallelDims(world_size=4, dp_shard=0), TINY, "dp_shard=0 must be a positive integer"),
+        (ParallelDims(world_size=4, tp=0), TINY, "tp=0 must be a positive integer"),
+        (ParallelDims(world_size=4, cp=2), TINY, "context parallelism (cp=2) is not supported"),
+        (ParallelDims(world_size=4, pp=2), TINY, "pipeline parallelism (pp=2) is not supported"),
+        (ParallelDims(world_size=4, dp_shard=2), TINY, "= 2 but the world has 4 ranks"),
+        (ParallelDims(world_size=6, dp_replicate=4), TINY, "dp_shard=-1 cannot fill a world of 6"),
+        (ParallelDims(world_size=8, tp=8), TINY, "tp=8 must divide the 4 attention heads"),
+        (ParallelDims(world_size=4, tp=4), TINY, "tp=4 must divide the 2 KV heads"),
+        (ParallelDims(world_size=2, ep=2), TINY, "ep=2 needs an MoE model"),
+        (ParallelDims(world_size=8, ep=8), TINY_MOE, "ep=8 must divide the 4 experts"),
+        (
+            ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=4),
+            TINY_MOE,
+            "ep=4 must divide dp_shard*tp = 2",
+        ),
+    ],
+)
+def test_each_violation_names_itself(dims, model, message):
+    with pytest.raises(ValueError) as err:
+        dims.validate(model)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_strategy_is_checked_against_the_layout():
+    ParallelDims(world_size=4, dp_replicate=4, dp_shard=1).validate(TINY, "ddp")
+    with pytest.raises(ValueError, match="strategy ddp replicates whole models"):
+        ParallelDims(world_size=4).validate(TINY, "ddp")
+    with pytest.raises(ValueError, match="unknown data-parallel strategy 'zero3'"):
+        ParallelDims(world_size=4).validate(TINY, "zero3")
+
+
+def test_coordinates_put_tp_innermost():
+    dims = ParallelDims(world_size=8, dp_replicate=2, dp_shard=2, tp=2)
+    coords = [dims.coordinates(rank) for rank in range(8)]
+    assert [(c.dp_replicate, c.dp_shard, c.tp) for c in coords] == [
+        (r, s, t) for r in range(2) for s in range(2) for t in range(2)
+    ]
+    # TP peers share a data-parallel slot; every slot appears exactly tp times.
+    assert [c.dp_rank for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert {c.dp_size for c in coords} == {4}
+
+
+def test_expert_parallel_coordinates_span_dp_shard_and_tp():
+    dims = ParallelDims(world_size=8, dp_replicate=2, dp_shard=2, tp=2, ep=4)
+    dims.validate(TINY_MOE)
+    assert dims.efsdp == 1
+    coords = [dims.coordinates(rank) for rank in range(8)]
+    assert [c.ep for c in coords] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [c.efsdp for c in coords] == [0] * 8
+    dims = ParallelDims(world_size=4, dp_shard=4, ep=2)
+    assert [(dims.coordinates(r).efsdp, dims.coordinates(r).ep) for r in range(4)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+
+
+def test_rank_outside_the_world_is_rejected():
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4 ranks"):
+        ParallelDims(world_size=4).coordinates(4)

@@ -1,0 +1,1 @@
+"""The shared training entrypoint: config, mesh, model, parallelize, data, checkpoint, metrics."""

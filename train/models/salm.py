@@ -1,0 +1,319 @@
+"""A small speech LLM in the spirit of NeMo's SALM, readable in one file.
+
+fbank features (B, T, 80) -> audio encoder (conv subsampling x4 + transformer blocks) -> projector
+-> decoder-only LLM (RMSNorm, RoPE, SwiGLU or MoE, GQA). Each example becomes one sequence: its
+audio embeddings, then its transcript tokens, then right padding. The loss is next-token
+prediction on the transcript only. Every output on a real position ignores padding, so a batch
+split across ranks computes exactly what the whole batch computes in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.models.moe import MoE
+
+PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
+VOCAB_SIZE = 259
+IGNORE_INDEX = -100
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus pad, bos and eos."""
+
+    pad_id, bos_id, eos_id, vocab_size = PAD_ID, BOS_ID, EOS_ID, VOCAB_SIZE
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS_ID, *text.encode("utf-8"), EOS_ID]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded token ids (B, L) and their lengths (B,)."""
+        encoded = [self.encode(t) for t in texts]
+        lens = torch.tensor([len(e) for e in encoded])
+        tokens = torch.full((len(encoded), int(lens.max())), PAD_ID, dtype=torch.long)
+        for i, e in enumerate(encoded):
+            tokens[i, : len(e)] = torch.tensor(e)
+        return tokens, lens
+
+
+@dataclass(frozen=True)
+class SALMConfig:
+    n_mels: int = 80
+    enc_dim: int = 64
+    enc_layers: int = 2
+    enc_heads: int = 4
+    enc_ffn_hidden: int = 128
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 128
+    n_experts: int = 0
+    top_k: int = 2
+    moe_hidden: int = 64
+    aux_loss_coef: float = 0.01
+    vocab_size: int = VOCAB_SIZE
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads or self.enc_dim % self.enc_heads:
+            raise ValueError("d_model and enc_dim must be multiples of their head counts")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        if self.n_experts and (self.d_model % 8 or self.moe_hidden % 8):
+            # torch._grouped_mm needs 16-byte aligned rows, in bf16 as in fp32.
+            raise ValueError("an MoE model needs d_model and moe_hidden to be multiples of 8")
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
+    """cos and sin (seq_len, head_dim/2) for rotary embeddings, always in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of ``x`` (B, T, heads, head_dim)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; heads are inferred from shapes, so TP-sharded heads just work."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, causal: bool) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.causal = causal
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, cos, sin, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """``key_mask`` (B, T) marks keys that may be attended (encoder only)."""
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        attn_mask = None if key_mask is None else key_mask[:, None, None, :]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            is_causal=self.causal,
+            enable_gqa=True,
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the FFN is dense or MoE. Returns (x, MoE aux loss)."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        causal: bool,
+        norm_eps: float,
+        ffn_hidden: int,
+        moe: MoE | None = None,
+    ) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attn = Attention(dim, n_heads, n_kv_heads, causal)
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.moe = moe
+        self.ffn = None if moe else FeedForward(dim, ffn_hidden)
+
+    def forward(self, x, cos, sin, key_mask, token_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_mask)
+        if self.moe is None:
+            return x + self.ffn(self.ffn_norm(x)), x.new_zeros((), dtype=torch.float32)
+        out, aux = self.moe(self.ffn_norm(x), token_mask)
+        return x + out, aux
+
+
+def subsampled_lens(lens: torch.Tensor | int) -> torch.Tensor | int:
+    """Frames left after one stride-2 conv with kernel 3 and padding 1."""
+    return (lens - 1) // 2 + 1
+
+
+def length_mask(lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]
+
+
+class AudioEncoder(nn.Module):
+    """Conv2d subsampling x4 over (time, mel), then bidirectional transformer blocks."""
+
+    def __init__(self, cfg: SALMConfig) -> None:
+        super().__init__()
+        channels = cfg.enc_dim
+        self.conv1 = nn.Conv2d(1, channels, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        freq = subsampled_lens(subsampled_lens(cfg.n_mels))
+        self.conv_out = nn.Linear(channels * freq, cfg.enc_dim)
+        self.layers = nn.ModuleList(
+            Block(
+                cfg.enc_dim, cfg.enc_heads, cfg.enc_heads, False, cfg.norm_eps, cfg.enc_ffn_hidden
+            )
+            for _ in range(cfg.enc_layers)
+        )
+        self.norm = nn.RMSNorm(cfg.enc_dim, eps=cfg.norm_eps)
+        self.rope_theta = cfg.rope_theta
+        self.head_dim = cfg.enc_dim // cfg.enc_heads
+
+    def forward(self, features, feature_lens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, n_mels) -> (B, ceil(T/4), enc_dim) and lengths; padded frames are zeroed
+        after each conv so a frame near the end never sees how much padding follows it."""
+        x = features * length_mask(feature_lens, features.shape[1])[..., None]
+        x = x.unsqueeze(1)
+        lens = feature_lens
+        for conv in (self.conv1, self.conv2):
+            x = F.relu(conv(x))
+            lens = subsampled_lens(lens)
+            x = x * length_mask(lens, x.shape[2])[:, None, :, None]
+        B, C, T, Fr = x.shape
+        x = self.conv_out(x.permute(0, 2, 1, 3).reshape(B, T, C * Fr))
+        mask = length_mask(lens, T)
+        cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device)
+        for layer in self.layers:
+            x, _ = layer(x, cos, sin, mask, None)
+        return self.norm(x), lens
+
+
+class Decoder(nn.Module):
+    """The LLM: embeddings, causal blocks, final norm and output head.
+
+    `forward` takes already-embedded inputs (audio then text) and returns logits and the MoE aux
+    loss averaged over layers.
+    """
+
+    def __init__(self, cfg: SALMConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(
+            Block(
+                cfg.d_model,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                True,
+                cfg.norm_eps,
+                cfg.ffn_hidden,
+                MoE(cfg.d_model, cfg.moe_hidden, cfg.n_experts, cfg.top_k)
+                if cfg.n_experts
+                else None,
+            )
+            for _ in range(cfg.n_layers)
+        )
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope_theta = cfg.rope_theta
+        self.head_dim = cfg.d_model // cfg.n_heads
+
+    def forward(self, x, token_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (B, S, d) (under TP: this rank's sequence shard), ``token_mask`` (B, S)."""
+        cos, sin = rope_tables(token_mask.shape[1], self.head_dim, self.rope_theta, x.device)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, layer_aux = layer(x, cos, sin, None, token_mask)
+            aux = aux + layer_aux
+        return self.lm_head(self.norm(x)), aux / len(self.layers)
+
+
+@dataclass
+class SALMOutput:
+    """Sums rather than means, so the trainer can normalize by the global token count."""
+
+    nll_sum: torch.Tensor  # summed next-token loss over this rank's transcript targets
+    num_tokens: torch.Tensor  # how many targets that sum covers
+    aux_loss: torch.Tensor  # MoE balance loss, already weighted; mean over sequences
+
+
+def loss_for_backward(out: SALMOutput, global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """The local loss whose data-parallel gradient average is the gradient of the global-batch loss
+    (sum of token losses / all tokens + weighted aux loss), whatever the token count per rank."""
+    return out.nll_sum * dp_size / global_tokens + out.aux_loss
+
+
+class SALM(nn.Module):
+    """Audio encoder + projector + LLM; `forward` returns loss sums for one (local) batch."""
+
+    def __init__(self, cfg: SALMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = AudioEncoder(cfg)
+        self.projector = nn.Sequential(
+            nn.Linear(cfg.enc_dim, cfg.d_model), nn.GELU(), nn.Linear(cfg.d_model, cfg.d_model)
+        )
+        self.llm = Decoder(cfg)
+        self.seq_multiple = 8  # packed length is a multiple of this (parallelize adds tp)
+
+    def forward(self, features, feature_lens, tokens, token_lens) -> SALMOutput:
+        audio, audio_lens = self.encoder(features, feature_lens)
+        audio = self.projector(audio)
+        text = self.llm.embed(tokens)
+        x, token_mask, labels = self.pack(audio, audio_lens, text, tokens, token_lens)
+        logits, aux = self.llm(x, token_mask)
+        nll_sum = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        num_tokens = (labels != IGNORE_INDEX).sum()
+        return SALMOutput(nll_sum, num_tokens, self.cfg.aux_loss_coef * aux)
+
+    def pack(self, audio, audio_lens, text, tokens, token_lens):
+        """One sequence per example: its audio frames, its text, then padding.
+
+        Returns embeddings (B, S, d), the mask of real positions, and the labels (the next text
+        token at each text position but the last; IGNORE_INDEX elsewhere).
+        """
+        total = audio_lens + token_lens
+        S = math.ceil(int(total.max()) / self.seq_multiple) * self.seq_multiple
+        pos = torch.arange(S, device=audio.device)[None, :]
+        is_audio = pos < audio_lens[:, None]
+        text_pos = pos - audio_lens[:, None]
+        is_text = (text_pos >= 0) & (text_pos < token_lens[:, None])
+        d = audio.shape[-1]
+        audio_idx = pos.clamp(max=audio.shape[1] - 1).expand(len(total), S)
+        text_idx = text_pos.clamp(0, tokens.shape[1] - 1)
+        from_audio = audio.gather(1, audio_idx[..., None].expand(-1, -1, d))
+        from_text = text.gather(1, text_idx[..., None].expand(-1, -1, d))
+        x = torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
+        has_next = is_text & (text_pos + 1 < token_lens[:, None])
+        next_tokens = tokens.gather(1, (text_idx + 1).clamp(max=tokens.shape[1] - 1))
+        labels = torch.where(has_next, next_tokens, IGNORE_INDEX)
+        return x, is_audio | is_text, labels
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

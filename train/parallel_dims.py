@@ -1,0 +1,181 @@
+"""The parallel layout of one training job, as plain arithmetic (no process groups).
+
+`ParallelDims` is the single source of truth for how the world is split. Ranks are laid out
+row-major with tensor parallelism innermost, so TP peers sit on neighbouring ranks (one node):
+
+    dense view  (dp_replicate, dp_shard, tp)   attention, dense FFN, encoder, embeddings
+    sparse view (dp_replicate, efsdp, ep)      MoE experts; ep * efsdp == dp_shard * tp
+
+Expert parallelism is carved out of the dp_shard x tp ranks (as in torchtitan with etp=1): ep
+ranks hold different experts, and FSDP shards each expert over the remaining efsdp ranks.
+Data loading only needs `coordinates(rank)`, so it never has to build a mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+DENSE_DIMS = ("dp_replicate", "dp_shard", "tp")
+SPARSE_DIMS = ("dp_replicate", "efsdp", "ep")
+DP_VIEW = "dp"
+STRATEGIES = ("ddp", "fsdp2")
+
+
+class ModelShape(Protocol):
+    """The model facts the layout must agree with (satisfied by `SALMConfig`)."""
+
+    n_heads: int
+    n_kv_heads: int
+    n_experts: int
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """Where one global rank sits in the dense and sparse views, and its data-parallel slot."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    efsdp: int
+    ep: int
+    dp_rank: int
+    dp_size: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallelism; ``dp_shard=-1`` takes whatever the others leave."""
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        others = self.dp_replicate * self.tp * self.cp * self.pp
+        if self.dp_shard == -1 and others > 0 and self.world_size % others == 0:
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+
+    def validate(self, model: ModelShape, strategy: str = "fsdp2") -> None:
+        """Raise ValueError (one line) for the first way this layout cannot run ``model``."""
+        for name in ("world_size", "dp_replicate", "dp_shard", "tp", "ep", "cp", "pp"):
+            value = getattr(self, name)
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                raise ValueError(f"{name}={value} must be a positive integer")
+        if self.dp_shard == -1:
+            others = self.dp_replicate * self.tp * self.cp * self.pp
+            raise ValueError(
+                f"dp_shard=-1 cannot fill a world of {self.world_size} ranks: it is not a "
+                f"multiple of dp_replicate*tp*cp*pp = {others}"
+            )
+        if self.cp != 1:
+            raise ValueError(f"context parallelism (cp={self.cp}) is not supported yet: use cp=1")
+        if self.pp != 1:
+            raise ValueError(f"pipeline parallelism (pp={self.pp}) is not supported yet: use pp=1")
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate*dp_shard*tp = {self.dp_replicate}*{self.dp_shard}*{self.tp} = "
+                f"{product} but the world has {self.world_size} ranks: make the product match "
+                "(or set dp_shard=-1)"
+            )
+        if model.n_heads % self.tp:
+            raise ValueError(
+                f"tp={self.tp} must divide the {model.n_heads} attention heads: pick another tp"
+            )
+        if model.n_kv_heads % self.tp:
+            raise ValueError(
+                f"tp={self.tp} must divide the {model.n_kv_heads} KV heads: pick another tp"
+            )
+        if self.ep > 1 and model.n_experts == 0:
+            raise ValueError(f"ep={self.ep} needs an MoE model, but this model has no experts")
+        if model.n_experts % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide the {model.n_experts} experts: pick another ep"
+            )
+        if (self.dp_shard * self.tp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp_shard*tp = {self.dp_shard * self.tp}: "
+                "expert parallelism is carved out of those ranks"
+            )
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown data-parallel strategy {strategy!r}: use one of {STRATEGIES}"
+            )
+        if strategy == "ddp" and (self.dp_shard, self.tp, self.ep) != (1, 1, 1):
+            raise ValueError(
+                "strategy ddp replicates whole models: it needs dp_shard=1, tp=1, ep=1 "
+                "(use fsdp2 for sharded, TP or EP layouts)"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step consumes."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """How many ranks FSDP shards each expert over (dp_shard*tp split between ep and this)."""
+        return self.dp_shard * self.tp // self.ep
+
+    @property
+    def dense_shape(self) -> tuple[int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def sparse_shape(self) -> tuple[int, int, int]:
+        return (self.dp_replicate, self.efsdp, self.ep)
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """Dense-view dims FSDP spans: 2-D (HSDP) only when there is more than one replica."""
+        return ("dp_replicate", "dp_shard") if self.dp_replicate_enabled else ("dp_shard",)
+
+    @property
+    def expert_fsdp_dims(self) -> tuple[str, ...]:
+        """Sparse-view dims FSDP spans for the experts."""
+        return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
+
+    def coordinates(self, rank: int) -> RankCoordinates:
+        """Named coordinates of global ``rank`` (what the data loader and batch hashes need)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
+        replica, inner = divmod(rank, self.dp_shard * self.tp)
+        shard, tp = divmod(inner, self.tp)
+        efsdp, ep = divmod(inner, self.ep)
+        return RankCoordinates(
+            dp_replicate=replica,
+            dp_shard=shard,
+            tp=tp,
+            efsdp=efsdp,
+            ep=ep,
+            dp_rank=replica * self.dp_shard + shard,
+            dp_size=self.dp,
+        )
+
+    def describe(self) -> str:
+        """One line for the logs."""
+        return (
+            f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+            f"tp={self.tp} ep={self.ep} (efsdp={self.efsdp}, dp={self.dp})"
+        )
