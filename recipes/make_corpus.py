@@ -1,0 +1,310 @@
+"""Make a small synthetic English speech corpus with espeak-ng, ready for lhotse training.
+
+    python recipes/make_corpus.py --out data/corpus --num 600 [--jobs 2] [--seed 0]
+
+Each utterance is a short sentence (numbers, words, small phrases) drawn deterministically
+from --seed, spoken by one of a few espeak-ng voices at a varied speed, resampled to 16 kHz
+with sox. Fbank features (80 bins) are computed once here, because computing them per step
+would cost more than the tiny models that train on them.
+
+Layout of --out (paths inside manifests are relative to it, so the corpus can be moved):
+    wavs/utt-NNNNN.wav        16 kHz mono audio
+    feats/                    float32 fbank features, one .npy per cut (lhotse NumpyFilesWriter;
+                              lilcom and h5py, which the compressed writers need, are not installed)
+    recordings.jsonl.gz, supervisions.jsonl.gz
+    cuts_train.jsonl.gz, cuts_dev.jsonl.gz
+    shar/train/               Lhotse Shar shards (cuts, recording, features) for streaming
+    COMPLETE.json             written last; its presence is the only sign of a finished corpus
+
+The corpus is built in a temporary sibling directory and renamed into place, so an
+interrupted run never leaves output that looks complete; a rerun over a complete corpus
+made with the same settings does nothing.
+"""
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lhotse import (
+    CutSet,
+    Fbank,
+    FbankConfig,
+    MonoCut,
+    NumpyFilesWriter,
+    Recording,
+    RecordingSet,
+    SupervisionSegment,
+    SupervisionSet,
+)
+from lhotse.utils import fastcopy
+
+from orchestrator.errors import UsageError
+
+SAMPLE_RATE = 16000
+NUM_MEL_BINS = 80
+MARKER = "COMPLETE.json"
+CHUNK_SIZE = 25  # utterances per pool task; progress is reported per finished chunk
+DEV_EVERY = 8  # every 8th utterance goes to the dev split
+VOICES = ("en-us", "en", "en+f3", "en+m3", "en-gb-x-rp", "en-us+f2")
+SPEEDS = (130, 190)
+REQUIRED_TOOLS = ("espeak-ng", "sox")
+
+
+def words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+ONES = words(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen"
+)
+TENS = words("_ _ twenty thirty forty fifty sixty seventy eighty ninety")
+ADJECTIVES = words("red green blue small large quiet bright cold warm quick slow happy old new")
+NOUNS = words("cat boat tree lamp bird cup house river train window garden letter road stone")
+VERBS = words("runs sleeps waits sings falls turns shines moves stops grows")
+PLACES = ("the station", "the market", "the park", "the bridge", "the corner", "the school")
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """What one utterance says and how it is spoken."""
+
+    utt_id: str
+    text: str
+    voice: str
+    speed: int
+
+
+def number_words(n: int) -> str:
+    """Spell 0..999 in English words."""
+    if n < 20:
+        return ONES[n]
+    if n < 100:
+        tens, ones = divmod(n, 10)
+        return TENS[tens] + ("" if ones == 0 else f" {ONES[ones]}")
+    hundreds, rest = divmod(n, 100)
+    head = f"{ONES[hundreds]} hundred"
+    return head if rest == 0 else f"{head} and {number_words(rest)}"
+
+
+def make_text(rng: random.Random) -> str:
+    """One short sentence: a number, a digit string, a phrase or a few words."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return number_words(rng.randrange(1000))
+    if kind == 1:
+        return "call " + " ".join(ONES[rng.randrange(10)] for _ in range(4))
+    if kind == 2:
+        return f"the {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)} {rng.choice(VERBS)}"
+    if kind == 3:
+        count = number_words(rng.randrange(2, 100))
+        return f"{count} {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}s near {rng.choice(PLACES)}"
+    vocabulary = ADJECTIVES + NOUNS + VERBS
+    return " ".join(rng.choice(vocabulary) for _ in range(rng.randrange(2, 5)))
+
+
+def plan_utterances(num: int, seed: int) -> list[Utterance]:
+    """The whole corpus as a deterministic function of (num, seed)."""
+    rng = random.Random(seed)
+    return [
+        Utterance(
+            utt_id=f"utt-{i:05d}",
+            text=make_text(rng),
+            voice=rng.choice(VOICES),
+            speed=rng.randint(*SPEEDS),
+        )
+        for i in range(num)
+    ]
+
+
+def check_tools() -> None:
+    """Fail early, with the fix, when the speech tools are not installed."""
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise UsageError(
+            f"{' and '.join(missing)} not found on PATH: run make setup "
+            f"(installs espeak-ng and sox) and try again"
+        )
+
+
+def run_tool(cmd: list[str]) -> None:
+    """Run espeak-ng or sox; on failure, say which tool failed and what it printed."""
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {result.returncode}: {result.stderr.strip()}")
+
+
+def synthesize(utt: Utterance, wav_path: Path) -> None:
+    """Speak one utterance with espeak-ng (22.05 kHz) and resample it to 16 kHz mono with sox."""
+    raw = wav_path.with_suffix(".raw.wav")
+    run_tool(["espeak-ng", "-v", utt.voice, "-s", str(utt.speed), "-w", str(raw), utt.text])
+    run_tool(["sox", str(raw), "-r", str(SAMPLE_RATE), "-c", "1", "-b", "16", str(wav_path)])
+    raw.unlink()
+
+
+def build_chunk(root: Path, utterances: list[Utterance]) -> list[dict]:
+    """Synthesize a chunk of utterances and store their fbank features; returns cut dicts.
+
+    Runs in a pool worker. The returned cuts point at their audio and features through
+    paths relative to ``root``.
+    """
+    torch.set_num_threads(1)
+    extractor = Fbank(FbankConfig(num_filters=NUM_MEL_BINS))
+    cuts = []
+    with NumpyFilesWriter(root / "feats") as writer:
+        for utt in utterances:
+            wav_rel = Path("wavs") / f"{utt.utt_id}.wav"
+            synthesize(utt, root / wav_rel)
+            recording = Recording.from_file(root / wav_rel, recording_id=utt.utt_id)
+            supervision = SupervisionSegment(
+                id=utt.utt_id,
+                recording_id=utt.utt_id,
+                start=0.0,
+                duration=recording.duration,
+                channel=0,
+                text=utt.text,
+                language="en",
+                speaker=utt.voice,
+            )
+            cut = MonoCut(
+                id=utt.utt_id,
+                start=0.0,
+                duration=recording.duration,
+                channel=0,
+                recording=recording,
+                supervisions=[supervision],
+            ).compute_and_store_features(extractor, writer)
+            source = fastcopy(recording.sources[0], source=str(wav_rel))
+            cut = fastcopy(
+                cut,
+                recording=fastcopy(recording, sources=[source]),
+                features=fastcopy(cut.features, storage_path="feats"),
+            )
+            cuts.append(cut.to_dict())
+    return cuts
+
+
+def build_corpus(root: Path, utterances: list[Utterance], jobs: int, shard_size: int) -> dict:
+    """Write the whole corpus into ``root`` (a fresh directory); returns the marker's content."""
+    start = time.monotonic()
+    (root / "wavs").mkdir()
+    chunks = [utterances[i : i + CHUNK_SIZE] for i in range(0, len(utterances), CHUNK_SIZE)]
+    cut_dicts: list[dict] = []
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(build_chunk, root, chunk) for chunk in chunks]
+        for future in as_completed(futures):
+            cut_dicts.extend(future.result())
+            elapsed = time.monotonic() - start
+            print(
+                f"make_corpus: {len(cut_dicts)}/{len(utterances)} utterances ({elapsed:.1f} s)",
+                flush=True,
+            )
+    cuts = CutSet.from_dicts(sorted(cut_dicts, key=lambda d: d["id"])).to_eager()
+    RecordingSet.from_recordings(c.recording for c in cuts).to_file(root / "recordings.jsonl.gz")
+    SupervisionSet.from_segments(s for c in cuts for s in c.supervisions).to_file(
+        root / "supervisions.jsonl.gz"
+    )
+    is_dev = {c.id: i % DEV_EVERY == DEV_EVERY - 1 for i, c in enumerate(cuts)}
+    train = cuts.filter(lambda c: not is_dev[c.id]).to_eager()
+    dev = cuts.filter(lambda c: is_dev[c.id]).to_eager()
+    train.to_file(root / "cuts_train.jsonl.gz")
+    dev.to_file(root / "cuts_dev.jsonl.gz")
+    print("make_corpus: writing Lhotse Shar shards", flush=True)
+    shar_dir = root / "shar" / "train"
+    shar_dir.mkdir(parents=True)
+    absolute = train.with_recording_path_prefix(root).with_features_path_prefix(root)
+    absolute.to_shar(
+        shar_dir,
+        fields={"recording": "wav", "features": "numpy"},
+        shard_size=shard_size,
+    )
+    return {
+        "num": len(cuts),
+        "train": len(train),
+        "dev": len(dev),
+        "hours": round(sum(c.duration for c in cuts) / 3600, 4),
+        "build_seconds": round(time.monotonic() - start, 1),
+    }
+
+
+def make_corpus(out: Path, num: int, seed: int, jobs: int, shard_size: int) -> dict:
+    """Build the corpus at ``out`` unless a complete one with these settings is already there."""
+    settings = {"num": num, "seed": seed, "shard_size": shard_size}
+    marker = out / MARKER
+    if marker.exists():
+        done = json.loads(marker.read_text())
+        if done["settings"] != settings:
+            raise UsageError(
+                f"{out} holds a corpus made with {done['settings']}, not {settings}: "
+                f"pass another --out or delete {out}"
+            )
+        print(f"make_corpus: {out} is complete already ({done['num']} utterances)", flush=True)
+        return done
+    if out.exists():
+        raise UsageError(
+            f"{out} exists but is not a complete corpus: delete it or pick another --out"
+        )
+    check_tools()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the corpus is meant to be shared
+    try:
+        built = build_corpus(tmp, plan_utterances(num, seed), jobs, shard_size)
+        summary = {"settings": settings, **built}
+        (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not marker.exists():
+            raise
+        print(f"make_corpus: another run completed {out} first; keeping it", flush=True)
+        return json.loads(marker.read_text())
+    print(
+        f"make_corpus: wrote {summary['num']} utterances ({summary['train']} train, "
+        f"{summary['dev']} dev, {summary['hours'] * 60:.1f} min) to {out} "
+        f"in {summary['build_seconds']} s",
+        flush=True,
+    )
+    return summary
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="corpus directory to create")
+    parser.add_argument("--num", type=int, default=600, help="number of utterances")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sentence plan")
+    parser.add_argument("--shard-size", type=int, default=64, help="cuts per Shar shard")
+    args = parser.parse_args(argv)
+    if args.num < DEV_EVERY:
+        parser.error(f"--num must be at least {DEV_EVERY} so that the dev split is not empty")
+    if args.jobs < 1 or args.shard_size < 1:
+        parser.error("--jobs and --shard-size must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        make_corpus(args.out.resolve(), args.num, args.seed, args.jobs, args.shard_size)
+    except UsageError as err:
+        print(f"make_corpus: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
