@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge espeak-ng sox
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system setup-slurm demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-system setup-slurm corpus demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed
 
@@ -38,7 +38,13 @@ setup-system:
 
 setup-slurm: setup-system
 
-demo: setup setup-system
+# The speech corpus the training recipes read (espeak-ng voices, 16 kHz, fbank stored once).
+CORPUS ?= data/corpus
+CORPUS_SIZE ?= 600
+corpus: setup setup-system
+	$(PY) recipes/make_corpus.py --out $(CORPUS) --num $(CORPUS_SIZE) --jobs 2
+
+demo: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh
 
 test: setup setup-system
@@ -47,8 +53,9 @@ test: setup setup-system
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
 
-bench: setup setup-system
+bench: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) bench/bench_chain_submit.py
+	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py --corpus $(CORPUS)
 
 cluster-up: setup setup-system
 	$(VENV)/bin/orchestrator cluster up

@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# `make demo`: a 3-job chain run end to end, first on the local backend, then on a private SLURM
-# cluster on loopback (2 nodes) started and stopped here. Every job prints its seed and rank
-# layout; the summary at the end reads the chain's manifest and the jobs' own records.
+# `make demo`: a 3-job chain of real training (tiny SALM, 2 ranks, FSDP2) that resumes across
+# jobs, first on the local backend, then on a private 2-node SLURM cluster on loopback started
+# and stopped here. Each job trains 10 steps, saves a DCP checkpoint and exits; the next job
+# resumes it with its own seed. A summary per chain ends each part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 stamp=$(date +%Y%m%d-%H%M%S)
 runs="$PWD/runs"
+overrides=(train.max_steps=30 train.max_steps_per_run=10 checkpoint.interval=5)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export WANDB_MODE=${WANDB_MODE:-offline}
+
+if [[ ! -f data/corpus/COMPLETE.json ]]; then
+  echo "error: no corpus in data/corpus; run \`make corpus\` (make demo does)" >&2
+  exit 2
+fi
 
 chain_id() { python -c 'import json, sys; print(json.loads(sys.stdin.read().splitlines()[-1])["chain_id"])'; }
 
@@ -17,31 +25,39 @@ import json, sys
 from pathlib import Path
 run_dir = Path(sys.argv[1])
 manifest = json.loads((run_dir / "manifest.json").read_text())
-records = [json.loads(line) for line in (run_dir / "smoke.jsonl").read_text().splitlines()]
-print(f"chain {manifest['chain_id']}: {len(manifest['jobs'])} jobs, run dir {run_dir}")
-for job, record in zip(manifest["jobs"], records):
-    seeds = ", ".join(str(seed) for seed in record["data_seeds"])
-    print(f"  job {job['index']} (id {job['job_id']}): seed {job['seed']}, world size "
-          f"{record['world_size']}, rank data seeds [{seeds}], steps {record['steps_done']}")
+metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+print(f"\nchain {manifest['chain_id']} ({manifest['backend']}): {len(manifest['jobs'])} jobs")
+for job in manifest["jobs"]:
+    rows = [m for m in metrics if str(m.get("job_index")) == str(job["index"])]
+    if rows:
+        print(f"  job {job['index']} (id {job['job_id']}, seed {job['seed']}): steps "
+              f"{rows[0]['step']}..{rows[-1]['step']}, loss at its end {rows[-1]['loss']:.4f}, "
+              f"{rows[-1]['tokens_per_s']:.0f} tokens/s")
+    else:
+        print(f"  job {job['index']} (id {job['job_id']}, seed {job['seed']}): no steps "
+              "(training had already finished)")
+checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+print(f"  checkpoints: {run_dir / 'checkpoints'} ({', '.join(checkpoints)})")
+print(f"  metrics:     {run_dir / 'metrics.jsonl'}; logs: {run_dir / 'logs'}")
 PY
 }
 
-echo "== 1/2: auto_launch -n3 recipes/smoke.sub on the local backend =="
+echo "== 1/2: auto_launch -n3 recipes/train_tiny_fsdp2.yaml on the local backend =="
 local_run="$runs/demo-local-$stamp"
-auto_launch -n3 --backend local --run-dir "$local_run" recipes/smoke.sub -- --steps 6 --sleep 0.2
-for log in "$local_run"/logs/*.out; do echo "--- $log"; cat "$log"; done
+auto_launch -n3 --backend local --run-dir "$local_run" recipes/train_tiny_fsdp2.yaml -- "${overrides[@]}"
+grep -h "\[train\]" "$local_run"/logs/*.out || true
 summarise "$local_run"
 
 echo
-echo "== 2/2: auto_launch -n3 recipes/smoke_2node.yaml on a loopback SLURM cluster =="
+echo "== 2/2: auto_launch -n3 recipes/train_tiny_2node.yaml on a 2-node loopback SLURM cluster =="
 cluster_dir="$runs/demo-cluster-$stamp"
-orchestrator cluster up --dir "$cluster_dir" --nodes 2
+orchestrator cluster up --dir "$cluster_dir" --nodes 2 --cpus-per-node 2
 trap 'orchestrator cluster down --dir "$cluster_dir"' EXIT
 eval "$(orchestrator cluster env --dir "$cluster_dir")"
 slurm_run="$runs/demo-slurm-$stamp"
-chain=$(auto_launch -n3 --json --run-dir "$slurm_run" recipes/smoke_2node.yaml | chain_id)
+chain=$(auto_launch -n3 --json --run-dir "$slurm_run" recipes/train_tiny_2node.yaml -- "${overrides[@]}" | chain_id)
 orchestrator status "$chain"
 echo "-- following the chain's logs until its last job ends"
-orchestrator logs "$chain" --follow
+orchestrator logs "$chain" --follow | grep -E "^\[(orch|train)\]|^==>|error" || true
 orchestrator status "$chain"
 summarise "$slurm_run"

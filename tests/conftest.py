@@ -81,7 +81,7 @@ def slurm_cluster(
     down_clusters_of_dead_sessions()
     os.environ[SESSION_ENV] = str(os.getpid())
     directory = tmp_path_factory.mktemp("slurm")
-    started = cluster_cli("up", "--nodes", "2", "--dir", str(directory))
+    started = cluster_cli("up", "--nodes", "2", "--cpus-per-node", "4", "--dir", str(directory))
     if started.returncode != 0:
         pytest.fail(
             f"the loopback SLURM cluster did not start (exit {started.returncode}):\n"

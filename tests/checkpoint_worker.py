@@ -1,0 +1,153 @@
+"""Saves and loads tiny-SALM checkpoints under a parallel layout, for tests/test_checkpoint.py.
+
+    torchrun --standalone --nproc-per-node=4 tests/checkpoint_worker.py save \
+        --dp-shard 2 --tp 2 --run-dir RUN --out saved.pt
+trains a few AdamW steps, saves, records the full parameters, each rank's next random draws and
+one more step from the in-memory state; then reloads the checkpoint into a fresh model at the
+same layout and records the same things from the loaded state.
+
+    torchrun ... tests/checkpoint_worker.py load --dp-shard 4 --run-dir RUN --out loaded.pt
+    python tests/checkpoint_worker.py load --run-dir RUN --out loaded.pt   (one plain process)
+load the newest checkpoint into a fresh model and record the same things. Rank 0 writes --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tests.dist_equivalence_worker import full_params, synthetic_batch
+from train.checkpoint import CheckpointManager
+from train.mesh import build_meshes
+from train.models.parallelize import ParallelizeOptions, parallelize
+from train.models.presets import get_preset
+from train.models.salm import SALM, loss_for_backward
+from train.parallel_dims import ParallelDims
+
+STEPS = 3
+TRAINER_STATE = {
+    "step": STEPS,
+    "tokens_seen": 1234567,
+    "wandb_run_id": "abc123xy",
+    "data": {"epoch": 1, "batch_in_epoch": 17, "data_seed": 2024},
+}
+
+
+class Run:
+    """A tiny SALM under one layout with its AdamW, warm-up schedule and slice of the batch."""
+
+    def __init__(self, args: argparse.Namespace, model_seed: int) -> None:
+        torch.manual_seed(model_seed)
+        self.model = SALM(get_preset("tiny"))
+        dp_rank, dp_size, self.dp_group = 0, 1, None
+        if dist.is_initialized():
+            dims = ParallelDims(dist.get_world_size(), dp_shard=args.dp_shard, tp=args.tp)
+            meshes = build_meshes(dims, "cpu")
+            parallelize(self.model, meshes, ParallelizeOptions())
+            coords = dims.coordinates(dist.get_rank())
+            dp_rank, dp_size, self.dp_group = coords.dp_rank, coords.dp_size, meshes.dp.get_group()
+        self.dp_size = dp_size
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / 10)
+        )
+        per_rank = len(synthetic_batch()[0]) // dp_size
+        self.batch = [t[dp_rank * per_rank : (dp_rank + 1) * per_rank] for t in synthetic_batch()]
+
+    def step(self) -> None:
+        out = self.model(*self.batch)
+        tokens = out.num_tokens.float()
+        if self.dp_group is not None:
+            dist.all_reduce(tokens, group=self.dp_group)
+        loss_for_backward(out, tokens, self.dp_size).backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+
+
+def rng_draws() -> list:
+    """Every rank's next draws from each global generator (a collective)."""
+    mine = [torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in "abc"]]
+    if not dist.is_initialized():
+        return [mine]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def seed_rngs(seed: int) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def load_and_step(args: argparse.Namespace, manager: CheckpointManager) -> dict:
+    """Load the newest checkpoint into a fresh run; record what it holds, then step once."""
+    run = Run(args, model_seed=7)
+    seed_rngs(5000)
+    started = time.perf_counter()
+    trainer_state = manager.load(manager.latest(), run.model, run.optimizer, run.scheduler)
+    load_s = time.perf_counter() - started
+    result = {
+        "trainer_state": trainer_state,
+        "load_s": load_s,
+        "params": full_params(run.model),
+        "lr": run.scheduler.get_last_lr(),
+        "draws": rng_draws(),
+    }
+    run.step()
+    result["params_after_step"] = full_params(run.model)
+    return result
+
+
+def save(args: argparse.Namespace, manager: CheckpointManager) -> dict:
+    run = Run(args, model_seed=1234)
+    for _ in range(STEPS):
+        run.step()
+    seed_rngs(1000)
+    started = time.perf_counter()
+    path = manager.save(STEPS, run.model, run.optimizer, run.scheduler, TRAINER_STATE)
+    save_s = time.perf_counter() - started
+    result = {
+        "path": str(path),
+        "save_s": save_s,
+        "params": full_params(run.model),
+        "lr": run.scheduler.get_last_lr(),
+        "draws": rng_draws(),
+    }
+    run.step()
+    result["params_after_step"] = full_params(run.model)
+    result["reloaded"] = load_and_step(args, manager)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("--dp-shard", type=int, default=-1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.use_deterministic_algorithms(True)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    manager = CheckpointManager(args.run_dir)
+    result = save(args, manager) if args.mode == "save" else load_and_step(args, manager)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(result, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

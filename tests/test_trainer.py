@@ -1,0 +1,238 @@
+"""The training entrypoint as jobs run it: real processes, real corpus, real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.helpers import REPO, launch_json, run_tool, wait_chain
+
+CORPUS_UTTERANCES = 64
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small real corpus (espeak-ng + lhotse), made once per session."""
+    out = tmp_path_factory.mktemp("train_corpus") / "corpus"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes/make_corpus.py"),
+            "--out",
+            str(out),
+            "--num",
+            str(CORPUS_UTTERANCES),
+            "--jobs",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out
+
+
+def train(
+    run_dir: Path,
+    corpus: Path,
+    *overrides: str,
+    nproc: int = 1,
+    config: str = "tiny_fsdp2",
+    env: dict | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    args = [
+        "-m",
+        "train",
+        "--config-name",
+        config,
+        f"run_dir={run_dir}",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        "optim.warmup_steps=2",
+        *overrides,
+    ]
+    if nproc > 1:
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *args,
+        ]
+    else:
+        argv = [sys.executable, *args]
+    completed = subprocess.run(
+        argv,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})},
+    )
+    if check:
+        causes = [line for line in completed.stderr.splitlines() if "Error" in line]
+        assert completed.returncode == 0, "\n".join(causes[:20]) or completed.stderr[-4000:]
+    return completed
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{run_dir.name}-{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step}", out)
+    state = torch.load(out, weights_only=False)
+    model = state.get("model", state)
+    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        (["parallel.dp_shard=2"], {}, "world has 1 ranks"),
+        (["parallel.tp=3"], {"WORLD_SIZE": "3"}, "heads"),
+        (
+            ["model.preset=tiny_moe", "parallel.ep=3", "parallel.dp_shard=3"],
+            {"WORLD_SIZE": "3"},
+            "experts",
+        ),
+        (["parallel.cp=2"], {"WORLD_SIZE": "2"}, "cp"),
+        (["strategy=zero3"], {}, "strategy"),
+        (["data.corpus=/nonexistent/corpus"], {}, "make_corpus"),
+        (["train.max_steps=0"], {}, "max_steps"),
+    ],
+)
+def test_bad_configs_stop_before_training(tmp_path, corpus, overrides, env, message):
+    completed = train(tmp_path / "run", corpus, *overrides, env=env, check=False)
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], completed.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_unknown_config_key_is_refused(tmp_path, corpus):
+    completed = train(tmp_path / "run", corpus, "optim.learning_rate=1", check=False)
+    assert completed.returncode != 0
+    assert "learning_rate" in completed.stderr
+
+
+@pytest.mark.slow
+def test_resume_is_exact(tmp_path, corpus):
+    """10 steps in one job == 5 + 5 over two jobs, same seed: losses and weights, bitwise."""
+    common = ("seed=7", "train.max_steps=10", "checkpoint.interval=100")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(whole, corpus, *common, nproc=2)
+    first = train(split, corpus, *common, "train.max_steps_per_run=5", nproc=2)
+    assert "stopping at step 5" in first.stderr
+    second = train(split, corpus, *common, nproc=2)
+    assert "resumed from" in second.stderr
+    third = train(split, corpus, *common, nproc=2)
+    assert "training already finished at step 10" in third.stderr
+
+    whole_losses = [(m["step"], m["loss"]) for m in metrics(whole)]
+    split_losses = [(m["step"], m["loss"]) for m in metrics(split)]
+    assert [step for step, _ in split_losses] == list(range(1, 11))
+    assert split_losses == whole_losses
+    a, b = final_weights(whole, 10, tmp_path), final_weights(split, 10, tmp_path)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def read_hashes(run_dir: Path) -> dict[int, list[dict]]:
+    by_rank = {}
+    for path in sorted((run_dir / "batch_hashes").glob("rank*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        by_rank[rows[0]["rank"]] = rows
+    return by_rank
+
+
+@pytest.mark.slow
+def test_seed_contract_from_batch_hashes(tmp_path, corpus):
+    """dp_shard 2 x tp 2: equal within TP groups, different across DP ranks and across seeds."""
+    runs = {}
+    for name, seed in (("a", 11), ("a_again", 11), ("b", 12)):
+        runs[name] = tmp_path / name
+        train(
+            runs[name],
+            corpus,
+            f"seed={seed}",
+            "train.max_steps=3",
+            "debug.batch_hashes=true",
+            nproc=4,
+            config="tiny_tp",
+        )
+    hashes = {name: read_hashes(run_dir) for name, run_dir in runs.items()}
+    a = hashes["a"]
+    assert sorted(a) == [0, 1, 2, 3]
+    for step in range(3):
+        by_dp: dict[int, set[str]] = {}
+        for rank in a:
+            row = a[rank][step]
+            assert row["step"] == step + 1
+            by_dp.setdefault(row["coords"]["dp_rank"], set()).add(row["hash"])
+        assert all(len(group) == 1 for group in by_dp.values()), "TP peers differ"
+        assert len(set.union(*by_dp.values())) == 2, "data-parallel ranks read the same batch"
+    digest = {
+        name: [[r["hash"] for r in h[rank]] for rank in sorted(h)] for name, h in hashes.items()
+    }
+    assert digest["a"] == digest["a_again"]
+    assert all(x != y for x, y in zip(digest["a"], digest["b"], strict=True))
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
+    """3 jobs of 2-node training: USR1 stops job 0 mid-run (as at its time limit), job 1 resumes
+    from the checkpoint it saved on the way out, job 2 finds training finished and exits 0."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n3",
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_2node.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "train.max_steps=16",
+        "checkpoint.interval=4",
+        "wandb.mode=offline",
+        cwd=REPO,
+    )
+    first_job = summary["jobs"][0]["job_id"]
+    deadline = time.monotonic() + 240
+    while not any(row["step"] >= 6 for row in metrics_or_empty(run_dir)):
+        assert time.monotonic() < deadline, "job 0 did not reach step 6"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", first_job], check=True)
+
+    final = wait_chain(summary["chain_id"], timeout=400)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, 17)), "a step was lost or repeated"
+    by_job = {index: [row["step"] for row in rows if row["job_index"] == index] for index in (0, 1)}
+    assert 6 <= by_job[0][-1] < 16, by_job
+    assert by_job[1] == list(range(by_job[0][-1] + 1, 17))
+    assert not [row for row in rows if row["job_index"] == 2]
+    assert [row["seed"] for row in rows if row["step"] == 1] == [summary["jobs"][0]["seed"]]
+    logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
+    assert f"stopping at step {by_job[0][-1]}: SIGUSR1" in logs
+    assert f"resumed from {run_dir}/checkpoints/step_{by_job[0][-1]}" in logs
+    assert "training already finished at step 16" in logs
+
+
+def metrics_or_empty(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return metrics(run_dir) if path.exists() else []

@@ -1,0 +1,136 @@
+"""The training configuration: structured dataclasses that Hydra fills from YAML and overrides.
+
+The schema is registered with Hydra's ConfigStore as ``trainer_schema``; recipe configs in
+``recipes/conf/`` list it first in their defaults, so a misspelt key or a wrong type is an error
+before anything starts. ``validate`` checks what types cannot, in one clear line per problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+
+STRATEGIES = ("ddp", "fsdp2")
+
+
+@dataclass
+class ParallelConfig:
+    """Mesh sizes; dp_shard -1 takes what the others leave of the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1  # reserved: context parallelism does not exist yet
+    pp: int = 1  # reserved: pipeline parallelism does not exist yet
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # train/models/presets.py: tiny, tiny_moe, small, llm_1b, moe_1b
+    init_seed: int = 1234  # the same on every rank, so replicated parameters start identical
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "data/corpus"  # made by recipes/make_corpus.py
+    split: str = "train"  # reads cuts_<split>.jsonl.gz, or shar/<split> with shar=true
+    shar: bool = False
+    max_duration: float = 20.0  # seconds of audio per batch per data-parallel rank
+    buckets: int = 4
+    num_workers: int = 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 turns clipping off
+
+
+@dataclass
+class TrainLoopConfig:
+    max_steps: int = 100
+    log_every: int = 1
+    max_time_per_run: float = 0.0  # seconds this job may train before it saves and exits; 0: none
+    max_steps_per_run: int = 0  # steps this job may train before it saves and exits; 0: none
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 50  # steps between checkpoints (and one at the end or on a stop signal)
+    keep: int = 3
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    project: str = "speechlm"
+    mode: str | None = None  # None: online with WANDB_API_KEY, else offline (or WANDB_MODE)
+
+
+@dataclass
+class DebugConfig:
+    batch_hashes: bool = False  # write batch_hashes/rank{R}.jsonl: one hash of each step's batch
+    check_tp_batches: bool = True  # stop if TP peers do not hold the same first batch
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0  # the job seed; recipes pass the chain's $1
+    run_dir: str = "runs/local"  # recipes pass $ORCH_RUN_DIR, shared by every job of a chain
+    strategy: str = "fsdp2"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    mixed_precision: bool = True  # bf16 params / fp32 reduce, CUDA with fsdp2 only
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="trainer_schema", node=TrainConfig)
+
+
+def data_path(cfg: TrainConfig) -> Path:
+    corpus = Path(cfg.data.corpus)
+    if cfg.data.shar:
+        return corpus / "shar" / cfg.data.split
+    return corpus / f"cuts_{cfg.data.split}.jsonl.gz"
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks no type can express; each failure is one ValueError line naming the key."""
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"strategy={cfg.strategy}: choose one of {', '.join(STRATEGIES)}")
+    if not 0 <= cfg.seed < 2**31:
+        raise ValueError(f"seed={cfg.seed}: give an integer in [0, 2**31)")
+    if cfg.train.max_steps < 1:
+        raise ValueError(f"train.max_steps={cfg.train.max_steps}: must be at least 1")
+    if cfg.checkpoint.interval < 1 or cfg.checkpoint.keep < 1:
+        raise ValueError("checkpoint.interval and checkpoint.keep must be at least 1")
+    if cfg.data.max_duration <= 0:
+        raise ValueError(f"data.max_duration={cfg.data.max_duration}: must be positive")
+    if cfg.optim.lr <= 0:
+        raise ValueError(f"optim.lr={cfg.optim.lr}: must be positive")
+    if cfg.train.max_time_per_run < 0:
+        raise ValueError("train.max_time_per_run must be 0 (no budget) or positive seconds")
+    if cfg.train.max_steps_per_run < 0:
+        raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
+    path = data_path(cfg)
+    if not path.exists():
+        raise ValueError(
+            f"data: {path} does not exist; make the corpus with "
+            f"`python recipes/make_corpus.py --out {cfg.data.corpus}` (or `make corpus`)"
+        )
