@@ -11,7 +11,15 @@ from pathlib import Path
 from orchestrator.backends.base import FINISHED_STATES, Backend, JobStatus
 from orchestrator.chain import ChainPlan, new_chain_id, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
-from orchestrator.manifest import JobRecord, Manifest, find_manifest, list_chains, orch_home
+from orchestrator.manifest import (
+    JobRecord,
+    Manifest,
+    find_manifests,
+    list_chains,
+    list_sweeps,
+    orch_home,
+    sweep_index_path,
+)
 from orchestrator.preflight import (
     check_dependency,
     check_local_resources,
@@ -292,21 +300,42 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"no chains under {orch_home()}")
         return 0
     print_table(rows, ["chain", "backend", "jobs", "status", "created", "run_dir"])
+    sweeps = list_sweeps()
+    if sweeps:
+        print()
+        print_table(
+            [[entry["sweep_id"], str(len(entry["members"]))] for entry in sweeps],
+            ["sweep", "members"],
+        )
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    manifest = find_manifest(args.chain)
-    statuses = backend_for(manifest).statuses(manifest.job_ids())
+    manifests = find_manifests(args.chain)
+    payloads = []
+    for manifest in manifests:
+        statuses = backend_for(manifest).statuses(manifest.job_ids())
+        if args.json:
+            payloads.append(status_payload(manifest, statuses))
+        else:
+            print_status(manifest, statuses)
     if args.json:
-        payload = summary(manifest, statuses)
-        for job in payload["jobs"]:
-            status = statuses.get(job["job_id"])
-            job["nodes"] = status.nodes if status else ""
-            job["reason"] = status.reason if status else ""
-            job["exit_code"] = status.exit_code if status else None
-        print(json.dumps(payload))
-        return 0
+        is_sweep = sweep_index_path(args.chain).is_file()
+        print(json.dumps({"sweep_id": args.chain, "chains": payloads} if is_sweep else payloads[0]))
+    return 0
+
+
+def status_payload(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
+    payload = summary(manifest, statuses)
+    for job in payload["jobs"]:
+        status = statuses.get(job["job_id"])
+        job["nodes"] = status.nodes if status else ""
+        job["reason"] = status.reason if status else ""
+        job["exit_code"] = status.exit_code if status else None
+    return payload
+
+
+def print_status(manifest: Manifest, statuses: dict[str, JobStatus]) -> None:
     print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
     if manifest.error:
         print(f"error: {manifest.error}")
@@ -324,16 +353,17 @@ def cmd_status(args: argparse.Namespace) -> int:
             ]
         )
     print_table(rows, ["index", "job_id", "seed", "state", "nodes", "reason"])
-    return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    manifest = find_manifest(args.chain)
-    backend = backend_for(manifest)
-    statuses = backend.statuses(manifest.job_ids())
-    live = [job_id for job_id, status in statuses.items() if status.state not in FINISHED_STATES]
-    backend.cancel(live)
-    print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
+    for manifest in find_manifests(args.chain):
+        backend = backend_for(manifest)
+        statuses = backend.statuses(manifest.job_ids())
+        live = [
+            job_id for job_id, status in statuses.items() if status.state not in FINISHED_STATES
+        ]
+        backend.cancel(live)
+        print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
     return 0
 
 
@@ -343,25 +373,28 @@ def log_path(manifest: Manifest, job: JobRecord) -> Path | None:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    manifest = find_manifest(args.chain)
-    jobs = manifest.jobs
-    if args.job is not None:
-        if not 0 <= args.job < len(jobs):
-            raise UsageError(
-                f"--job {args.job}: chain {manifest.chain_id} has jobs 0..{len(jobs) - 1}"
+    for manifest in find_manifests(args.chain):
+        jobs = manifest.jobs
+        if args.job is not None:
+            if not 0 <= args.job < len(jobs):
+                raise UsageError(
+                    f"--job {args.job}: chain {manifest.chain_id} has jobs 0..{len(jobs) - 1}"
+                )
+            jobs = [jobs[args.job]]
+        backend = backend_for(manifest)
+        for job in jobs:
+            print(
+                f"==> {manifest.chain_id} job {job.index} (id {job.job_id}, seed {job.seed}) <==",
+                flush=True,
             )
-        jobs = [jobs[args.job]]
-    backend = backend_for(manifest)
-    for job in jobs:
-        print(f"==> job {job.index} (id {job.job_id}, seed {job.seed}) <==", flush=True)
-        if args.follow:
-            follow(manifest, job, backend)
-            continue
-        path = log_path(manifest, job)
-        if path is None:
-            print("(no log yet)")
-        else:
-            sys.stdout.write(path.read_text(errors="replace"))
+            if args.follow:
+                follow(manifest, job, backend)
+                continue
+            path = log_path(manifest, job)
+            if path is None:
+                print("(no log yet)")
+            else:
+                sys.stdout.write(path.read_text(errors="replace"))
     return 0
 
 
@@ -391,7 +424,7 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="chains launched from this machine")
     listing.set_defaults(handler=cmd_list)
     status = commands.add_parser("status", help="per job: id, seed, state, nodes")
-    status.add_argument("chain", help="chain id or run dir")
+    status.add_argument("chain", help="chain id, sweep id or run dir")
     status.add_argument("--json", action="store_true")
     status.set_defaults(handler=cmd_status)
     cancel = commands.add_parser("cancel", help="cancel a chain's unfinished jobs")

@@ -113,7 +113,7 @@ def find_manifest(chain_id: str) -> Manifest:
     entry = index_path(chain_id)
     if not entry.is_file():
         raise UsageError(
-            f"unknown chain {chain_id!r}: not in {entry.parent} and not a run dir; "
+            f"unknown chain or sweep {chain_id!r}: not in {entry.parent} and not a run dir; "
             "see `orchestrator list`"
         )
     run_dir = Path(json.loads(entry.read_text())["run_dir"])
@@ -124,6 +124,36 @@ def find_manifest(chain_id: str) -> Manifest:
 
 def list_chains() -> list[dict[str, Any]]:
     folder = orch_home() / "chains"
+    if not folder.is_dir():
+        return []
+    entries = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return sorted(entries, key=lambda entry: entry["created"])
+
+
+def sweep_index_path(sweep_id: str) -> Path:
+    return orch_home() / "sweeps" / f"{sweep_id}.json"
+
+
+def register_sweep(sweep_id: str, members: list[dict[str, Any]]) -> Path:
+    """Record a sweep: its members' chain ids, run dirs and overrides, in one atomic file."""
+    import time
+
+    path = sweep_index_path(sweep_id)
+    atomic_write_json(path, {"sweep_id": sweep_id, "created": time.time(), "members": members})
+    return path
+
+
+def find_manifests(name: str) -> list[Manifest]:
+    """The manifests a name stands for: every chain of a sweep, or the one chain."""
+    path = sweep_index_path(name)
+    if path.is_file():
+        members = json.loads(path.read_text())["members"]
+        return [find_manifest(member["chain_id"]) for member in members]
+    return [find_manifest(name)]
+
+
+def list_sweeps() -> list[dict[str, Any]]:
+    folder = orch_home() / "sweeps"
     if not folder.is_dir():
         return []
     entries = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
