@@ -84,7 +84,7 @@ class SlurmBackend:
                 job_id=job_id.strip(),
                 state=state.strip(),
                 nodes=nodes.strip(),
-                reason=reason.strip(),
+                reason="" if reason.strip() == "None" else reason.strip(),
                 start_estimate=start.strip() if start.strip() not in ("N/A", "") else "",
             )
         for job_id in job_ids:
