@@ -122,12 +122,17 @@ def find_manifest(chain_id: str) -> Manifest:
     return Manifest.load(run_dir / MANIFEST_NAME)
 
 
-def list_chains() -> list[dict[str, Any]]:
-    folder = orch_home() / "chains"
+def read_index(kind: str) -> list[dict[str, Any]]:
+    """The entries of ``$ORCH_HOME/<kind>/`` (chains or sweeps), oldest first."""
+    folder = orch_home() / kind
     if not folder.is_dir():
         return []
     entries = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     return sorted(entries, key=lambda entry: entry["created"])
+
+
+def list_chains() -> list[dict[str, Any]]:
+    return read_index("chains")
 
 
 def sweep_index_path(sweep_id: str) -> Path:
@@ -153,8 +158,4 @@ def find_manifests(name: str) -> list[Manifest]:
 
 
 def list_sweeps() -> list[dict[str, Any]]:
-    folder = orch_home() / "sweeps"
-    if not folder.is_dir():
-        return []
-    entries = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    return sorted(entries, key=lambda entry: entry["created"])
+    return read_index("sweeps")
