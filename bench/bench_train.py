@@ -68,7 +68,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
 
     from train.data import build_dataloader
     from train.models.presets import get_preset
-    from train.models.salm import PAD_ID, SALM, ByteTokenizer, subsampled_lens
+    from train.models.salm import PAD_ID, SALM, ByteTokenizer, encoder_lens
 
     torch.manual_seed(1234)
     model = SALM(get_preset(args.preset))
@@ -95,7 +95,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         if step >= WARMUP_STEPS:
-            positions += float((subsampled_lens(batch["feature_lens"]) + batch["token_lens"]).sum())
+            positions += float((encoder_lens(batch["feature_lens"]) + batch["token_lens"]).sum())
             seconds += elapsed
     return positions / seconds
 

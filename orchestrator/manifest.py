@@ -51,8 +51,6 @@ class JobRecord:
     job_id: str | None = None
     dependency: str | None = None
     submit_time: float | None = None
-    state: str | None = None
-    exit_code: int | None = None
 
 
 @dataclass

@@ -131,7 +131,7 @@ def check_tools() -> None:
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
         raise UsageError(
-            f"{' and '.join(missing)} not found on PATH: run make setup "
+            f"{' and '.join(missing)} not found on PATH: run make setup-system "
             f"(installs espeak-ng and sox) and try again"
         )
 

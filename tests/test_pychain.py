@@ -12,13 +12,14 @@ import pytest
 
 from orchestrator.errors import UsageError
 from orchestrator.pychain import launch_callable_chain
-from tests.helpers import chain_status, wait_chain
+from tests.helpers import chain_status, run_tool, wait_chain
 
 # The jobs unpickle this module's functions by value: they need not import the tests package.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def note_job(seed: int, out: str) -> int:
+    print(f"note_job ran with seed {seed}", flush=True)
     with open(out, "a") as handle:
         handle.write(json.dumps({"seed": seed, "index": os.environ["ORCH_JOB_INDEX"]}) + "\n")
     return seed
@@ -40,6 +41,8 @@ def test_local_callable_chain(tmp_path):
     saved = json.loads((Path(manifest.run_dir) / "manifest.json").read_text())
     assert [job["seed"] for job in saved["jobs"]] == [line["seed"] for line in lines]
     assert chain_status(manifest.chain_id)["backend"] == "submitit:local"
+    logs = run_tool("orchestrator", "logs", manifest.chain_id, "--job", "2").stdout
+    assert f"note_job ran with seed {manifest.jobs[2].seed}" in logs
 
 
 @pytest.mark.slurm

@@ -198,8 +198,8 @@ def batches_forever(
             lambda epoch: build_dataloader(path, ..., job_seed=seed, epoch=epoch)
         )
 
-    Only the position within the current job matters: the next job has a new seed, hence a
-    new order, so there is nothing to skip on resume.
+    A job with a new seed starts a new order; the trainer skips the batches already consumed
+    only when it resumes with the seed that produced them (train/trainer.py, data_position).
     """
     epoch = 0
     while True:

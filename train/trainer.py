@@ -30,7 +30,7 @@ from train.mesh import Meshes, build_meshes
 from train.metrics import MetricsLogger
 from train.models.parallelize import ParallelizeOptions, parallelize
 from train.models.presets import flops_per_token, get_preset
-from train.models.salm import PAD_ID, SALM, ByteTokenizer, loss_for_backward, subsampled_lens
+from train.models.salm import PAD_ID, SALM, ByteTokenizer, encoder_lens, loss_for_backward
 from train.parallel_dims import ParallelDims
 from train.stop import StopRequest
 
@@ -255,7 +255,7 @@ class Trainer:
         tokens = batch["tokens"].to(self.device)
         token_lens = batch["token_lens"].to(self.device)
         out = self.model(features, feature_lens, tokens, token_lens)
-        positions = (subsampled_lens(feature_lens) + token_lens).sum()
+        positions = (encoder_lens(feature_lens) + token_lens).sum()
         sums = torch.stack(
             [
                 out.nll_sum.detach().float(),
@@ -278,7 +278,7 @@ class Trainer:
             "lr": lr,
             "text_tokens": num_tokens,
             "positions": global_positions,
-            "max_len": float(tokens.shape[1] + subsampled_lens(features.shape[1])),
+            "max_len": float(tokens.shape[1] + encoder_lens(features.shape[1])),
         }
 
     def run(self) -> int:

@@ -166,6 +166,11 @@ def subsampled_lens(lens: torch.Tensor | int) -> torch.Tensor | int:
     return (lens - 1) // 2 + 1
 
 
+def encoder_lens(lens: torch.Tensor | int) -> torch.Tensor | int:
+    """Audio positions the encoder hands the LLM for ``lens`` frames (two stride-2 convs)."""
+    return subsampled_lens(subsampled_lens(lens))
+
+
 def length_mask(lens: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]
 
@@ -178,7 +183,7 @@ class AudioEncoder(nn.Module):
         channels = cfg.enc_dim
         self.conv1 = nn.Conv2d(1, channels, 3, stride=2, padding=1)
         self.conv2 = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
-        freq = subsampled_lens(subsampled_lens(cfg.n_mels))
+        freq = encoder_lens(cfg.n_mels)
         self.conv_out = nn.Linear(channels * freq, cfg.enc_dim)
         self.layers = nn.ModuleList(
             Block(
