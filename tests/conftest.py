@@ -108,3 +108,25 @@ def empty_queue(slurm_cluster: LoopbackCluster) -> LoopbackCluster:
     cluster.cancel_all_jobs(slurm_cluster.conf)
     assert slurm_cluster.queue_job_ids() == []
     return slurm_cluster
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real speech corpus (espeak-ng voices, lhotse manifests, fbank), made once."""
+    out = tmp_path_factory.mktemp("corpus") / "corpus"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes/make_corpus.py"),
+            "--out",
+            str(out),
+            "--num",
+            "64",
+            "--jobs",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return out

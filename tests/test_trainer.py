@@ -15,30 +15,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers import REPO, launch_json, run_tool, wait_chain
 
-CORPUS_UTTERANCES = 64
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    """A small real corpus (espeak-ng + lhotse), made once per session."""
-    out = tmp_path_factory.mktemp("train_corpus") / "corpus"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "recipes/make_corpus.py"),
-            "--out",
-            str(out),
-            "--num",
-            str(CORPUS_UTTERANCES),
-            "--jobs",
-            "2",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return out
-
 
 def train(
     run_dir: Path,

@@ -2,7 +2,8 @@
 
 Run under torchrun or srun (one process per rank) or as a single process. Configs live in
 recipes/conf/ (``--config-path`` picks another folder). A bad config or layout stops every rank
-with one ``error:`` line and exit code 2, before any process group exists.
+with one ``error:`` line and exit code 2, before any process group exists; a key the schema
+does not know, or a value of the wrong type, is Hydra's own error (exit 1).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import TrainConfig, register
+from train.launch_env import apply_launch_env
 from train.trainer import ConfigError, Trainer, init_distributed, preflight
 
 register()
@@ -22,6 +24,7 @@ register()
 
 @hydra.main(version_base=None, config_path="../recipes/conf", config_name="tiny_fsdp2")
 def main(raw: DictConfig) -> None:
+    apply_launch_env()
     cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
     try:
         dims = preflight(cfg)
@@ -34,7 +37,9 @@ def main(raw: DictConfig) -> None:
         code = Trainer(cfg, dims, device).run()
     finally:
         dist.destroy_process_group()
-    sys.exit(code)
+    # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

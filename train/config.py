@@ -10,9 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 STRATEGIES = ("ddp", "fsdp2")
+MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
 
 
 @dataclass
@@ -99,8 +104,32 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
+def member_seed() -> int:
+    """The default job seed: 0 for a single run; in a Hydra multirun, one of its own per member.
+
+    Chains override it with their job seed (``seed=${SEED}``); a sweep may set it explicitly.
+    """
+    if not HydraConfig.initialized():  # composed outside a Hydra run, e.g. to validate a member
+        return 0
+    config = HydraConfig.get()
+    if config.mode != RunMode.MULTIRUN:
+        return 0
+    state = np.random.SeedSequence([MEMBER_SEED_ROOT, int(config.job.num)]).generate_state(1)
+    return int(state[0]) % 2**31
+
+
+def default_run_dir() -> str:
+    """The default run dir: Hydra's output dir (``hydra.run.dir``, or the member's sweep subdir)."""
+    if not HydraConfig.initialized():
+        return "runs/local"
+    return str(HydraConfig.get().runtime.output_dir)
+
+
 def register() -> None:
+    """The schema for the configs' defaults lists, and the ``member_seed`` resolver they use."""
     ConfigStore.instance().store(name="trainer_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("member_seed", member_seed, replace=True)
+    OmegaConf.register_new_resolver("default_run_dir", default_run_dir, replace=True)
 
 
 def data_path(cfg: TrainConfig) -> Path:

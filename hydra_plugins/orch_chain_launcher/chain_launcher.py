@@ -1,0 +1,140 @@
+"""``hydra/launcher=chain_slurm`` (or ``chain_local``): each sweep member becomes a chain of jobs.
+
+The launcher only turns Hydra's members into orchestrator.sweep's request: the trainer's argv,
+each member's overrides, run dir (``<sweep dir>/<job num>`` unless the member sets ``run_dir``)
+and base seed (the member's ``seed=S`` if it sets one, else one derived from the launcher's
+``base_seed``, else fresh seeds). The members are checked with the trainer's own validation for
+the recipe's rank count, then orchestrator.sweep preflights, submits and registers the sweep.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_plugins.orch_chain_launcher.members import (
+    fail,
+    member_seeds,
+    override_value,
+    validate_members,
+)
+from orchestrator.errors import UsageError
+
+# The chain sets these for every job: seed=${SEED}, run_dir=${ORCH_RUN_DIR}.
+CHAIN_KEYS = ("seed", "run_dir")
+CHAIN_SETTINGS = ("_target_", "backend", "n", "dependency", "base_seed", "recipe")
+
+
+class ChainLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        self.params = {
+            key: OmegaConf.to_container(value, resolve=True)
+            if OmegaConf.is_config(value)
+            else value
+            for key, value in params.items()
+        }
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
+        try:
+            return self._launch(job_overrides, initial_job_idx)
+        except UsageError as error:
+            fail(error)
+
+    def _launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> list[JobReturn]:
+        from orchestrator.sweep import (
+            SweepMember,
+            SweepRequest,
+            new_sweep_id,
+            print_sweep,
+            recipe_resources,
+            submit_sweep,
+            without_defaults,
+        )
+
+        assert self.config is not None and self.hydra_context is not None
+        params = self.params
+        if params["recipe"]:
+            resources = recipe_resources(Path(str(params["recipe"])))
+        else:
+            settings = {k: v for k, v in params.items() if k not in CHAIN_SETTINGS}
+            resources = without_defaults(settings)
+        world_size = int(resources.get("nodes", 1)) * int(resources.get("tasks_per_node", 1))
+        validate_members(
+            self.hydra_context, self.config, job_overrides, initial_job_idx, world_size
+        )
+        config_name = str(self.config.hydra.job.config_name)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        seeds = member_seeds(initial_job_idx + len(job_overrides), params["base_seed"])
+        members = []
+        for offset, overrides in enumerate(job_overrides):
+            index = initial_job_idx + offset
+            own_seed = override_value(overrides, "seed")
+            own_run_dir = override_value(overrides, "run_dir")
+            members.append(
+                SweepMember(
+                    index=index,
+                    overrides=tuple(
+                        item
+                        for item in overrides
+                        if item.partition("=")[0].lstrip("+") not in CHAIN_KEYS
+                    ),
+                    run_dir=Path(own_run_dir) if own_run_dir else sweep_dir / str(index),
+                    base_seed=int(own_seed) if own_seed is not None else seeds[index],
+                )
+            )
+        request = SweepRequest(
+            sweep_id=new_sweep_id(config_name),
+            job_name=config_name,
+            train_argv=(
+                sys.executable,
+                "-m",
+                "train",
+                *config_path_args(self.config),
+                "--config-name",
+                config_name,
+            ),
+            resources=resources,
+            num_jobs=int(params["n"]),
+            dependency=str(params["dependency"]),
+            backend=str(params["backend"]),
+            workdir=Path.cwd(),
+        )
+        manifests = submit_sweep(request, members)
+        print_sweep(request, manifests)
+        return [
+            JobReturn(
+                overrides=list(member.overrides),
+                working_dir=manifest.run_dir,
+                task_name=config_name,
+                status=JobStatus.COMPLETED,
+                _return_value=manifest.chain_id,
+            )
+            for member, manifest in zip(members, manifests, strict=True)
+        ]
+
+
+def config_path_args(config: DictConfig) -> list[str]:
+    """``--config-path DIR`` for the primary config folder, so the job reads the same configs."""
+    for source in config.hydra.runtime.config_sources:
+        if source.provider == "main" and source.schema == "file":
+            return ["--config-path", str(Path(source.path).resolve())]
+    return []

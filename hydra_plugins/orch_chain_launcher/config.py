@@ -1,0 +1,66 @@
+"""The launchers' structured configs, registered in Hydra's ``hydra/launcher`` group by name.
+
+No ``from __future__ import annotations``: Hydra's plugin scan runs this module outside
+sys.modules, where dataclasses cannot resolve string annotations.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
+PACKAGE = "hydra_plugins.orch_chain_launcher"
+
+
+@dataclass
+class ChainLauncherConf:
+    """Each sweep member becomes a chain of ``n`` jobs, as ``auto_launch -n N`` makes.
+
+    The resources are the fields of a YAML recipe (orchestrator/recipe.py), or ``recipe``: a YAML
+    recipe whose resources are used as they are and whose ``command`` is replaced by the member's.
+    """
+
+    _target_: str = f"{PACKAGE}.chain_launcher.ChainLauncher"
+    backend: str = "slurm"  # slurm | local
+    n: int = 1
+    dependency: str = "afterany"
+    # Reproducible seeds for every job of every member; None: fresh random seeds.
+    base_seed: int | None = None
+    recipe: str | None = None
+    template: str = "distributed"
+    launcher: str = "torchrun"
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    time: str = "00:30:00"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    signal_grace: int = 120
+    env: dict[str, str] = field(default_factory=dict)
+    container: dict[str, Any] | None = None
+
+
+@dataclass
+class MemberSlurmConf(SlurmQueueConf):
+    """hydra-submitit-launcher's submitit_slurm, with a run dir and a seed for each member."""
+
+    _target_: str = f"{PACKAGE}.submitit_members.SlurmMembersLauncher"
+    base_seed: int | None = None
+
+
+@dataclass
+class MemberLocalConf(LocalQueueConf):
+    """hydra-submitit-launcher's submitit_local, with a run dir and a seed for each member."""
+
+    _target_: str = f"{PACKAGE}.submitit_members.LocalMembersLauncher"
+    base_seed: int | None = None
+
+
+_store = ConfigStore.instance()
+_store.store(group="hydra/launcher", name="chain_slurm", node=ChainLauncherConf(backend="slurm"))
+_store.store(group="hydra/launcher", name="chain_local", node=ChainLauncherConf(backend="local"))
+_store.store(group="hydra/launcher", name="orch_submitit_slurm", node=MemberSlurmConf())
+_store.store(group="hydra/launcher", name="orch_submitit_local", node=MemberLocalConf())

@@ -1,0 +1,190 @@
+"""A chained sweep: each member of a Hydra multirun becomes a chain of N jobs, as auto_launch does.
+
+Each member's recipe is the sweep's resources plus one command, the member's ``python -m train``
+with its overrides, ``seed=${SEED}`` and ``run_dir=${ORCH_RUN_DIR}``, so every job of the chain
+resumes the member's training. Every member is planned, rendered and preflighted before the first
+submission; if a submission fails, the chains already queued are cancelled. The sweep index
+(``register_sweep``) lets ``orchestrator status|cancel|logs SWEEP`` see all members at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.backend_choice import check_backend_resources, choose_backend
+from orchestrator.backends.base import Backend
+from orchestrator.chain import ChainPlan, new_chain_id, rollback, submit_chain
+from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.manifest import Manifest, register_sweep
+from orchestrator.preflight import check_dependency, check_num_jobs, check_run_dir
+from orchestrator.recipe import RecipeSpec, load_recipe, parse_recipe
+from orchestrator.render import render_recipe
+from orchestrator.sbatch_directives import parse_sbatch_directives
+from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.slurm_commands import probe_partitions
+
+BACKENDS = ("slurm", "local")
+# Recipe fields a sweep takes from the launcher settings (the command is the member's own).
+RESOURCE_FIELDS = tuple(
+    name
+    for name in (f.name for f in dataclasses.fields(RecipeSpec))
+    if name not in ("source", "command")
+)
+
+
+@dataclass(frozen=True)
+class SweepMember:
+    """One point of the sweep: Hydra's job number, its overrides and where it trains."""
+
+    index: int
+    overrides: tuple[str, ...]
+    run_dir: Path
+    base_seed: int | None  # derive the chain's job seeds from it; None: fresh random seeds
+
+
+@dataclass(frozen=True)
+class SweepRequest:
+    """What every member shares: the trainer's argv, the resources, the chain settings."""
+
+    sweep_id: str
+    job_name: str
+    train_argv: tuple[str, ...]  # e.g. (python, -m, train, --config-name, tiny_fsdp2)
+    resources: dict[str, Any]  # recipe fields other than command
+    num_jobs: int
+    dependency: str
+    backend: str  # slurm | local
+    workdir: Path
+
+
+@dataclass(frozen=True)
+class PlannedMember:
+    member: SweepMember
+    plan: ChainPlan
+    recipe_fields: dict[str, Any]
+    directives: dict[str, str]
+
+
+def new_sweep_id(stem: str) -> str:
+    return new_chain_id(f"{stem}-sweep")
+
+
+def recipe_resources(path: Path) -> dict[str, Any]:
+    """The resource fields of a YAML recipe (validated whole); its command gets replaced."""
+    spec = load_recipe(path)
+    fields = {name: getattr(spec, name) for name in RESOURCE_FIELDS}
+    if spec.container is not None:
+        fields["container"] = {"image": spec.container.image, "mounts": list(spec.container.mounts)}
+    return without_defaults(fields)
+
+
+def without_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """Drop unset fields, and the launcher where the single template has none."""
+    kept = {name: value for name, value in fields.items() if value not in (None, {}, [])}
+    if kept.get("template", "single") == "single":
+        kept.pop("launcher", None)
+    return kept
+
+
+def member_command(request: SweepRequest, member: SweepMember) -> list[str]:
+    return [*request.train_argv, *member.overrides, "seed=${SEED}", "run_dir=${ORCH_RUN_DIR}"]
+
+
+def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
+    """Render and check one member's chain; nothing is written or submitted."""
+    fields = {**request.resources, "command": member_command(request, member)}
+    recipe_path = member.run_dir / f"{request.job_name}.yaml"
+    try:
+        spec = parse_recipe(fields, recipe_path)
+    except UsageError as error:
+        raise UsageError(f"sweep member #{member.index}: {error}") from error
+    text = render_recipe(spec)
+    run_dir = member.run_dir.expanduser().resolve()
+    check_run_dir(run_dir)
+    plan = ChainPlan(
+        chain_id=f"{request.sweep_id}-{member.index}",
+        recipe=recipe_path,
+        script_text=text,
+        run_dir=run_dir,
+        workdir=request.workdir,
+        num_jobs=request.num_jobs,
+        seeds=tuple(chain_seeds(request.num_jobs, member.base_seed)),
+        dependency_kind=request.dependency,
+        script_args=(),
+        base_seed=member.base_seed,
+        job_name=request.job_name,
+        sweep_id=request.sweep_id,
+    )
+    return PlannedMember(member, plan, fields, parse_sbatch_directives(text))
+
+
+def preflight_sweep(
+    request: SweepRequest, members: list[SweepMember]
+) -> tuple[list[PlannedMember], Backend]:
+    """Every check auto_launch makes, for every member, before anything is submitted."""
+    if request.backend not in BACKENDS:
+        raise UsageError(f"backend {request.backend!r}: choose one of {', '.join(BACKENDS)}")
+    check_num_jobs(request.num_jobs)
+    check_dependency(request.dependency)
+    if not members:
+        raise UsageError("the sweep has no members")
+    for member in members:
+        if member.base_seed is not None:
+            validate_base_seed(member.base_seed)
+    planned = [plan_member(request, member) for member in members]
+    sinfo_table = probe_partitions() if request.backend == "slurm" else None
+    backend = choose_backend(
+        request.backend, planned[0].plan.run_dir, has_slurm=sinfo_table is not None
+    )
+    for item in planned:
+        check_backend_resources(backend, item.directives, sinfo_table)
+    return planned, backend
+
+
+def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Manifest]:
+    """Preflight all members, submit each member's chain, then register the sweep.
+
+    Returns as soon as the jobs are queued (the local backend runs them before returning, as it
+    does for auto_launch). A failed submission cancels the chains already queued for the sweep.
+    """
+    planned, backend = preflight_sweep(request, members)
+    manifests: list[Manifest] = []
+    try:
+        for item in planned:
+            item.plan.run_dir.mkdir(parents=True, exist_ok=True)
+            item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
+            manifests.append(submit_chain(item.plan, backend))
+    except (SchedulerError, KeyboardInterrupt) as error:
+        for manifest in manifests:
+            rollback(manifest, backend, error)
+        raise
+    finally:
+        if manifests:
+            register_sweep(
+                request.sweep_id,
+                [
+                    {
+                        "chain_id": manifest.chain_id,
+                        "run_dir": manifest.run_dir,
+                        "overrides": list(item.member.overrides),
+                    }
+                    for manifest, item in zip(manifests, planned, strict=False)
+                ],
+            )
+    return manifests
+
+
+def print_sweep(request: SweepRequest, manifests: list[Manifest]) -> None:
+    """The sweep id first (for status/cancel/logs), then one line per member chain."""
+    print(
+        f"sweep {request.sweep_id}: {len(manifests)} member chain(s) of {request.num_jobs} job(s)"
+    )
+    for manifest in manifests:
+        ids = ",".join(manifest.job_ids())
+        print(f"  {manifest.chain_id}  jobs {ids}  run dir {manifest.run_dir}")
+    print(f"follow with: orchestrator status {request.sweep_id}", file=sys.stderr)

@@ -1,0 +1,220 @@
+"""Hydra multirun sweeps on the loopback cluster: plain (submitit) and chained members.
+
+Every test runs ``python -m train -m ...`` as a user would, trains the tiny model for a few
+steps on a small real corpus, and reads the run dirs, manifests and queue the sweep left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, queue_ids, run_tool, wait_chain, wait_gone
+
+# Few, short steps: each member trains in seconds on one shared core.
+TINY = (
+    "data.max_duration=8",
+    "wandb.mode=offline",
+    "optim.warmup_steps=2",
+    "checkpoint.interval=2",
+)
+
+
+def multirun(sweep_dir: Path, corpus: Path, *overrides: str, timeout: float = 300):
+    """``python -m train -m`` from the repository root, with the sweep under ``sweep_dir``."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "-m",
+            f"hydra.sweep.dir={sweep_dir}",
+            f"data.corpus={corpus}",
+            *TINY,
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def sweep_id(stdout: str) -> str:
+    match = re.search(r"^sweep (\S+):", stdout, re.MULTILINE)
+    assert match, stdout
+    return match.group(1)
+
+
+def sweep_status(sweep: str) -> dict:
+    completed = run_tool("orchestrator", "status", sweep, "--json")
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_submitit_sweep_trains_each_member_in_its_own_run_dir(empty_queue, corpus, tmp_path):
+    """2 lrs x 2 model sizes, each member 2 srun tasks that meet in one FSDP2 process group."""
+    sweep_dir = tmp_path / "sweep"
+    done = multirun(
+        sweep_dir,
+        corpus,
+        "hydra/launcher=cpu_loopback",
+        "train.max_steps=3",
+        "optim.lr=1e-3,3e-4",
+        "model=tiny,small",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    members = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in members] == ["0", "1", "2", "3"]
+    logs = "".join(p.read_text() for p in sweep_dir.glob(".submitit/*/*_log.err"))
+    assert logs.count("layout world=2") == 4, logs[-3000:]
+    seeds = set()
+    points = set()
+    for run_dir in members:
+        rows = metrics(run_dir)
+        assert rows[-1]["step"] == 3, rows
+        assert len({row["seed"] for row in rows}) == 1
+        seeds.add(rows[0]["seed"])
+        # The model size shows in the checkpoint's bytes; the lr in the logged peak.
+        model_bytes = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*.distcp"))
+        points.add((max(row["lr"] for row in rows), model_bytes))
+    assert len(seeds) == 4
+    assert {lr for lr, _ in points} == {1e-3, 3e-4}
+    assert len({size for _, size in points}) == 2
+    assert len(points) == 4
+
+
+@pytest.mark.slurm
+def test_stock_submitit_slurm_launcher_gives_members_their_own_run_dir_and_seed(
+    empty_queue, corpus, tmp_path
+):
+    """hydra-submitit-launcher as shipped: the configs' defaults (run_dir = Hydra's output dir,
+    seed from member_seed) keep members apart without any launcher of ours."""
+    sweep_dir = tmp_path / "sweep"
+    done = multirun(
+        sweep_dir,
+        corpus,
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.timeout_min=5",
+        "train.max_steps=2",
+        "optim.lr=1e-3,3e-4",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {name: metrics(sweep_dir / name) for name in ("0", "1")}
+    assert all(member[-1]["step"] == 2 for member in rows.values())
+    assert rows["0"][0]["seed"] != rows["1"][0]["seed"]
+    assert {max(row["lr"] for row in member) for member in rows.values()} == {1e-3, 3e-4}
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corpus, tmp_path):
+    """2 members x 2 chained jobs: the launcher returns with the jobs queued; job 1 resumes."""
+    sweep_dir = tmp_path / "sweep"
+    done = multirun(
+        sweep_dir,
+        corpus,
+        "hydra/launcher=chain_loopback",
+        "hydra.launcher.n=2",
+        "train.max_steps=4",
+        "train.max_steps_per_run=2",
+        "optim.lr=1e-3,3e-4",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = sweep_id(done.stdout)
+    status = sweep_status(sweep)
+    assert status["sweep_id"] == sweep
+    assert len(status["chains"]) == 2
+    states = [job["state"] for chain in status["chains"] for job in chain["jobs"]]
+    assert len(states) == 4
+    assert all(state in ("PENDING", "RUNNING") for state in states), states
+
+    for chain in status["chains"]:
+        finished = wait_chain(chain["chain_id"], timeout=240)
+        assert [job["state"] for job in finished["jobs"]] == ["COMPLETED", "COMPLETED"], finished
+        rows = metrics(Path(chain["run_dir"]))
+        assert [row["step"] for row in rows] == [1, 2, 3, 4]
+        assert [row["job_index"] for row in rows] == [0, 0, 1, 1]
+        seeds = [job["seed"] for job in chain["jobs"]]
+        assert [row["seed"] for row in rows] == [seeds[0], seeds[0], seeds[1], seeds[1]]
+    run_dirs = {Path(chain["run_dir"]) for chain in status["chains"]}
+    assert run_dirs == {sweep_dir / "0", sweep_dir / "1"}
+    script = (sweep_dir / "0" / "tiny_fsdp2.sub").read_text()
+    assert 'optim.lr=0.001 seed="${SEED}" run_dir="${ORCH_RUN_DIR}"' in script
+    logs = run_tool("orchestrator", "logs", sweep)
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.count("[orch] training exited with status 0") == 4
+
+
+@pytest.mark.slurm
+def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
+    done = multirun(
+        tmp_path / "sweep",
+        corpus,
+        "hydra/launcher=chain_loopback",
+        "hydra.launcher.n=3",
+        "train.max_steps=1000",
+        "optim.lr=1e-3,3e-4",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = sweep_id(done.stdout)
+    job_ids = [job["job_id"] for chain in sweep_status(sweep)["chains"] for job in chain["jobs"]]
+    assert len(job_ids) == 6
+    cancelled = run_tool("orchestrator", "cancel", sweep)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.count("cancelled 3 job(s)") == 2, cancelled.stdout
+    wait_gone(job_ids)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            ["hydra/launcher=chain_loopback", "hydra.launcher.n=0", "optim.lr=1e-3,3e-4"],
+            ["error: -n 0: a chain needs at least 1 job"],
+        ),
+        (
+            ["hydra/launcher=chain_loopback", "parallel.tp=1,3"],
+            ["error: sweep member #1 (", "parallel.tp=3)", "(on 1 rank(s))"],
+        ),
+        (
+            ["hydra/launcher=cpu_loopback", "optim.lr=1e-3,-1"],
+            ["error: sweep member #1 (", "optim.lr=-1", "must be positive"],
+        ),
+        (
+            ["hydra/launcher=chain_loopback", "hydra.launcher.cpus_per_task=9", "optim.lr=1,2"],
+            ["error: 1 tasks x 9 CPUs per node asked"],
+        ),
+    ],
+    ids=["zero-jobs", "bad-layout", "bad-value", "too-big"],
+)
+def test_bad_settings_stop_before_anything_is_queued(
+    empty_queue, corpus, tmp_path, overrides, fragments
+):
+    done = multirun(tmp_path / "sweep", corpus, *overrides, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert all(fragment in errors[0] for fragment in fragments), errors
+    assert queue_ids() == []
+
+
+@pytest.mark.slurm
+def test_unknown_launcher_preset_is_hydras_clear_error(empty_queue, corpus, tmp_path):
+    done = multirun(tmp_path / "sweep", corpus, "hydra/launcher=no_such_preset", "optim.lr=1,2")
+    assert done.returncode == 1
+    assert "Could not find 'hydra/launcher/no_such_preset'" in done.stderr, done.stderr[-3000:]
+    assert queue_ids() == []
