@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.backend_choice import BACKEND_CHOICES, check_backend_resources, choose_backend
 from orchestrator.backends.base import FINISHED_STATES, Backend, JobStatus
 from orchestrator.chain import ChainPlan, new_chain_id, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
@@ -22,17 +23,12 @@ from orchestrator.manifest import (
 )
 from orchestrator.preflight import (
     check_dependency,
-    check_local_resources,
     check_num_jobs,
-    check_resources,
     check_run_dir,
-    parse_partitions,
 )
 from orchestrator.scripts import prepare_script
 from orchestrator.seeds import chain_seeds, validate_base_seed
 from orchestrator.slurm_commands import probe_partitions
-
-BACKEND_CHOICES = ("auto", "slurm", "local", "submitit")
 
 
 def _run(handler, args: argparse.Namespace) -> int:
@@ -84,33 +80,6 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def choose_backend(requested: str, run_dir: Path, has_slurm: bool) -> Backend:
-    if requested not in BACKEND_CHOICES:
-        raise UsageError(f"--backend {requested!r}: choose one of {', '.join(BACKEND_CHOICES)}")
-    if requested == "slurm" and not has_slurm:
-        raise UsageError(
-            "--backend slurm: no SLURM controller answers (sinfo failed); start one with "
-            "`orchestrator cluster up` and export SLURM_CONF, or use --backend local"
-        )
-    if requested == "submitit":
-        from orchestrator.backends.submitit_backend import SubmititBackend
-
-        kind = "slurm" if has_slurm else "local"
-        say(f"backend: submitit ({kind} executor)")
-        return SubmititBackend(run_dir / "submitit", cluster=kind)
-    if requested == "slurm" or (requested == "auto" and has_slurm):
-        from orchestrator.backends.slurm import SlurmBackend
-
-        reason = "chosen" if requested == "slurm" else "sbatch answered"
-        say(f"backend: slurm ({reason})")
-        return SlurmBackend()
-    from orchestrator.backends.local import LocalBackend
-
-    reason = "chosen" if requested == "local" else "no SLURM controller answered"
-    say(f"backend: local ({reason}): jobs run one after another on this machine")
-    return LocalBackend()
-
-
 def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainPlan, dict]:
     """Validate the request (preflight, part one) and decide everything but the job ids."""
     recipe = Path(args.recipe).expanduser().resolve()
@@ -143,16 +112,6 @@ def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainP
         job_name=job_name,
     )
     return plan, prepared.directives
-
-
-def check_backend_resources(
-    backend: Backend, directives: dict[str, str], sinfo_table: str | None
-) -> None:
-    """Preflight, part two: the request must fit the machines the backend will use."""
-    if sinfo_table is None or backend.name == "local" or getattr(backend, "cluster", "") == "local":
-        check_local_resources(directives)
-    else:
-        check_resources(directives, parse_partitions(sinfo_table))
 
 
 def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
@@ -326,33 +285,47 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def status_payload(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
+    from orchestrator.plot import last_progress
+
     payload = summary(manifest, statuses)
+    progress = last_progress(manifest)
     for job in payload["jobs"]:
         status = statuses.get(job["job_id"])
         job["nodes"] = status.nodes if status else ""
         job["reason"] = status.reason if status else ""
         job["exit_code"] = status.exit_code if status else None
+        job["last_step"], job["last_loss"] = progress.get(job["index"], (None, None))
     return payload
+
+
+def format_loss(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
 
 
 def print_status(manifest: Manifest, statuses: dict[str, JobStatus]) -> None:
     print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
     if manifest.error:
         print(f"error: {manifest.error}")
+    from orchestrator.plot import last_progress
+
+    progress = last_progress(manifest)
     rows = []
     for job in manifest.jobs:
         status = statuses.get(job.job_id or "")
+        last_step, last_loss = progress.get(job.index, (None, None))
         rows.append(
             [
                 str(job.index),
                 str(job.job_id),
                 str(job.seed),
                 status.state if status else "?",
+                "-" if last_step is None else str(last_step),
+                format_loss(last_loss),
                 status.nodes if status else "",
                 status.reason if status else "",
             ]
         )
-    print_table(rows, ["index", "job_id", "seed", "state", "nodes", "reason"])
+    print_table(rows, ["index", "job_id", "seed", "state", "step", "loss", "nodes", "reason"])
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -368,7 +341,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def log_path(manifest: Manifest, job: JobRecord) -> Path | None:
-    matches = sorted((Path(manifest.run_dir) / "logs").glob(f"*-{job.job_id}.out"))
+    """The job's log: ``logs/<name>-<id>.out``, or submitit's own for a submitit chain."""
+    run_dir = Path(manifest.run_dir)
+    if manifest.backend.startswith("submitit"):
+        matches = sorted((run_dir / "submitit").glob(f"{job.job_id}_*_log.out"))
+    else:
+        matches = sorted((run_dir / "logs").glob(f"*-{job.job_id}.out"))
     return matches[0] if matches else None
 
 
@@ -418,6 +396,25 @@ def follow(manifest: Manifest, job: JobRecord, backend: Backend, poll_s: float =
         time.sleep(poll_s)
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from orchestrator.plot import default_output, draw, plot_data
+
+    data = plot_data(args.chain)
+    out = draw(data, args.output or default_output(args.chain))
+    for chain_id in data.without_metrics:
+        say(f"chain {chain_id}: no metrics yet, left out")
+    print(out)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from orchestrator.dashboard import load_spec, save_workspace
+
+    spec = load_spec(args.spec)
+    print(save_workspace(spec, entity=args.entity, project=args.project, name=args.name))
+    return 0
+
+
 def orchestrator_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrator", description="Look after chains of jobs.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -435,6 +432,24 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     logs.add_argument("--job", type=int, help="only job K (0-based)")
     logs.add_argument("--follow", action="store_true", help="stream until the jobs finish")
     logs.set_defaults(handler=cmd_logs)
+    plot = commands.add_parser("plot", help="loss and tokens/s against step, as a PNG")
+    plot.add_argument("chain", help="chain id, sweep id or run dir")
+    plot.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="PNG to write (default: RUN_DIR/plot.png for a chain, "
+        "$ORCH_HOME/sweeps/<id>.png for a sweep)",
+    )
+    plot.set_defaults(handler=cmd_plot)
+    dashboard = commands.add_parser(
+        "dashboard", help="create the W&B workspace of recipes/wandb/dashboard.yaml (online)"
+    )
+    dashboard.add_argument("--entity", required=True, help="W&B user or team")
+    dashboard.add_argument("--project", required=True, help="W&B project (the trainer's: speechlm)")
+    dashboard.add_argument("--name", help="workspace name (default: the spec's)")
+    dashboard.add_argument("--spec", type=Path, help="dashboard spec (default: the shipped one)")
+    dashboard.set_defaults(handler=cmd_dashboard)
     from orchestrator import cluster
 
     cluster.add_cluster_parser(commands)

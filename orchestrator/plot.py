@@ -1,0 +1,190 @@
+"""``orchestrator plot``: loss and throughput of a chain, or of a sweep's chains, as one PNG.
+
+Reading and drawing are split: ``plot_data`` turns the chains' ``metrics.jsonl`` into plain series
+(steps, losses, tokens/s, the jobs each series is made of), which tests check against the file;
+``draw`` only renders them. matplotlib is imported inside ``draw``, so the other commands never pay
+for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import UsageError
+from orchestrator.manifest import Manifest, find_manifests, sweep_index_path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class JobSpan:
+    """The steps one job of a chain logged, and the seed it ran with."""
+
+    job_index: int
+    seed: int | None
+    first_step: int
+    last_step: int
+
+
+@dataclass(frozen=True)
+class ChainSeries:
+    label: str
+    chain_id: str
+    steps: list[int]
+    losses: list[float]  # NaN where a step logged no (finite) loss
+    tokens_per_s: list[float]
+    jobs: list[JobSpan]
+
+    @property
+    def boundaries(self) -> list[float]:
+        """Where one job hands over to the next: halfway between their steps."""
+        return [
+            (a.last_step + b.first_step) / 2 for a, b in zip(self.jobs, self.jobs[1:], strict=False)
+        ]
+
+
+@dataclass(frozen=True)
+class PlotData:
+    title: str
+    series: list[ChainSeries]
+    without_metrics: list[str]  # chain ids of sweep members that have logged nothing yet
+
+
+def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The rows of ``run_dir/metrics.jsonl``; a last line still being written is left out."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            if not line.endswith("\n"):
+                return
+            if line.strip():
+                yield json.loads(line)
+
+
+def chain_rows(manifest: Manifest) -> list[dict[str, Any]]:
+    """This chain's rows (a run dir continued by a later chain holds that chain's rows too)."""
+    return [
+        row
+        for row in iter_metrics(Path(manifest.run_dir))
+        if row.get("chain_id") in (manifest.chain_id, None)
+    ]
+
+
+def last_progress(manifest: Manifest) -> dict[int, tuple[int, float | None]]:
+    """Per job index: the last step the job logged and its loss."""
+    progress: dict[int, tuple[int, float | None]] = {}
+    for row in chain_rows(manifest):
+        progress[row.get("job_index", 0)] = (row["step"], row.get("loss"))
+    return progress
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def job_spans(rows: list[dict[str, Any]]) -> list[JobSpan]:
+    """Consecutive rows of one job make one span; a change of job_index starts the next."""
+    spans: list[JobSpan] = []
+    for row in rows:
+        index = row.get("job_index", 0)
+        if spans and spans[-1].job_index == index:
+            spans[-1] = JobSpan(index, spans[-1].seed, spans[-1].first_step, row["step"])
+        else:
+            spans.append(JobSpan(index, row.get("seed"), row["step"], row["step"]))
+    return spans
+
+
+def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
+    """The chain's series, or None when it has logged no step yet."""
+    rows = chain_rows(manifest)
+    if not rows:
+        return None
+    return ChainSeries(
+        label=label,
+        chain_id=manifest.chain_id,
+        steps=[row["step"] for row in rows],
+        losses=[_number(row.get("loss")) for row in rows],
+        tokens_per_s=[_number(row.get("tokens_per_s")) for row in rows],
+        jobs=job_spans(rows),
+    )
+
+
+def sweep_labels(name: str) -> dict[str, str] | None:
+    """Chain id -> its overrides (else its id) for a sweep; None when ``name`` is no sweep."""
+    path = sweep_index_path(name)
+    if not path.is_file():
+        return None
+    members = json.loads(path.read_text())["members"]
+    return {m["chain_id"]: " ".join(m.get("overrides") or []) or m["chain_id"] for m in members}
+
+
+def plot_data(name: str) -> PlotData:
+    """Series for a chain id, run dir or sweep id; UsageError when nothing has been logged yet."""
+    labels = sweep_labels(name)
+    series: list[ChainSeries] = []
+    without: list[str] = []
+    manifests = find_manifests(name)
+    for manifest in manifests:
+        label = labels.get(manifest.chain_id, manifest.chain_id) if labels else manifest.chain_id
+        found = chain_series(manifest, label)
+        if found is None:
+            without.append(manifest.chain_id)
+        else:
+            series.append(found)
+    if not series:
+        where = "its chains" if labels else manifests[0].run_dir
+        raise UsageError(
+            f"{name}: no metrics yet (no {METRICS_FILE} rows in {where}); "
+            "plot again once the first job has logged a step"
+        )
+    title = f"sweep {name}" if labels else series[0].chain_id
+    return PlotData(title=title, series=series, without_metrics=without)
+
+
+def default_output(name: str) -> Path:
+    """``$ORCH_HOME/sweeps/<id>.png`` for a sweep, ``<run dir>/plot.png`` for a chain."""
+    if sweep_index_path(name).is_file():
+        return sweep_index_path(name).with_suffix(".png")
+    return Path(find_manifests(name)[0].run_dir) / "plot.png"
+
+
+def draw(data: PlotData, out: Path) -> Path:
+    """Render loss and tokens/s against step, job boundaries dashed, each job's seed named."""
+    from matplotlib.figure import Figure  # the Agg canvas: no display, no pyplot state
+
+    figure = Figure(figsize=(10, 7), layout="constrained")
+    loss_axes, speed_axes = figure.subplots(2, 1, sharex=True)
+    colors = [f"C{i % 10}" for i in range(len(data.series))]
+    for row, (series, color) in enumerate(zip(data.series, colors, strict=True)):
+        loss_axes.plot(series.steps, series.losses, color=color, label=series.label)
+        speed_axes.plot(series.steps, series.tokens_per_s, color=color, label=series.label)
+        for x in series.boundaries:
+            for axes in (loss_axes, speed_axes):
+                axes.axvline(x, color=color, linestyle="--", linewidth=0.8, alpha=0.7)
+        for job in series.jobs:
+            loss_axes.annotate(
+                f"job {job.job_index}\nseed {job.seed}",
+                xy=(job.first_step, 1 - 0.1 * row),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -3),
+                textcoords="offset points",
+                va="top",
+                fontsize=7,
+                color=color,
+            )
+    loss_axes.set_ylabel("loss")
+    speed_axes.set_ylabel("tokens/s")
+    speed_axes.set_xlabel("step")
+    loss_axes.set_title(data.title)
+    loss_axes.legend(loc="lower left", fontsize=8)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    return out

@@ -1,0 +1,226 @@
+"""Plots, per-job progress and the W&B run of real chains of the real trainer.
+
+Two real 2-job chains run through ``auto_launch --backend local`` (2 ranks under torchrun each):
+chain A with a W&B API key in the environment and WANDB_MODE=offline, chain B with another
+learning rate and W&B off. A sweep made of both is registered by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from orchestrator.dashboard import build_workspace, load_spec
+from orchestrator.manifest import find_manifest, register_sweep
+from orchestrator.plot import plot_data
+from tests.helpers import REPO, launch_json, run_tool
+from tests.test_metrics import base_env, of_type, wandb_records
+
+SECRET = "secret-xyz-123"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class Chain:
+    summary: dict  # auto_launch --json
+    run_dir: Path
+    rows: list[dict]  # metrics.jsonl
+
+    @property
+    def chain_id(self) -> str:
+        return self.summary["chain_id"]
+
+    @property
+    def seeds(self) -> list[int]:
+        return [job["seed"] for job in self.summary["jobs"]]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("plot")
+
+
+def wandb_dirs(tmp: Path) -> dict[str, str]:
+    """Every wandb directory under ``tmp`` (run_tool puts the venv's bin first on PATH)."""
+    return {k: v for k, v in base_env(tmp).items() if k.startswith("WANDB_")}
+
+
+def launch(run_dir: Path, corpus: Path, env: dict[str, str], *overrides: str) -> Chain:
+    summary = launch_json(
+        "-n2",
+        "--backend",
+        "local",
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "train.max_steps=6",
+        "train.max_steps_per_run=3",
+        "data.max_duration=8",
+        *overrides,
+        cwd=REPO,
+        env=env,
+    )
+    assert [job["state"] for job in summary["jobs"]] == ["COMPLETED"] * 2, summary
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return Chain(summary, run_dir, [json.loads(line) for line in lines])
+
+
+@pytest.fixture(scope="module")
+def chain(tmp: Path, corpus: Path) -> Chain:
+    """W&B resolves to offline from WANDB_MODE although a key is set."""
+    env = {**wandb_dirs(tmp), "WANDB_API_KEY": SECRET, "WANDB_MODE": "offline"}
+    return launch(tmp / "run_a", corpus, env)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp: Path, corpus: Path, chain: Chain) -> tuple[str, Chain, Chain]:
+    other = launch(tmp / "run_b", corpus, wandb_dirs(tmp), "optim.lr=0.001", "wandb.mode=disabled")
+    register_sweep(
+        "sweep-plot-test",
+        [
+            {"chain_id": chain.chain_id, "run_dir": str(chain.run_dir), "overrides": []},
+            {
+                "chain_id": other.chain_id,
+                "run_dir": str(other.run_dir),
+                "overrides": ["optim.lr=0.001"],
+            },
+        ],
+    )
+    return "sweep-plot-test", chain, other
+
+
+def read_png(path: Path) -> Image.Image:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(path) as image:
+        image.load()
+        return image
+
+
+def test_plot_of_a_chain(chain: Chain) -> None:
+    done = run_tool("orchestrator", "plot", chain.chain_id)
+    assert done.returncode == 0, done.stderr
+    out = chain.run_dir / "plot.png"
+    assert done.stdout.strip() == str(out)
+    assert read_png(out).size == (1000, 700)
+
+    (series,) = plot_data(chain.chain_id).series
+    assert series.label == chain.chain_id
+    assert series.steps == [1, 2, 3, 4, 5, 6]
+    assert series.losses == [row["loss"] for row in chain.rows]
+    assert series.tokens_per_s == [row["tokens_per_s"] for row in chain.rows]
+    assert [(job.job_index, job.seed, job.first_step, job.last_step) for job in series.jobs] == [
+        (0, chain.seeds[0], 1, 3),
+        (1, chain.seeds[1], 4, 6),
+    ]
+    assert series.boundaries == [3.5]
+
+
+def test_plot_to_a_chosen_file(chain: Chain, tmp: Path) -> None:
+    out = tmp / "plots" / "a.png"
+    done = run_tool("orchestrator", "plot", str(chain.run_dir), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    read_png(out)
+
+
+def test_plot_of_a_sweep_overlays_its_chains(sweep: tuple[str, Chain, Chain], orch_home) -> None:
+    sweep_id, first, second = sweep
+    done = run_tool("orchestrator", "plot", sweep_id)
+    assert done.returncode == 0, done.stderr
+    out = orch_home / "sweeps" / f"{sweep_id}.png"
+    assert done.stdout.strip() == str(out)
+    read_png(out)
+
+    data = plot_data(sweep_id)
+    assert [s.label for s in data.series] == [first.chain_id, "optim.lr=0.001"]
+    assert [s.chain_id for s in data.series] == [first.chain_id, second.chain_id]
+    for series, source in zip(data.series, (first, second), strict=True):
+        assert series.steps == [1, 2, 3, 4, 5, 6]
+        assert series.losses == [row["loss"] for row in source.rows]
+        assert [job.seed for job in series.jobs] == source.seeds
+    assert data.series[0].losses != data.series[1].losses
+
+
+def test_plot_without_metrics_is_a_usage_error(chain: Chain, tmp: Path) -> None:
+    run_dir = tmp / "not_started"
+    run_dir.mkdir()
+    manifest = find_manifest(str(chain.run_dir))
+    manifest.run_dir = str(run_dir)
+    manifest.chain_id = "not-started"
+    manifest.save()
+    done = run_tool("orchestrator", "plot", str(run_dir))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "no metrics yet" in done.stderr, done.stderr
+    assert not (run_dir / "plot.png").exists()
+
+
+def test_status_shows_each_jobs_last_step_and_loss(chain: Chain) -> None:
+    done = run_tool("orchestrator", "status", chain.chain_id, "--json")
+    assert done.returncode == 0, done.stderr
+    jobs = json.loads(done.stdout)["jobs"]
+    assert [(job["last_step"], job["last_loss"]) for job in jobs] == [
+        (3, chain.rows[2]["loss"]),
+        (6, chain.rows[5]["loss"]),
+    ]
+
+    table = run_tool("orchestrator", "status", chain.chain_id).stdout.splitlines()
+    header = table[1].split()
+    assert header[:6] == ["index", "job_id", "seed", "state", "step", "loss"]
+    for line, row in zip(table[2:], (chain.rows[2], chain.rows[5]), strict=True):
+        assert line.split()[4:6] == [str(row["step"]), f"{row['loss']:.4f}"]
+
+
+def test_wandb_run_is_one_continuous_run_per_chain(chain: Chain, tmp: Path) -> None:
+    run_files = sorted((chain.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2, run_files  # one offline-run dir per job, sharing the run id
+    records = [record for path in run_files for record in wandb_records(path, tmp)]
+
+    runs = of_type(records, "run")
+    assert len({run["run_id"] for run in runs}) == 1
+    assert {run["run_group"] for run in runs} == {chain.chain_id}
+
+    history = of_type(records, "history")
+    assert [row["step"]["num"] for row in history] == [1, 2, 3, 4, 5, 6]
+    for row, logged in zip(history, chain.rows, strict=True):
+        assert row["item"]["loss"] == pytest.approx(logged["loss"])
+        assert row["item"]["job_index"] == logged["job_index"]
+        assert row["item"]["seed"] == logged["seed"]
+
+    config: dict = {}
+    for update in of_type(records, "config") + [run["config"] for run in runs]:
+        config.update(update.get("update", {}))
+    for index, job in enumerate(chain.summary["jobs"]):
+        assert config[f"jobs/{index}/seed"] == job["seed"]
+        assert config[f"jobs/{index}/slurm_job_id"] == job["job_id"]
+
+
+def test_no_secret_in_any_file(chain: Chain, tmp: Path) -> None:
+    files = [
+        p for p in [*chain.run_dir.rglob("*"), *(tmp / "wandb_home").rglob("*")] if p.is_file()
+    ]
+    assert len(files) > 10, files
+    leaks = [str(p) for p in files if SECRET.encode() in p.read_bytes()]
+    assert not leaks, f"the API key was written to {leaks}"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # wandb-workspaces' pydantic v1 style
+def test_dashboard_spec_builds_a_workspace_offline() -> None:
+    spec = load_spec()
+    workspace = build_workspace(spec, entity="my-team", project="speechlm", name="chains")
+    panels = {
+        panel.title: list(panel.y) for section in workspace.sections for panel in section.panels
+    }
+    wanted = ["loss", "lr", "grad_norm", "tokens_per_s", "mfu", "job_index", "seed"]
+    assert sorted(y for ys in panels.values() for y in ys) == sorted(wanted)
+    assert [metric.name for metric in workspace.runset_settings.groupby] == ["Group"]
+    view = workspace._to_model()  # the payload save() would send, made without a server
+    assert view.entity == "my-team" and view.project == "speechlm"
+    assert view.display_name == "chains"
+    grouping = view.spec.section.run_sets[0].grouping
+    assert [(key.section, key.name) for key in grouping] == [("run", "group")]
