@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,11 @@ def atomic_write_json(path: Path, payload: Any, durable: bool = True) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def known_fields(kind: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {item.name for item in fields(kind)}
+    return {key: value for key, value in data.items() if key in names}
 
 
 @dataclass
@@ -82,9 +87,10 @@ class Manifest:
 
     @classmethod
     def load(cls, path: Path) -> Manifest:
+        """Read a manifest; fields this version does not know (older or newer ones) are ignored."""
         data = json.loads(Path(path).read_text())
-        jobs = [JobRecord(**job) for job in data.pop("jobs", [])]
-        return cls(**data, jobs=jobs)
+        jobs = [JobRecord(**known_fields(JobRecord, job)) for job in data.pop("jobs", [])]
+        return cls(**known_fields(cls, data), jobs=jobs)
 
     def job_ids(self) -> list[str]:
         return [job.job_id for job in self.jobs if job.job_id]

@@ -33,3 +33,35 @@ def test_derived_seeds_are_not_offsets():
 def test_base_seed_out_of_range(bad):
     with pytest.raises(UsageError, match="out of range"):
         validate_base_seed(bad)
+
+
+def test_manifest_from_another_version_still_loads(tmp_path):
+    """Run dirs outlive releases: unknown manifest fields are ignored, not fatal."""
+    import json
+
+    from orchestrator.manifest import Manifest
+
+    path = tmp_path / "manifest.json"
+    path.write_text(
+        json.dumps(
+            {
+                "chain_id": "c",
+                "recipe": "r.sub",
+                "recipe_sha256": "0" * 64,
+                "script": "s",
+                "run_dir": str(tmp_path),
+                "backend": "slurm",
+                "dependency_kind": "afterany",
+                "num_jobs": 1,
+                "args": [],
+                "base_seed": None,
+                "git_sha": None,
+                "git_dirty": None,
+                "created": 1.0,
+                "added_later": True,
+                "jobs": [{"index": 0, "seed": 5, "job_id": "7", "exit_code": 0, "state": None}],
+            }
+        )
+    )
+    manifest = Manifest.load(path)
+    assert manifest.jobs[0].seed == 5 and manifest.job_ids() == ["7"]
