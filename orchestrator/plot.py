@@ -117,12 +117,18 @@ def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
 
 
 def sweep_labels(name: str) -> dict[str, str] | None:
-    """Chain id -> its overrides (else its id) for a sweep; None when ``name`` is no sweep."""
+    """Chain id -> the overrides that tell it from the other members (else its id) for a sweep;
+    None when ``name`` is no sweep. Overrides every member shares would only crowd the legend."""
     path = sweep_index_path(name)
     if not path.is_file():
         return None
     members = json.loads(path.read_text())["members"]
-    return {m["chain_id"]: " ".join(m.get("overrides") or []) or m["chain_id"] for m in members}
+    override_lists = [m.get("overrides") or [] for m in members]
+    shared = set.intersection(*map(set, override_lists)) if len(members) > 1 else set()
+    return {
+        m["chain_id"]: " ".join(o for o in overrides if o not in shared) or m["chain_id"]
+        for m, overrides in zip(members, override_lists, strict=True)
+    }
 
 
 def plot_data(name: str) -> PlotData:
