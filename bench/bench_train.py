@@ -2,7 +2,8 @@
 
 1. Throughput: steady-state decoder positions per second of ``python -m train`` against a minimal
    hand-written PyTorch loop: the same model preset, the same batches (same corpus, seed and
-   sampler), AdamW, no framework. Target ratio >= 0.95.
+   sampler), AdamW, no framework. Each runs in a fresh process of its own, in alternating order.
+   Target ratio >= 0.95.
 2. Resume cost: seconds from process start to the first completed step when resuming from a
    checkpoint, against a fresh start of the same run. Target ratio <= 1.3.
 
@@ -100,6 +101,32 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     return positions / seconds
 
 
+def hand_written_in_subprocess(args: argparse.Namespace) -> float:
+    """The baseline in a fresh process, like the entrypoint, so neither starts warmer."""
+    completed = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--hand-written-only",
+            "--corpus",
+            args.corpus,
+            "--preset",
+            args.preset,
+            "--steps",
+            str(args.steps),
+            "--max-duration",
+            str(args.max_duration),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
+    if completed.returncode != 0:
+        raise SystemExit(f"hand-written loop failed:\n{completed.stderr[-3000:]}")
+    return float(completed.stdout.strip().splitlines()[-1])
+
+
 def first_step_latency(run_dir: Path, started: float, after_step: int) -> float:
     row = next(row for row in metrics(run_dir) if row["step"] > after_step)
     return row["time"] - started
@@ -112,6 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--max-duration", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hand-written-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not (Path(args.corpus) / "cuts_train.jsonl.gz").exists():
         raise SystemExit(f"no corpus at {args.corpus}: run `make corpus` first")
@@ -119,15 +147,21 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    if args.hand_written_only:
+        print(hand_written_loop(args))
+        return
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
 
     print(f"throughput: preset {args.preset}, {args.steps} steps, first {WARMUP_STEPS} dropped")
     ours, baseline = [], []
     for repeat in range(args.repeats):
         run_dir = work / f"throughput{repeat}"
+        if repeat % 2:
+            baseline.append(hand_written_in_subprocess(args))
         run_entrypoint(run_dir, args, f"train.max_steps={args.steps}")
         ours.append(steady_rate(metrics(run_dir)))
-        baseline.append(hand_written_loop(args))
+        if not repeat % 2:
+            baseline.append(hand_written_in_subprocess(args))
         print(
             f"  repeat {repeat + 1}: entrypoint {ours[-1]:.0f} pos/s, "
             f"hand-written {baseline[-1]:.0f} pos/s",

@@ -212,3 +212,13 @@ def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
 def metrics_or_empty(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return metrics(run_dir) if path.exists() else []
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, corpus):
+    """One process trains a plain module; two FSDP2 ranks continue from its checkpoint."""
+    run_dir = tmp_path / "run"
+    train(run_dir, corpus, "seed=3", "train.max_steps=4", "train.max_steps_per_run=2")
+    resumed = train(run_dir, corpus, "seed=3", "train.max_steps=4", nproc=2)
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in resumed.stderr
+    assert [row["step"] for row in metrics(run_dir)] == [1, 2, 3, 4]

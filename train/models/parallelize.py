@@ -50,10 +50,12 @@ def parallelize(model: SALM, meshes: Meshes, options: ParallelizeOptions) -> SAL
     if options.compile:
         for block in [*model.encoder.layers, *model.llm.layers]:
             block.compile()
+    policy = mixed_precision_policy(meshes, options)
     if options.strategy == "ddp":
         replicate(model, device_mesh=meshes.dp)
-    else:
-        apply_fsdp(model, meshes, mixed_precision_policy(meshes, options))
+    elif dims.world_size > 1 or policy.param_dtype is not None:
+        apply_fsdp(model, meshes, policy)
+    # else one process in full precision: nothing to shard, and FSDP's hooks would only cost time.
     return model
 
 
