@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from train.config import TrainConfig, register
 from train.launch_env import apply_launch_env
+from train.stop import StopRequest
 from train.trainer import ConfigError, Trainer, init_distributed, preflight
 
 register()
@@ -26,6 +27,10 @@ register()
 def main(raw: DictConfig) -> None:
     apply_launch_env()
     cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
+    # From the first moment: a stop signal that arrives while the model is being built is kept
+    # and honoured at the first step boundary, and the time budget counts the whole job.
+    stop = StopRequest(cfg.train.max_time_per_run)
+    stop.install()
     try:
         dims = preflight(cfg)
     except ConfigError as error:
@@ -34,7 +39,7 @@ def main(raw: DictConfig) -> None:
         sys.exit(2)
     device = init_distributed()
     try:
-        code = Trainer(cfg, dims, device).run()
+        code = Trainer(cfg, dims, device, stop).run()
     finally:
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.

@@ -147,8 +147,11 @@ def mesh_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, dims: ParallelDims, device: torch.device) -> None:
+    def __init__(
+        self, cfg: TrainConfig, dims: ParallelDims, device: torch.device, stop: StopRequest
+    ) -> None:
         self.cfg = cfg
+        self.stop = stop
         self.dims = dims
         self.device = device
         self.rank = dist.get_rank()
@@ -287,8 +290,7 @@ class Trainer:
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
             return 0
-        stop = StopRequest(cfg.train.max_time_per_run)
-        stop.install()
+        stop = self.stop
         metrics = MetricsLogger(
             self.run_dir,
             rank=self.rank,
