@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, launch_json, run_tool, wait_chain
+from tests.helpers import REPO, chain_status, launch_json, run_tool, wait_chain
 
 pytestmark = pytest.mark.slurm
 
@@ -86,3 +88,31 @@ def test_local_backend_runs_the_same_recipe(tmp_path):
     assert [record["slurm_job_id"] for record in records] == [
         job["job_id"] for job in summary["jobs"]
     ]
+
+
+def test_usr1_as_the_job_starts_still_stops_it_cleanly(slurm_cluster, tmp_path):
+    """SLURM may warn a job as soon as it starts: the request must last until the ranks listen."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n1",
+        "--run-dir",
+        str(run_dir),
+        "recipes/smoke_2node.yaml",
+        "--",
+        "--steps",
+        "400",
+        "--sleep",
+        "0.2",
+        cwd=REPO,
+    )
+    job_id = summary["jobs"][0]["job_id"]
+    deadline = time.monotonic() + 60
+    while chain_status(summary["chain_id"])["jobs"][0]["state"] != "RUNNING":
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+    final = wait_chain(summary["chain_id"], timeout=120)
+    assert final["jobs"][0]["state"] == "COMPLETED", final
+    record = smoke_records(run_dir)[0]
+    assert record["stopped_on_signal"] is True
+    assert record["steps_done"] < 400

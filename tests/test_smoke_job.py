@@ -35,10 +35,13 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "smoke.jsonl").read_text().splitlines()]
 
 
-def signal_when_training(script: Path, run_dir: Path, seed: int) -> tuple[int, str]:
-    """Start ``bash script seed``, send it USR1 once the ranks report in; (exit code, output)."""
+def signal_when_training(
+    script: Path, run_dir: Path, seed: int, early: bool = False, args: tuple[str, ...] = ()
+) -> tuple[int, str]:
+    """Start ``bash script seed``, send it USR1 once the ranks report in (or, ``early``, as soon
+    as the batch shell has started, before any rank exists); (exit code, output)."""
     job = subprocess.Popen(
-        ["bash", str(script), str(seed)],
+        ["bash", str(script), str(seed), *args],
         cwd=REPO,
         env=job_env(run_dir, seed),
         stdout=subprocess.PIPE,
@@ -49,12 +52,15 @@ def signal_when_training(script: Path, run_dir: Path, seed: int) -> tuple[int, s
     try:
         for line in job.stdout:
             output.append(line)
-            # The summary comes after every rank has installed its signal handlers.
-            if line.startswith("smoke: job index"):
+            # The summary comes after every rank has installed its signal handlers; the job header
+            # before any rank has started.
+            if line.startswith("[orch] job" if early else "smoke: job index") or (
+                early and line.startswith("[smoke] job")
+            ):
                 job.send_signal(signal.SIGUSR1)
                 break
         output.append(job.stdout.read())
-        return job.wait(timeout=30), "".join(output)
+        return job.wait(timeout=45), "".join(output)
     finally:
         if job.poll() is None:
             job.kill()
@@ -113,3 +119,21 @@ def test_rendered_single_template_forwards_usr1_to_the_training(tmp_path: Path) 
     (record,) = records(tmp_path)
     assert (record["seed"], record["world_size"], record["stopped_on_signal"]) == (5, 1, True)
     assert record["steps_done"] < 20
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("recipe", ["smoke.sub", "smoke.yaml"])
+def test_usr1_before_the_ranks_exist_is_not_lost(recipe: str, tmp_path: Path) -> None:
+    """SLURM's limit check is coarse: USR1 can come as the job starts. It must still stop the
+    training cleanly (the batch shell keeps passing it on until the ranks act on it)."""
+    script = REPO / "recipes" / recipe
+    if recipe.endswith(".yaml"):
+        script = tmp_path / "smoke.sub"
+        script.write_text(prepare_script(REPO / "recipes" / recipe).text)
+    code, output = signal_when_training(
+        script, tmp_path, 9, early=True, args=("--steps", "200", "--sleep", "0.2")
+    )
+    assert code == 0, output
+    (record,) = records(tmp_path)
+    assert record["stopped_on_signal"] is True, output
+    assert record["steps_done"] < 200
