@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, chain_status, launch_json, run_tool, wait_chain
+from tests.helpers import REPO, launch_json, run_tool, wait_chain
 
 pytestmark = pytest.mark.slurm
 
@@ -106,10 +106,13 @@ def test_usr1_as_the_job_starts_still_stops_it_cleanly(slurm_cluster, tmp_path):
         cwd=REPO,
     )
     job_id = summary["jobs"][0]["job_id"]
+    # RUNNING in squeue means allocated; a signal before the batch script exists reaches no one.
+    # The script prints its header once its trap is in place: signal right then.
+    log = run_dir / "logs" / f"smoke_2node-{job_id}.out"
     deadline = time.monotonic() + 60
-    while chain_status(summary["chain_id"])["jobs"][0]["state"] != "RUNNING":
-        assert time.monotonic() < deadline, "the job did not start"
-        time.sleep(0.2)
+    while not (log.exists() and "[orch] job" in log.read_text()):
+        assert time.monotonic() < deadline, "the job's batch script did not start"
+        time.sleep(0.1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
     final = wait_chain(summary["chain_id"], timeout=120)
     assert final["jobs"][0]["state"] == "COMPLETED", final

@@ -288,7 +288,9 @@ SCRIPT_DIRECTIVES = """
 
 @pytest.mark.slurm
 def test_slurm_chains_of_a_callable_and_of_a_script(slurm_cluster, tmp_path):
-    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm", executor_params={"time": 2})
+    # 10 minutes: submitit warns 90 s before the limit, and SLURM's coarse check can deliver a
+    # warning up to a minute early; a 2-minute limit put it at the jobs' very start.
+    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm", executor_params={"time": 10})
     callable_dir = tmp_path / "callable"
     script_dir = tmp_path / "script"
     callable_dir.mkdir()
