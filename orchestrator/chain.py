@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.backends.base import Backend, JobRequest
+from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError
 from orchestrator.manifest import JobRecord, Manifest, register_chain
 
@@ -173,11 +173,7 @@ def _submit_jobs(
     try:
         for index in range(plan.num_jobs):
             job_id = backend.submit(plan.request(index, after))
-            dependency = None
-            if plan.dependency_kind == "singleton":
-                dependency = "singleton"
-            elif after is not None:
-                dependency = f"{plan.dependency_kind}:{after}"
+            dependency = dependency_spec(plan.dependency_kind, after)
             record = JobRecord(
                 index=index,
                 seed=plan.seeds[index],

@@ -314,8 +314,10 @@ class Trainer:
         while self.step < cfg.train.max_steps:
             started = time.perf_counter()
             batch = next(batches)
-            if not checked and self.dims.tp_enabled and cfg.debug.check_tp_batches:
-                check_tp_batches(batch_hash(batch), self.meshes)
+            check_first = not checked and self.dims.tp_enabled and cfg.debug.check_tp_batches
+            digest = batch_hash(batch) if check_first or cfg.debug.batch_hashes else ""
+            if check_first:
+                check_tp_batches(digest, self.meshes)
             checked = True
             if cfg.debug.batch_hashes:
                 append_batch_hash(
@@ -323,7 +325,7 @@ class Trainer:
                     step=self.step + 1,
                     rank=self.rank,
                     coords=self.coords,
-                    digest=batch_hash(batch),
+                    digest=digest,
                 )
             result = self.train_step(batch)
             self.step += 1

@@ -18,6 +18,13 @@ DEPENDENCY_KINDS = ("afterany", "afterok", "singleton")
 FINISHED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
+def dependency_spec(kind: str, after: str | None) -> str | None:
+    """SLURM's dependency for a job of a chain: ``singleton``, ``<kind>:<id>``, or None."""
+    if kind == "singleton":
+        return "singleton"
+    return None if after is None else f"{kind}:{after}"
+
+
 @dataclass(frozen=True)
 class JobRequest:
     """One job of a chain, as the backend needs it.

@@ -49,16 +49,14 @@ def next_job_id() -> str:
     return str(value)
 
 
-def shim_dir() -> Path:
-    """A folder holding ``srun`` and ``scontrol`` scripts that call orchestrator.local_shims."""
-    folder = Path(tempfile.mkdtemp(prefix="orch-local-shims-"))
+def write_shims(folder: Path) -> None:
+    """``srun`` and ``scontrol`` scripts in ``folder`` that call orchestrator.local_shims."""
     for tool in ("srun", "scontrol"):
         path = folder / tool
         path.write_text(
             f'#!/bin/sh\nexec "{sys.executable}" -m orchestrator.local_shims {tool} "$@"\n'
         )
         path.chmod(0o755)
-    return folder
 
 
 def job_environment(request: JobRequest, job_id: str, directives: dict[str, str]) -> dict[str, str]:
@@ -149,8 +147,6 @@ class LocalBackend:
         assert request.script is not None
         directives = parse_sbatch_directives(request.script.read_text())
         env = job_environment(request, job_id, directives)
-        shims = shim_dir()
-        env["PATH"] = f"{shims}{os.pathsep}{env.get('PATH', '')}"
         log_path = Path(
             str(request.log_pattern).replace("%j", job_id).replace("%x", request.job_name)
         )
@@ -163,7 +159,12 @@ class LocalBackend:
             f"running, log {log_path}"
         )
         started = time.monotonic()
-        with open(log_path, "ab") as log:
+        with (
+            tempfile.TemporaryDirectory(prefix="orch-local-shims-") as shims,
+            open(log_path, "ab") as log,
+        ):
+            write_shims(Path(shims))
+            env["PATH"] = f"{shims}{os.pathsep}{env.get('PATH', '')}"
             process = subprocess.Popen(
                 self.command_line(request, request.after),
                 cwd=request.workdir,
@@ -178,9 +179,6 @@ class LocalBackend:
         if state == "RUNNING":
             state = "COMPLETED" if code == 0 else "FAILED"
         self._say(f"job {job_id}: {state} (exit {code}) after {elapsed:.1f} s")
-        for leftover in shims.iterdir():
-            leftover.unlink()
-        shims.rmdir()
         return JobStatus(job_id, state, nodes="localhost", exit_code=code)
 
     def _supervise(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.backends.base import JobRequest, JobStatus
+from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
 from orchestrator.errors import SchedulerError
 from orchestrator.slurm_commands import SUBMIT_TRANSIENT_MARKERS, run_slurm
 
@@ -12,11 +12,8 @@ JOB_ID_PATTERN = re.compile(r"^\d+(_\d+)?$")
 
 
 def dependency_option(kind: str, after: str | None) -> list[str]:
-    if kind == "singleton":
-        return ["--dependency=singleton"]
-    if after is None:
-        return []
-    return [f"--dependency={kind}:{after}"]
+    spec = dependency_spec(kind, after)
+    return [] if spec is None else [f"--dependency={spec}"]
 
 
 def export_option(env: dict[str, str]) -> str:
