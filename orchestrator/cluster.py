@@ -26,7 +26,8 @@ from pathlib import Path
 
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import atomic_write_json, orch_home
-from orchestrator.slurm_commands import is_transient, run_slurm
+from orchestrator.retry import ATTEMPTS, is_transient
+from orchestrator.slurm_commands import run_slurm
 
 DEFAULT_NODES = 2
 DEFAULT_CPUS_PER_NODE = 1
@@ -358,7 +359,7 @@ def _slurm_daemons_elsewhere(directory: Path) -> bool:
 
 def _query(argv: list[str], conf: str, retry: bool = True) -> str:
     env = {**os.environ, "SLURM_CONF": conf}
-    return run_slurm(argv, timeout_s=COMMAND_TIMEOUT_S, retry=retry, env=env)
+    return run_slurm(argv, timeout_s=COMMAND_TIMEOUT_S, attempts=ATTEMPTS if retry else 1, env=env)
 
 
 def node_states(conf: Path | str, retry: bool = True) -> dict[str, str]:

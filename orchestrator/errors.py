@@ -11,3 +11,7 @@ class SchedulerError(Exception):
     """The scheduler (sbatch, squeue, a daemon) failed; the message carries its own words."""
 
     exit_code = 1
+
+
+class SchedulerTimeout(SchedulerError):
+    """A scheduler command did not answer in time: it may or may not have acted."""

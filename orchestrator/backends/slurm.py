@@ -6,7 +6,8 @@ import re
 
 from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
 from orchestrator.errors import SchedulerError
-from orchestrator.slurm_commands import SUBMIT_TRANSIENT_MARKERS, run_slurm
+from orchestrator.retry import REJECTED_MARKERS
+from orchestrator.slurm_commands import run_slurm
 
 JOB_ID_PATTERN = re.compile(r"^\d+(_\d+)?$")
 
@@ -44,7 +45,8 @@ class SlurmBackend:
     def submit(self, request: JobRequest) -> str:
         output = run_slurm(
             self.command_line(request, request.after),
-            transient_markers=SUBMIT_TRANSIENT_MARKERS,
+            idempotent=False,
+            transient_markers=REJECTED_MARKERS,
         )
         job_id = output.strip().split(";")[0]
         if not JOB_ID_PATTERN.match(job_id):
@@ -57,7 +59,7 @@ class SlurmBackend:
         argv.insert(1, "--test-only")
         argv.remove("--parsable")
         try:
-            run_slurm(argv, retry=False)
+            run_slurm(argv, attempts=1)
         except SchedulerError as error:
             return f"rejected: {error}"
         return "accepted"
@@ -139,7 +141,7 @@ def sacct_status(job_id: str) -> JobStatus:
                 "--format=State,NodeList,ExitCode",
             ],
             timeout_s=30,
-            retry=False,
+            attempts=1,
         )
     except SchedulerError:
         return JobStatus(job_id=job_id, state="UNKNOWN", reason="no longer known to SLURM")

@@ -50,13 +50,9 @@ from submitit.slurm.slurm import SlurmExecutor
 from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, JobRequest, JobStatus
 from orchestrator.backends.slurm import dependency_option, scontrol_fields, status_from_fields
 from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.retry import REJECTED_MARKERS, with_retries
 from orchestrator.sbatch_directives import parse_sbatch_directives, parse_signal
-from orchestrator.slurm_commands import (
-    RETRY_DELAYS_S,
-    SUBMIT_TRANSIENT_MARKERS,
-    is_transient,
-    run_slurm,
-)
+from orchestrator.slurm_commands import run_slurm
 from orchestrator.slurm_time import parse_time_minutes
 
 CLUSTERS = ("slurm", "local")
@@ -224,16 +220,14 @@ class SubmititBackend:
             raise SchedulerError(str(error)) from error
         _update(executor, params)
         payload = self._payload(request, directives)
-        message = ""
-        for delay in (0.0, *RETRY_DELAYS_S):
-            time.sleep(delay)
+
+        def submit_once() -> str:
             try:
                 return executor.submit(payload).job_id
             except (FailedJobError, FailedSubmissionError) as error:
-                message = str(error).strip()
-                if not is_transient(message, SUBMIT_TRANSIENT_MARKERS):
-                    break
-        raise SchedulerError(f"sbatch failed: {message}")
+                raise SchedulerError(f"sbatch failed: {str(error).strip()}") from error
+
+        return with_retries(submit_once, transient_markers=REJECTED_MARKERS, idempotent=False)
 
     def _slurm_status(self, job_id: str) -> JobStatus:
         fields = scontrol_fields(job_id)
