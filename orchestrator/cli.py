@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from orchestrator.backend_choice import BACKEND_CHOICES, check_backend_resources, choose_backend
-from orchestrator.backends.base import FINISHED_STATES, Backend, JobStatus
+from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, Backend, JobStatus
 from orchestrator.chain import ChainPlan, new_chain_id, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
@@ -62,12 +62,20 @@ def auto_launch_parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe", help="a .sub batch script or a .yaml recipe description")
     parser.add_argument("-n", "--num-jobs", type=int, default=1, help="jobs in the chain")
     parser.add_argument(
-        "--dependency", default="afterany", help="afterany (default), afterok or singleton"
+        "--dependency",
+        default="afterany",
+        choices=DEPENDENCY_KINDS,
+        help="afterany (default): go on after any end; afterok: stop on a failure; singleton",
     )
     parser.add_argument("--seed", type=int, help="derive every job's seed from this one")
     parser.add_argument("--run-dir", type=Path, help="shared by the chain's jobs")
     parser.add_argument("--name", help="job name (default: the recipe's file name)")
-    parser.add_argument("--backend", default="auto", help=f"one of {', '.join(BACKEND_CHOICES)}")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKEND_CHOICES,
+        help="auto (default): slurm when a controller answers, else local",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
     return parser

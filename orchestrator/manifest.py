@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
+METRICS_FILE = "metrics.jsonl"  # written by the trainer into the run dir, read by plot/status
 
 
 def orch_home() -> Path:

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import UsageError
-from orchestrator.manifest import Manifest, find_manifests, sweep_index_path
-
-METRICS_FILE = "metrics.jsonl"
+from orchestrator.manifest import METRICS_FILE, Manifest, find_manifests, sweep_index_path
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ than literal text, because it almost always means a variable the author expected
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,18 +107,6 @@ class Container:
 
 
 @dataclass(frozen=True)
-class Resources:
-    """What a job asks of the cluster, for the preflight check against sinfo."""
-
-    nodes: int
-    tasks_per_node: int
-    gpus_per_node: int
-    cpus_per_task: int
-    time_minutes: int
-    partition: str | None
-
-
-@dataclass(frozen=True)
 class RecipeSpec:
     source: Path
     command: tuple[str, ...]
@@ -146,16 +133,6 @@ class RecipeSpec:
             flags.append(f"--container-mounts={','.join(self.container.mounts)}")
         return flags
 
-    def resources(self) -> Resources:
-        return Resources(
-            nodes=self.nodes,
-            tasks_per_node=self.tasks_per_node,
-            gpus_per_node=self.gpus_per_node,
-            cpus_per_task=self.cpus_per_task,
-            time_minutes=time_limit_minutes(self.time),
-            partition=self.partition,
-        )
-
 
 class _RecipeLoader(yaml.SafeLoader):
     """SafeLoader without YAML 1.1's base-60 numbers: ``1:30:00`` stays a string, not 5400."""
@@ -164,14 +141,6 @@ class _RecipeLoader(yaml.SafeLoader):
         if kind is yaml.ScalarNode and implicit[0] and ":" in value:
             return "tag:yaml.org,2002:str"
         return super().resolve(kind, value, implicit)
-
-
-def time_limit_minutes(time: str) -> int:
-    """Whole minutes in a SLURM time limit, rounded up as SLURM does."""
-    minutes = parse_time_minutes(time)
-    if minutes is None:
-        raise UsageError(f"time {time!r} has no limit")
-    return math.ceil(minutes)
 
 
 def load_recipe(path: Path | str) -> RecipeSpec:

@@ -19,6 +19,7 @@ from orchestrator.errors import UsageError
 from orchestrator.recipe import load_recipe
 from orchestrator.render import render_recipe, shell_word
 from orchestrator.scripts import prepare_script
+from orchestrator.slurm_time import parse_time_minutes
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -63,16 +64,16 @@ def test_prepared_yaml_has_directives_and_resources() -> None:
     assert prepared.directives["gres"] == "gpu:8"
     assert prepared.directives["signal"] == "B:USR1@300"
     assert prepared.directives["open-mode"] == "append"
-    resources = prepared.spec.resources()
-    assert (resources.nodes, resources.tasks_per_node, resources.gpus_per_node) == (2, 8, 8)
-    assert (resources.cpus_per_task, resources.time_minutes) == (12, 240)
-    assert resources.partition == "gpu"
+    spec = prepared.spec
+    assert (spec.nodes, spec.tasks_per_node, spec.gpus_per_node) == (2, 8, 8)
+    assert (spec.cpus_per_task, spec.time) == (12, "04:00:00")
+    assert spec.partition == "gpu"
 
 
 def test_unquoted_clock_time_is_not_read_as_base_60(tmp_path: Path) -> None:
     spec = load_recipe(write_recipe(tmp_path, "time: 1:30:00\ncommand: [python]\n"))
     assert spec.time == "1:30:00"
-    assert spec.resources().time_minutes == 90
+    assert parse_time_minutes(spec.time) == 90
 
 
 def test_container_renders_pyxis_flags(tmp_path: Path) -> None:

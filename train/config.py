@@ -16,7 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-STRATEGIES = ("ddp", "fsdp2")
+from orchestrator.seeds import SEED_LIMIT
+from train.parallel_dims import STRATEGIES
+
 MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
 
 
@@ -115,7 +117,7 @@ def member_seed() -> int:
     if config.mode != RunMode.MULTIRUN:
         return 0
     state = np.random.SeedSequence([MEMBER_SEED_ROOT, int(config.job.num)]).generate_state(1)
-    return int(state[0]) % 2**31
+    return int(state[0]) % SEED_LIMIT
 
 
 def default_run_dir() -> str:
@@ -143,7 +145,7 @@ def validate(cfg: TrainConfig) -> None:
     """Checks no type can express; each failure is one ValueError line naming the key."""
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"strategy={cfg.strategy}: choose one of {', '.join(STRATEGIES)}")
-    if not 0 <= cfg.seed < 2**31:
+    if not 0 <= cfg.seed < SEED_LIMIT:
         raise ValueError(f"seed={cfg.seed}: give an integer in [0, 2**31)")
     if cfg.train.max_steps < 1:
         raise ValueError(f"train.max_steps={cfg.train.max_steps}: must be at least 1")

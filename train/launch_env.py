@@ -5,6 +5,12 @@ submitit's local executor start one process per rank but set only their own vari
 process derives RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from
 them, so that every task of the member meets in one process group. Variables already set (by
 torchrun, or by a batch script that exports them) win.
+
+Not ``submitit.helpers.TorchDistributedEnvironment``, which gives the same five variables, because
+it (a) only works inside a submitit job (its JobEnvironment needs SUBMITIT_EXECUTOR), while a
+recipe with ``launcher: srun`` runs under a plain sbatch script; (b) takes the master address
+from the job's node names, which need not resolve (the loopback cluster's ``n1``), where
+SLURM_LAUNCH_NODE_IPADDR is an address; and (c) counts the job's tasks and nodes, not the step's.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-METRICS_FILE = "metrics.jsonl"
+from orchestrator.manifest import METRICS_FILE
+
 # Words that mark a config key as secret ("hf_token", "dbPassword", "WANDB_API_KEY"); matched on
 # whole words so "tokens_per_s" or "tokenizer" stay.
 SECRET_WORDS = frozenset({"token", "password", "passwd", "secret", "apikey", "credentials"})

@@ -22,7 +22,7 @@ import random
 import numpy as np
 import torch
 
-SEED_LIMIT = 2**31
+from orchestrator.seeds import SEED_LIMIT
 
 # First spawn-key element: keeps the seeds drawn for different purposes apart.
 _PURPOSE_SAMPLER = 0

@@ -8,7 +8,7 @@ rollback) lives in ``orchestrator.chain`` and never depends on which backend run
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,7 +54,6 @@ class JobStatus:
     reason: str = ""
     start_estimate: str = ""
     exit_code: int | None = None
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class Backend(Protocol):

@@ -118,7 +118,6 @@ def status_from_fields(job_id: str, fields: dict[str, str]) -> JobStatus:
         reason="" if fields.get("Reason") == "None" else fields.get("Reason", ""),
         start_estimate=fields.get("StartTime", "").replace("Unknown", ""),
         exit_code=int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None,
-        extra={"Dependency": fields.get("Dependency", "")},
     )
 
 
