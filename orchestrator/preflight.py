@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +47,15 @@ def check_run_dir(run_dir: Path) -> None:
 class Partition:
     name: str
     is_default: bool
-    available: bool
+    state: str  # sinfo's %a: up, down, drain or inact
     nodes: int
     cpus_per_node: int
     gpus_per_node: int
     max_time_min: float | None
+
+    @property
+    def available(self) -> bool:
+        return self.state == "up"
 
 
 def parse_gpus(gres: str) -> int:
@@ -75,7 +80,7 @@ def parse_partitions(output: str) -> list[Partition]:
         partitions[name] = Partition(
             name=name,
             is_default=is_default,
-            available=avail == "up",
+            state=avail,
             nodes=count,
             cpus_per_node=int(re.match(r"\d+", cpus).group()) if re.match(r"\d+", cpus) else 0,
             gpus_per_node=parse_gpus(gres),
@@ -105,7 +110,8 @@ def requested_gpus_per_node(directives: dict[str, str]) -> int:
 
 
 def check_resources(directives: dict[str, str], partitions: list[Partition]) -> Partition:
-    """The script's #SBATCH request must fit a partition that exists and is up."""
+    """The script's #SBATCH request must fit a partition that exists (one that is not up only
+    warns)."""
     if directives.get("signal"):
         parse_signal(directives["signal"])
     wanted = directives.get("partition", "")
@@ -121,7 +127,13 @@ def check_resources(directives: dict[str, str], partitions: list[Partition]) -> 
             raise UsageError("no --partition given and the cluster has no default partition")
         partition = defaults[0]
     if not partition.available:
-        raise UsageError(f"partition {partition.name!r} is not up")
+        # sbatch queues jobs for a partition in maintenance: they pend until it is up again.
+        print(
+            f"warning: partition {partition.name!r} is {partition.state}: the jobs will pend "
+            "until it is up",
+            file=sys.stderr,
+            flush=True,
+        )
     nodes = positive_int(directives, "nodes", 1)
     if nodes > partition.nodes:
         raise UsageError(f"{nodes} nodes asked; partition {partition.name!r} has {partition.nodes}")
