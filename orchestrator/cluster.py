@@ -3,29 +3,35 @@
 Everything the cluster owns lives under one directory (its slurm.conf, state, spool, logs, pid
 files and ``cluster.json``), so a test cluster and a user's demo cluster can run side by side on
 different ports. Daemons are started with a marker in their environment; the marker (inherited by
-the slurmstepd processes they fork) and the pid files checked against /proc are how ``down`` finds
-exactly the processes this cluster started and nothing else.
+the slurmstepd processes they fork) and the pid files checked against the processes' command
+lines are how ``down`` finds exactly the processes this cluster started and nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import atomic_write_json, orch_home
+from orchestrator.processes import (
+    alive,
+    command_line,
+    environment,
+    live_processes,
+    process_name,
+    terminate,
+    with_descendants,
+)
 from orchestrator.retry import ATTEMPTS, is_transient
 from orchestrator.slurm_commands import run_slurm
 
@@ -39,7 +45,6 @@ SBIN_DIRS = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 MUNGE_RUN_DIR = Path("/run/munge")
 MUNGE_PID_FILE = MUNGE_RUN_DIR / "munged.pid"
 UP_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 5.0
 DRAIN_TIMEOUT_S = 10.0
 # Node states that will not turn idle by themselves (a config the node cannot meet).
 STUCK_STATES = ("inval", "drained", "draining", "fail", "failing")
@@ -177,43 +182,7 @@ def render_conf(info: ClusterInfo) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---- processes, read from /proc ----
-
-
-def _read_proc(pid: int, entry: str) -> bytes | None:
-    try:
-        return Path(f"/proc/{pid}/{entry}").read_bytes()
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie waiting to be reaped."""
-    stat = _read_proc(pid, "stat")
-    if stat is None:
-        return False
-    return stat.rsplit(b")", 1)[-1].split()[0] != b"Z"
-
-
-def _cmdline(pid: int) -> list[str]:
-    raw = _read_proc(pid, "cmdline") or b""
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = _read_proc(pid, "environ") or b""
-    pairs = (part.decode(errors="replace").partition("=") for part in raw.split(b"\0") if part)
-    return {name: value for name, _, value in pairs}
-
-
-def _all_pids() -> Iterator[int]:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            yield int(entry.name)
-
-
-def _comm(pid: int) -> str:
-    return (_read_proc(pid, "comm") or b"").decode(errors="replace").strip()
+# ---- processes ----
 
 
 def _daemons(nodes: list[str]) -> list[str]:
@@ -229,7 +198,7 @@ def _pid_from_file(path: Path) -> int | None:
 
 def _is_our_daemon(pid: int, daemon: str, conf: str) -> bool:
     """The pid is that daemon of this cluster (not a reused pid): checked by its cmdline."""
-    argv = _cmdline(pid)
+    argv = command_line(pid)
     program = daemon.split("-", 1)[0]
     return bool(argv) and Path(argv[0]).name == program and conf in argv and alive(pid)
 
@@ -251,11 +220,10 @@ def daemon_pids(directory: Path | str) -> dict[str, int | None]:
 def marked_pids(directory: Path | str) -> list[int]:
     """Live processes started by this cluster's daemons (they carry its marker)."""
     marker = str(_dir(directory))
-    own = os.getpid()
     return [
-        pid
-        for pid in _all_pids()
-        if pid != own and _environ(pid).get(MARKER_ENV) == marker and alive(pid)
+        process.pid
+        for process in live_processes()
+        if environment(process).get(MARKER_ENV) == marker
     ]
 
 
@@ -263,60 +231,18 @@ def running_clusters() -> dict[Path, dict[str, str]]:
     """Every loopback cluster with a live daemon on this machine: its dir and the environment
     its daemons were started with (which says who started them)."""
     found: dict[Path, dict[str, str]] = {}
-    for pid in _all_pids():
-        environ = _environ(pid)
-        if MARKER_ENV in environ and alive(pid):
+    for process in live_processes():
+        environ = environment(process)
+        if MARKER_ENV in environ:
             found.setdefault(Path(environ[MARKER_ENV]), environ)
     return found
-
-
-def _parent(pid: int) -> int | None:
-    stat = _read_proc(pid, "stat")
-    return int(stat.rsplit(b")", 1)[-1].split()[1]) if stat else None
-
-
-def with_descendants(pids: list[int]) -> list[int]:
-    """The processes and everything they forked that still hangs below them (job steps)."""
-    children: dict[int, list[int]] = {}
-    for pid in _all_pids():
-        parent = _parent(pid)
-        if parent is not None:
-            children.setdefault(parent, []).append(pid)
-    found, todo = set(), list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo += children.get(pid, [])
-    return sorted(pid for pid in found if alive(pid))
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    remaining = [pid for pid in pids if alive(pid)]
-    while remaining and time.monotonic() < deadline:
-        time.sleep(0.2)
-        remaining = [pid for pid in remaining if alive(pid)]
-    return remaining
-
-
-def _stop(pids: list[int], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM, wait, then SIGKILL whatever is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        pids = _wait_gone(pids, timeout_s)
-        if not pids:
-            return
-    raise SchedulerError(f"processes {pids} survived SIGKILL")
 
 
 # ---- munge ----
 
 
 def _munged_pids() -> list[int]:
-    return [pid for pid in _all_pids() if _comm(pid) == "munged" and alive(pid)]
+    return [process.pid for process in live_processes() if process.name() == "munged"]
 
 
 def ensure_munged(munged: str) -> tuple[bool, int | None]:
@@ -347,10 +273,9 @@ def _slurm_daemons_elsewhere(directory: Path) -> bool:
     """Whether slurm daemons that are not this cluster's run on the machine (they need munge)."""
     marker = str(directory)
     return any(
-        _comm(pid) in ("slurmctld", "slurmd", "slurmstepd")
-        and alive(pid)
-        and _environ(pid).get(MARKER_ENV) != marker
-        for pid in _all_pids()
+        process.name() in ("slurmctld", "slurmd", "slurmstepd")
+        and environment(process).get(MARKER_ENV) != marker
+        for process in live_processes()
     )
 
 
@@ -550,7 +475,7 @@ def down(directory: Path | str) -> bool:
     if not pids and not leftovers:
         say(f"no cluster in {path}: nothing to stop")
         return False
-    _stop(pids)
+    terminate(pids)
     if info is not None and info.started_munged and info.munged_pid is not None:
         _stop_munged(path, info.munged_pid)
     for entry in leftovers:
@@ -566,12 +491,12 @@ def down(directory: Path | str) -> bool:
 
 def _stop_munged(directory: Path, pid: int) -> None:
     """Stop the munged this cluster started, unless other slurm daemons still rely on it."""
-    if _comm(pid) != "munged" or not alive(pid):
+    if process_name(pid) != "munged" or not alive(pid):
         return
     if _slurm_daemons_elsewhere(directory):
         say(f"leaving munged (pid {pid}) running: other slurm daemons use it")
         return
-    _stop([pid])
+    terminate([pid])
 
 
 # ---- env / status ----
@@ -601,7 +526,7 @@ def status(directory: Path | str) -> str:
         pid = pids.get(daemon)
         lines.append(f"  {daemon:<12} pid {pid or '-':<8} {'alive' if pid else 'not running'}")
     if info.munged_pid is not None:
-        running = alive(info.munged_pid) and _comm(info.munged_pid) == "munged"
+        running = alive(info.munged_pid) and process_name(info.munged_pid) == "munged"
         owner = "started by this cluster" if info.started_munged else "already running"
         lines.append(
             f"  {'munged':<12} pid {info.munged_pid:<8} "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster
+from orchestrator import cluster, processes
 
 REPO = Path(__file__).resolve().parents[1]
 # Inherited by the daemons of the session's clusters: names the pytest process that owns them.
@@ -69,7 +69,7 @@ def down_clusters_of_dead_sessions() -> None:
     those (other sessions on the machine may be running their own)."""
     for directory, environ in cluster.running_clusters().items():
         owner = environ.get(SESSION_ENV, "")
-        if owner.isdigit() and not cluster.alive(int(owner)):
+        if owner.isdigit() and not processes.alive(int(owner)):
             cluster.down(directory)
 
 

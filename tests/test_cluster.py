@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster
+from orchestrator import cluster, processes
 from tests.conftest import (
     SESSION_ENV,
     LoopbackCluster,
@@ -153,12 +153,12 @@ def test_up_down_cycle_leaves_nothing_behind(
     while not live_processes_mentioning(f"{directory}/spool/n1/job"):
         assert time.monotonic() < deadline, f"job {job_id} never started"
         time.sleep(0.5)
-    started_pids = cluster.with_descendants([*daemons.values(), *cluster.marked_pids(directory)])
+    started_pids = processes.with_descendants([*daemons.values(), *cluster.marked_pids(directory)])
     assert len(started_pids) >= 5  # slurmctld, slurmscriptd, slurmd, slurmstepd, the job
 
     stopped = cluster_cli("down", "--dir", str(directory))
     assert stopped.returncode == 0, stopped.stderr
-    assert [pid for pid in started_pids if cluster.alive(pid)] == []
+    assert [pid for pid in started_pids if processes.alive(pid)] == []
     assert live_processes_mentioning(str(directory)) == []
     assert sorted(path.name for path in directory.iterdir()) == ["log"]
     assert (directory / "log" / "slurmctld.log").is_file()

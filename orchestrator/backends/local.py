@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 from orchestrator.backends.base import JobRequest, JobStatus
 from orchestrator.errors import SchedulerError
 from orchestrator.manifest import atomic_write_json, orch_home
+from orchestrator.processes import group_and_descendants, terminate
 from orchestrator.sbatch_directives import parse_sbatch_directives, parse_signal
 from orchestrator.slurm_time import parse_time_minutes
 
@@ -210,11 +210,6 @@ class LocalBackend:
         return "RUNNING"
 
     def _stop(self, process: subprocess.Popen[bytes]) -> None:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=KILL_WAIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        except ProcessLookupError:
-            process.wait()
+        """End the job's whole process tree: SIGTERM, then SIGKILL after KILL_WAIT_S."""
+        terminate(group_and_descendants(process.pid), timeout_s=KILL_WAIT_S)
+        process.wait()

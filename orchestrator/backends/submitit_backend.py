@@ -28,7 +28,6 @@ own, ``<folder>/<job id>_0_log.out`` and ``.err``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickletools
@@ -50,6 +49,7 @@ from submitit.slurm.slurm import SlurmExecutor
 from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, JobRequest, JobStatus
 from orchestrator.backends.slurm import dependency_option, scontrol_fields, status_from_fields
 from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.processes import command_line, group_and_descendants, terminate
 from orchestrator.retry import REJECTED_MARKERS, with_retries
 from orchestrator.sbatch_directives import parse_sbatch_directives, parse_signal
 from orchestrator.slurm_commands import run_slurm
@@ -111,14 +111,9 @@ class ScriptCall:
             returncode = process.wait()
         finally:
             if self.own_group:
-                _end_group(process.pid)
+                terminate(group_and_descendants(process.pid))
         if returncode != 0:
             raise subprocess.CalledProcessError(returncode, list(self.argv))
-
-
-def _end_group(group: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(group, signal.SIGTERM)
 
 
 class SubmititBackend:
@@ -284,15 +279,12 @@ class SubmititBackend:
         """A local job id is its controller's pid; a zombie or a reused pid does not count.
 
         A job this backend started is asked through its process handle: just after the start the
-        controller's /proc entry may not show its command line yet.
+        controller's command line may not be readable yet.
         """
         if job_id in self._local_jobs:
             return self._local_jobs[job_id].get_info()["jobState"] == "RUNNING"
-        try:
-            words = Path(f"/proc/{job_id}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        return b"submitit.local._local" in words and os.fsencode(str(self.folder)) in words
+        words = command_line(int(job_id)) if job_id.isdigit() else []
+        return "submitit.local._local" in words and str(self.folder) in words
 
     # both
 
