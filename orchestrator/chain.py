@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
-from orchestrator.errors import SchedulerError
-from orchestrator.manifest import JobRecord, Manifest, register_chain
+from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.manifest import JobRecord, Manifest, orch_home, register_chain
+from orchestrator.preflight import check_dependency, check_num_jobs, check_run_dir
+from orchestrator.seeds import chain_seeds, validate_base_seed
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,54 @@ class ChainPlan:
     sweep_id: str | None = None
     function: Callable[..., Any] | None = None
     function_args: tuple[Any, ...] = ()
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        job_name: str,
+        recipe: Path,
+        num_jobs: int,
+        dependency_kind: str,
+        base_seed: int | None,
+        run_dir: Path | None,
+        script_text: str | None = None,
+        script_args: tuple[str, ...] = (),
+        chain_id: str | None = None,
+        sweep_id: str | None = None,
+        function: Callable[..., Any] | None = None,
+        function_args: tuple[Any, ...] = (),
+        workdir: Path | None = None,
+    ) -> ChainPlan:
+        """The one way to plan a chain: every check made, the id, run dir and seeds decided.
+
+        ``run_dir`` defaults to ``$ORCH_HOME/runs/<chain id>``, ``workdir`` to the current one.
+        """
+        check_num_jobs(num_jobs)
+        check_dependency(dependency_kind)
+        if base_seed is not None:
+            validate_base_seed(base_seed)
+        if not job_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise UsageError(f"job name {job_name!r}: use letters, digits, '-', '_' and '.' only")
+        chain_id = chain_id or new_chain_id(job_name)
+        resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
+        check_run_dir(resolved_run_dir)
+        return cls(
+            chain_id=chain_id,
+            recipe=recipe,
+            script_text=script_text,
+            run_dir=resolved_run_dir,
+            workdir=workdir or Path.cwd(),
+            num_jobs=num_jobs,
+            seeds=tuple(chain_seeds(num_jobs, base_seed)),
+            dependency_kind=dependency_kind,
+            script_args=tuple(script_args),
+            base_seed=base_seed,
+            job_name=job_name,
+            sweep_id=sweep_id,
+            function=function,
+            function_args=tuple(function_args),
+        )
 
     @property
     def script_path(self) -> Path:
@@ -110,12 +160,6 @@ def callable_name(function: Callable[..., Any]) -> str:
     return f"python:{function.__module__}.{function.__qualname__}"
 
 
-def backend_label(backend: Backend) -> str:
-    """The backend as the manifest records it: ``slurm``, ``local``, ``submitit:slurm``..."""
-    cluster = getattr(backend, "cluster", None)
-    return f"{backend.name}:{cluster}" if cluster else backend.name
-
-
 def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
     return Manifest(
         chain_id=plan.chain_id,
@@ -146,7 +190,7 @@ def submit_chain(
     if plan.script_text is not None:
         plan.script_path.write_text(plan.script_text)
         plan.script_path.chmod(0o755)
-    manifest = new_manifest(plan, backend_label(backend))
+    manifest = new_manifest(plan, backend.label)
     manifest.save(durable=False)
     register_chain(manifest)
     # The git state is only for the record: read it while the jobs are being submitted.

@@ -8,9 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.backend_choice import BACKEND_CHOICES, check_backend_resources, choose_backend
+from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, Backend, JobStatus
-from orchestrator.chain import ChainPlan, new_chain_id, submit_chain
+from orchestrator.backends.local import LocalBackend
+from orchestrator.chain import ChainPlan, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
     JobRecord,
@@ -21,13 +22,8 @@ from orchestrator.manifest import (
     orch_home,
     sweep_index_path,
 )
-from orchestrator.preflight import (
-    check_dependency,
-    check_num_jobs,
-    check_run_dir,
-)
+from orchestrator.preflight import check_fits
 from orchestrator.scripts import prepare_script
-from orchestrator.seeds import chain_seeds, validate_base_seed
 from orchestrator.slurm_commands import probe_partitions
 
 
@@ -73,7 +69,7 @@ def auto_launch_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backend",
         default="auto",
-        choices=BACKEND_CHOICES,
+        choices=registry.OPTIONS,
         help="auto (default): slurm when a controller answers, else local",
     )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
@@ -91,33 +87,20 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
 def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainPlan, dict]:
     """Validate the request (preflight, part one) and decide everything but the job ids."""
     recipe = Path(args.recipe).expanduser().resolve()
-    check_num_jobs(args.num_jobs)
-    check_dependency(args.dependency)
-    if args.seed is not None:
-        validate_base_seed(args.seed)
     if not recipe.exists():
         raise UsageError(f"recipe {args.recipe} does not exist")
     if not recipe.is_file():
         raise UsageError(f"recipe {args.recipe} is not a file")
     prepared = prepare_script(recipe)
-    job_name = args.name or recipe.stem
-    if not job_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise UsageError(f"job name {job_name!r}: use letters, digits, '-', '_' and '.' only")
-    chain_id = new_chain_id(job_name)
-    run_dir = (args.run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
-    check_run_dir(run_dir)
-    plan = ChainPlan(
-        chain_id=chain_id,
+    plan = ChainPlan.create(
+        job_name=args.name or recipe.stem,
         recipe=recipe,
         script_text=prepared.text,
-        run_dir=run_dir,
-        workdir=Path.cwd(),
+        run_dir=args.run_dir,
         num_jobs=args.num_jobs,
-        seeds=tuple(chain_seeds(args.num_jobs, args.seed)),
         dependency_kind=args.dependency,
-        script_args=tuple(script_args),
         base_seed=args.seed,
-        job_name=job_name,
+        script_args=tuple(script_args),
     )
     return plan, prepared.directives
 
@@ -125,7 +108,7 @@ def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainP
 def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
     import shlex
 
-    print(f"# chain {plan.chain_id}: {plan.num_jobs} job(s), backend {backend.name}, dry run")
+    print(f"# chain {plan.chain_id}: {plan.num_jobs} job(s), backend {backend.label}, dry run")
     print(f"# run dir: {plan.run_dir}")
     after: str | None = None
     for index in range(plan.num_jobs):
@@ -183,14 +166,15 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
 def auto_launch(args: argparse.Namespace) -> int:
     plan, directives = build_plan(args, args.script_args)
     sinfo_table = probe_partitions()
-    backend = choose_backend(args.backend, plan.run_dir, has_slurm=sinfo_table is not None)
-    check_backend_resources(backend, directives, sinfo_table)
+    kind = registry.choose(args.backend, has_slurm=sinfo_table is not None)
+    check_fits(directives, sinfo_table, kind.runs_here)
+    backend = kind.for_run_dir(plan.run_dir)
     if args.dry_run:
         print_dry_run(plan, backend)
         return 0
 
     def announce(record: JobRecord) -> None:
-        if backend.name != "local":
+        if not isinstance(backend, LocalBackend):  # it reports each job itself
             say(
                 f"submitted job {record.index + 1}/{plan.num_jobs}: id {record.job_id}, "
                 f"seed {record.seed}, {record.dependency or 'no dependency'}"
@@ -201,7 +185,7 @@ def auto_launch(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary(manifest, statuses)))
         return 0
-    print(f"chain {manifest.chain_id} ({backend.name}): {plan.num_jobs} job(s)")
+    print(f"chain {manifest.chain_id} ({backend.label}): {plan.num_jobs} job(s)")
     print(f"run dir  {manifest.run_dir}")
     print(f"manifest {manifest.path}")
     rows = [
@@ -231,17 +215,7 @@ def auto_launch_main(argv: list[str] | None = None) -> int:
 
 def backend_for(manifest: Manifest) -> Backend:
     """The backend that ran a chain, to ask it about the chain's jobs."""
-    from orchestrator.backends.local import LocalBackend
-    from orchestrator.backends.slurm import SlurmBackend
-
-    if manifest.backend == "local":
-        return LocalBackend(echo=False)
-    if manifest.backend.startswith("submitit"):
-        from orchestrator.backends.submitit_backend import SubmititBackend
-
-        kind = manifest.backend.partition(":")[2] or "slurm"
-        return SubmititBackend(Path(manifest.run_dir) / "submitit", cluster=kind)
-    return SlurmBackend()
+    return registry.for_run_dir(manifest.backend, manifest.run_dir)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -349,12 +323,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def log_path(manifest: Manifest, job: JobRecord) -> Path | None:
-    """The job's log: ``logs/<name>-<id>.out``, or submitit's own for a submitit chain."""
-    run_dir = Path(manifest.run_dir)
-    if manifest.backend.startswith("submitit"):
-        matches = sorted((run_dir / "submitit").glob(f"{job.job_id}_*_log.out"))
-    else:
-        matches = sorted((run_dir / "logs").glob(f"*-{job.job_id}.out"))
+    """The job's log, where the chain's backend keeps it."""
+    pattern = registry.by_label(manifest.backend).log_glob(str(job.job_id))
+    matches = sorted(Path(manifest.run_dir).glob(pattern))
     return matches[0] if matches else None
 
 

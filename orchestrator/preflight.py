@@ -175,3 +175,11 @@ def check_local_resources(directives: dict[str, str]) -> None:
         parse_time_minutes(directives["time"])
     if directives.get("signal"):
         parse_signal(directives["signal"])
+
+
+def check_fits(directives: dict[str, str], sinfo_table: str | None, runs_here: bool) -> None:
+    """Preflight, part two: the request must fit the machines the chosen backend will use."""
+    if sinfo_table is None or runs_here:
+        check_local_resources(directives)
+    else:
+        check_resources(directives, parse_partitions(sinfo_table))

@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.chain import ChainPlan, new_chain_id, submit_chain
+from orchestrator.backends.submitit_common import FOLDER
+from orchestrator.chain import ChainPlan, submit_chain
 from orchestrator.errors import UsageError
-from orchestrator.manifest import Manifest, orch_home
-from orchestrator.preflight import check_dependency, check_num_jobs, check_run_dir
-from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.manifest import Manifest
 from orchestrator.slurm_commands import slurm_available
 
 
@@ -44,38 +43,27 @@ def launch_callable_chain(
     ``cluster`` is ``slurm`` or ``local`` (default: slurm when a controller answers).
     ``executor_params`` go to the submitit executor (e.g. ``{"time": 240, "partition": "batch"}``).
     """
-    from orchestrator.backends.submitit_backend import SubmititBackend
+    from orchestrator.backends.submitit_local import SubmititLocalBackend
+    from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
 
+    executors = {kind.executor: kind for kind in (SubmititSlurmBackend, SubmititLocalBackend)}
+    if cluster is not None and cluster not in executors:
+        raise UsageError(f"cluster {cluster!r} is unknown: use one of {', '.join(executors)}")
     if not callable(function):
         raise UsageError(f"{function!r} is not callable")
-    check_num_jobs(num_jobs)
-    check_dependency(dependency)
-    if seed is not None:
-        validate_base_seed(seed)
     source = inspect.getsourcefile(function)
     if source is None:
         raise UsageError(f"{function!r} has no source file: define it in an importable module")
-    job_name = name or function.__name__
-    chain_id = new_chain_id(job_name)
-    resolved_run_dir = Path(run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
-    check_run_dir(resolved_run_dir)
-    kind = cluster or ("slurm" if slurm_available() else "local")
-    plan = ChainPlan(
-        chain_id=chain_id,
+    plan = ChainPlan.create(
+        job_name=name or function.__name__,
         recipe=Path(source),
-        script_text=None,
-        run_dir=resolved_run_dir,
-        workdir=Path.cwd(),
+        run_dir=Path(run_dir) if run_dir is not None else None,
         num_jobs=num_jobs,
-        seeds=tuple(chain_seeds(num_jobs, seed)),
         dependency_kind=dependency,
-        script_args=(),
         base_seed=seed,
-        job_name=job_name,
         function=function,
         function_args=tuple(args),
     )
-    backend = SubmititBackend(
-        resolved_run_dir / "submitit", cluster=kind, executor_params=executor_params
-    )
+    kind = executors[cluster or ("slurm" if slurm_available() else "local")]
+    backend = kind(plan.run_dir / FOLDER, executor_params=executor_params)
     return submit_chain(plan, backend)

@@ -17,16 +17,15 @@ from typing import Any
 
 import yaml
 
-from orchestrator.backend_choice import check_backend_resources, choose_backend
+from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
 from orchestrator.chain import ChainPlan, new_chain_id, rollback, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import Manifest, register_sweep
-from orchestrator.preflight import check_dependency, check_num_jobs, check_run_dir
+from orchestrator.preflight import check_fits
 from orchestrator.recipe import RecipeSpec, load_recipe, parse_recipe
 from orchestrator.render import render_recipe
 from orchestrator.sbatch_directives import parse_sbatch_directives
-from orchestrator.seeds import chain_seeds, validate_base_seed
 from orchestrator.slurm_commands import probe_partitions
 
 BACKENDS = ("slurm", "local")
@@ -104,21 +103,17 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
     except UsageError as error:
         raise UsageError(f"sweep member #{member.index}: {error}") from error
     text = render_recipe(spec)
-    run_dir = member.run_dir.expanduser().resolve()
-    check_run_dir(run_dir)
-    plan = ChainPlan(
-        chain_id=f"{request.sweep_id}-{member.index}",
+    plan = ChainPlan.create(
+        job_name=request.job_name,
         recipe=recipe_path,
         script_text=text,
-        run_dir=run_dir,
-        workdir=request.workdir,
+        run_dir=member.run_dir,
         num_jobs=request.num_jobs,
-        seeds=tuple(chain_seeds(request.num_jobs, member.base_seed)),
         dependency_kind=request.dependency,
-        script_args=(),
         base_seed=member.base_seed,
-        job_name=request.job_name,
+        chain_id=f"{request.sweep_id}-{member.index}",
         sweep_id=request.sweep_id,
+        workdir=request.workdir,
     )
     return PlannedMember(member, plan, fields, parse_sbatch_directives(text))
 
@@ -129,20 +124,14 @@ def preflight_sweep(
     """Every check auto_launch makes, for every member, before anything is submitted."""
     if request.backend not in BACKENDS:
         raise UsageError(f"backend {request.backend!r}: choose one of {', '.join(BACKENDS)}")
-    check_num_jobs(request.num_jobs)
-    check_dependency(request.dependency)
     if not members:
         raise UsageError("the sweep has no members")
-    for member in members:
-        if member.base_seed is not None:
-            validate_base_seed(member.base_seed)
     planned = [plan_member(request, member) for member in members]
     sinfo_table = probe_partitions() if request.backend == "slurm" else None
-    backend = choose_backend(
-        request.backend, planned[0].plan.run_dir, has_slurm=sinfo_table is not None
-    )
+    kind = registry.choose(request.backend, has_slurm=sinfo_table is not None)
     for item in planned:
-        check_backend_resources(backend, item.directives, sinfo_table)
+        check_fits(item.directives, sinfo_table, kind.runs_here)
+    backend = kind.for_run_dir(planned[0].plan.run_dir)
     return planned, backend
 
 

@@ -16,7 +16,9 @@ import cloudpickle
 import pytest
 
 from orchestrator.backends.base import FINISHED_STATES, JobRequest, JobStatus
-from orchestrator.backends.submitit_backend import SubmititBackend
+from orchestrator.backends.submitit_common import SubmititBackendBase
+from orchestrator.backends.submitit_local import SubmititLocalBackend
+from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
 from orchestrator.errors import SchedulerError, UsageError
 from tests.helpers import write_sub
 
@@ -75,7 +77,7 @@ def job_request(
     )
 
 
-def submit_chain(backend: SubmititBackend, requests: list[JobRequest]) -> list[str]:
+def submit_chain(backend: SubmititBackendBase, requests: list[JobRequest]) -> list[str]:
     """Submit in order, each request waiting on the job before it (as the chain does)."""
     ids: list[str] = []
     for request in requests:
@@ -84,7 +86,9 @@ def submit_chain(backend: SubmititBackend, requests: list[JobRequest]) -> list[s
     return ids
 
 
-def wait_finished(backend: SubmititBackend, ids: list[str], timeout_s: float) -> list[JobStatus]:
+def wait_finished(
+    backend: SubmititBackendBase, ids: list[str], timeout_s: float
+) -> list[JobStatus]:
     deadline = time.monotonic() + timeout_s
     while True:
         statuses = backend.statuses(ids)
@@ -114,10 +118,8 @@ def assert_ran_in_order(lines: list[dict], indices: list[int], num_jobs: int, ru
 
 
 @pytest.fixture
-def local_backend(tmp_path: Path) -> SubmititBackend:
-    return SubmititBackend(
-        tmp_path / "submitit", cluster="local", executor_params={"timeout_min": 2}
-    )
+def local_backend(tmp_path: Path) -> SubmititLocalBackend:
+    return SubmititLocalBackend(tmp_path / "submitit", executor_params={"timeout_min": 2})
 
 
 # local cluster
@@ -219,7 +221,7 @@ def test_local_cancel_ends_the_job_and_everything_its_script_started(local_backe
 
 
 def test_command_line_describes_the_submission(tmp_path):
-    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm")
+    backend = SubmititSlurmBackend(tmp_path / "submitit")
     callable_request = job_request(tmp_path, 1, 2, None, "afterok", (str(tmp_path / "o"),))
     assert backend.command_line(callable_request, "41") == [
         "submitit",
@@ -252,11 +254,9 @@ def test_bad_requests_are_refused_before_anything_runs(local_backend, tmp_path):
     with pytest.raises(UsageError, match="either a script or a Python callable"):
         local_backend.submit(dataclasses.replace(request, function=None))
     array = write_sub(tmp_path / "array.sub", "true\n", "#SBATCH --array=0-3")
-    slurm_backend = SubmititBackend(tmp_path / "submitit", cluster="slurm")
+    slurm_backend = SubmititSlurmBackend(tmp_path / "submitit")
     with pytest.raises(UsageError, match="job array"):
         slurm_backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=array))
-    with pytest.raises(UsageError, match="cluster 'pbs'"):
-        SubmititBackend(tmp_path, cluster="pbs")
     assert not (tmp_path / "o").exists()
 
 
@@ -290,7 +290,7 @@ SCRIPT_DIRECTIVES = """
 def test_slurm_chains_of_a_callable_and_of_a_script(slurm_cluster, tmp_path):
     # 10 minutes: submitit warns 90 s before the limit, and SLURM's coarse check can deliver a
     # warning up to a minute early; a 2-minute limit put it at the jobs' very start.
-    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm", executor_params={"time": 10})
+    backend = SubmititSlurmBackend(tmp_path / "submitit", executor_params={"time": 10})
     callable_dir = tmp_path / "callable"
     script_dir = tmp_path / "script"
     callable_dir.mkdir()
@@ -353,7 +353,7 @@ def test_slurm_script_hears_its_batch_signal(slurm_cluster, tmp_path):
     script = write_sub(
         tmp_path / "signal.sub", SLURM_SIGNAL_BODY, "#SBATCH --time=1 --signal=B:USR1@59"
     )
-    backend = SubmititBackend(tmp_path / "submitit", cluster="slurm")
+    backend = SubmititSlurmBackend(tmp_path / "submitit")
     job_id = backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=script))
     [status] = wait_finished(backend, [job_id], timeout_s=70)
     assert status.state == "COMPLETED"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 DEPENDENCY_KINDS = ("afterany", "afterok", "singleton")
 
@@ -57,7 +57,20 @@ class JobStatus:
 
 
 class Backend(Protocol):
-    name: str
+    """A backend declares what the registry (orchestrator.backends.registry) needs to know."""
+
+    label: ClassVar[str]  # as the manifest records it: slurm, local, submitit:slurm, ...
+    option: ClassVar[str]  # the --backend value that picks it
+    auto: ClassVar[bool]  # whether --backend auto considers it
+    runs_here: ClassVar[bool]  # runs the jobs on this machine rather than through SLURM
+
+    @classmethod
+    def for_run_dir(cls, run_dir: Path) -> Backend:
+        """The backend that looks after (or launches) the chain of ``run_dir``."""
+
+    @staticmethod
+    def log_glob(job_id: str) -> str:
+        """Where the job's log is, as a glob relative to the chain's run dir."""
 
     def submit(self, request: JobRequest) -> str:
         """Schedule the job; return its id. Raise SchedulerError with the scheduler's words."""

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from orchestrator.backends.base import JobRequest, JobStatus
+from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.errors import SchedulerError
 from orchestrator.manifest import atomic_write_json, orch_home
 from orchestrator.processes import group_and_descendants, terminate
@@ -89,11 +90,18 @@ def job_environment(request: JobRequest, job_id: str, directives: dict[str, str]
 
 
 class LocalBackend:
-    name = "local"
+    label = "local"
+    option = "local"
+    auto = True  # when no SLURM controller answers
+    runs_here = True
 
-    def __init__(self, echo: bool = True) -> None:
-        self.echo = echo
-        self.results: dict[str, JobStatus] = {}
+    @classmethod
+    def for_run_dir(cls, run_dir: Path) -> LocalBackend:
+        return cls()
+
+    @staticmethod
+    def log_glob(job_id: str) -> str:
+        return SlurmBackend.log_glob(job_id)
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
         if request.script is None:
@@ -140,8 +148,7 @@ class LocalBackend:
         atomic_write_json(jobs_dir() / f"{status.job_id}.json", status.__dict__)
 
     def _say(self, line: str) -> None:
-        if self.echo:
-            print(f"[local] {line}", file=sys.stderr, flush=True)
+        print(f"[local] {line}", file=sys.stderr, flush=True)
 
     def _run(self, request: JobRequest, job_id: str) -> JobStatus:
         assert request.script is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
 from orchestrator.errors import SchedulerError
@@ -23,7 +24,18 @@ def export_option(env: dict[str, str]) -> str:
 
 
 class SlurmBackend:
-    name = "slurm"
+    label = "slurm"
+    option = "slurm"
+    auto = True  # when a SLURM controller answers
+    runs_here = False
+
+    @classmethod
+    def for_run_dir(cls, run_dir: Path) -> SlurmBackend:
+        return cls()
+
+    @staticmethod
+    def log_glob(job_id: str) -> str:
+        return f"logs/*-{job_id}.out"
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
         if request.script is None:
