@@ -1,6 +1,13 @@
-"""A YAML recipe: the few facts a batch script needs, validated before anything is rendered.
+"""A YAML recipe: the few facts a batch script needs, in one typed schema.
 
-A recipe is a mapping with these keys (any other key is an error):
+``RecipeSettings`` is the one definition of a recipe's fields, their types and defaults: YAML
+recipes (``Recipe``, the settings plus ``command``), the chained Hydra launcher (its config is
+generated from the settings, see ``plain_fields``) and the renderer all use it. pydantic checks
+types, ranges, choices and unknown fields; what remains as code are the project's own rules:
+secrets refused, references only to the contract variables, the single template on one process,
+the signal grace below the time limit. Every problem is one line naming the file and the field.
+
+The fields (any other key is an error):
 
 ``template``        ``single`` (default): one process on one node, started by the batch shell
                     itself (through ``srun`` only when a container is set); ``distributed``: an
@@ -44,19 +51,29 @@ than literal text, because it almost always means a variable the author expected
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.errors import UsageError
 from orchestrator.slurm_time import parse_time_minutes
 
-TEMPLATES = ("single", "distributed")
-LAUNCHERS = ("torchrun", "srun")
 CONTRACT_VARIABLES = (
     "SEED",
     "ORCH_CHAIN_ID",
@@ -67,23 +84,6 @@ CONTRACT_VARIABLES = (
     "SLURM_JOB_ID",
     "SLURM_NODEID",
 )
-FIELDS = (
-    "template",
-    "nodes",
-    "tasks_per_node",
-    "gpus_per_node",
-    "cpus_per_task",
-    "time",
-    "partition",
-    "account",
-    "qos",
-    "signal_grace",
-    "launcher",
-    "container",
-    "env",
-    "command",
-)
-CONTAINER_FIELDS = ("image", "mounts")
 MAX_SIGNAL_GRACE = 65535  # sbatch's limit for the @time of --signal
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -92,37 +92,140 @@ _RESERVED_NAME = re.compile(
     r"^(SEED|ORCH_\w+|SLURM_\w+|MASTER_ADDR|MASTER_PORT|RANK|WORLD_SIZE|LOCAL_RANK"
     r"|LOCAL_WORLD_SIZE)$"
 )
-# partition/account/qos land in #SBATCH comment lines, where quoting cannot contain a newline.
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.,+@-]+$")
 _VARIABLE_REFERENCE = re.compile(r"\$\{([^}]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-
-# Builds the UsageError for (field, problem), naming the recipe file.
-_Fail = Callable[[str, str], UsageError]
-
-
-@dataclass(frozen=True)
-class Container:
-    image: str
-    mounts: tuple[str, ...] = ()
+# partition/account/qos land in #SBATCH comment lines, where quoting cannot contain a newline.
+_SLURM_NAME = r"^[A-Za-z0-9_.,+@-]+$"
 
 
-@dataclass(frozen=True)
-class RecipeSpec:
-    source: Path
-    command: tuple[str, ...]
-    template: str = "single"
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    time: str = "00:30:00"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    signal_grace: int = 120
-    launcher: str = "torchrun"
-    container: Container | None = None
-    env: dict[str, str] = field(default_factory=dict)
+class FieldProblem(ValueError):
+    """A project rule broken by one field, possibly below the one being validated (``env.X``)."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(problem)
+        self.key = key
+
+
+def _number_as_text(value: Any) -> Any:
+    """YAML numbers become text (``time: 30``, ``--steps, 20``); booleans stay refused."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+def _check_word(word: str) -> str:
+    """Refuse variable references other than ``${CONTRACT_VARIABLE}`` (see the module docstring)."""
+    if "\0" in word:
+        raise ValueError("holds a NUL byte, which no shell can pass")
+    for match in _VARIABLE_REFERENCE.finditer(word):
+        braced, bare = match.groups()
+        if braced in CONTRACT_VARIABLES:
+            continue
+        if bare in CONTRACT_VARIABLES:
+            raise ValueError(f"{word!r}: write ${{{bare}}} (with braces) to expand {bare}")
+        allowed = ", ".join(f"${{{name}}}" for name in CONTRACT_VARIABLES)
+        raise ValueError(
+            f"{word!r} refers to {match.group(0)}, which a recipe does not expand; only {allowed}"
+            " do. Write the value itself"
+        )
+    return word
+
+
+def _time_limit(text: str) -> str:
+    try:
+        minutes = parse_time_minutes(text)
+    except UsageError as error:
+        raise ValueError(str(error)) from error
+    if minutes is None or minutes <= 0:
+        raise ValueError(f"{text!r}: a chain's jobs need a time limit above zero")
+    return text.strip()
+
+
+Word = Annotated[StrictStr, BeforeValidator(_number_as_text), AfterValidator(_check_word)]
+TimeLimit = Annotated[StrictStr, BeforeValidator(_number_as_text), AfterValidator(_time_limit)]
+SlurmName = Annotated[StrictStr, Field(pattern=_SLURM_NAME)]
+Mount = Annotated[StrictStr, Field(min_length=1, pattern=r"^[^,]+$")]
+
+# pydantic error types meaning "not the right shape": the field's description says what is.
+_SHAPE_ERRORS = ("too_short", "list_type", "dict_type", "model_type", "model_attributes_type")
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Container(BaseModel):
+    model_config = _STRICT
+
+    image: StrictStr = Field(
+        min_length=1, description="the image, e.g. nvcr.io#nvidia/pytorch:24.09-py3"
+    )
+    mounts: list[Mount] = Field(
+        default_factory=list, description="a list of SRC:DST[:FLAGS] strings"
+    )
+
+
+class RecipeSettings(BaseModel):
+    """Every field of a recipe but ``command``: what the chained launcher sets as well."""
+
+    model_config = _STRICT
+
+    template: Literal["single", "distributed"] = "single"
+    nodes: int = Field(1, ge=1)
+    tasks_per_node: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int = Field(1, ge=1)
+    time: TimeLimit = Field("00:30:00", description="a SLURM time limit such as 30 or 02:00:00")
+    partition: SlurmName | None = Field(None, description="letters, digits and _ . , + @ - only")
+    account: SlurmName | None = Field(None, description="letters, digits and _ . , + @ - only")
+    qos: SlurmName | None = Field(None, description="letters, digits and _ . , + @ - only")
+    signal_grace: int = Field(120, ge=1, le=MAX_SIGNAL_GRACE)
+    launcher: Literal["torchrun", "srun"] = "torchrun"
+    container: Container | None = Field(None, description="a mapping {image: ..., mounts: [...]}")
+    env: dict[StrictStr, Word] = Field(default_factory=dict, description="a mapping NAME: value")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            key = f"env.{name}"
+            if not _IDENTIFIER.match(name):
+                raise FieldProblem(
+                    key, "not a shell variable name (letters, digits and _, not first a digit)"
+                )
+            if _SECRET_NAME.search(name.upper()):
+                raise FieldProblem(
+                    key,
+                    "looks like a secret; secrets come from the environment at run time "
+                    "(export it before auto_launch), never from a recipe file",
+                )
+            if _RESERVED_NAME.match(name):
+                raise FieldProblem(
+                    key, "is set by the orchestrator, SLURM or the launcher; pick another name"
+                )
+            if "${SLURM_NODEID}" in value:
+                raise FieldProblem(
+                    key,
+                    "env values expand in the batch shell, on the first node, so "
+                    "${SLURM_NODEID} would be 0 for every node; use it in the command or read "
+                    "it in the program",
+                )
+        return env
+
+    @model_validator(mode="after")
+    def _project_rules(self) -> RecipeSettings:
+        if self.template == "single":
+            if self.nodes != 1 or self.tasks_per_node != 1:
+                key = "nodes" if self.nodes != 1 else "tasks_per_node"
+                raise FieldProblem(
+                    key, "template single runs one process on one node; use distributed"
+                )
+            if "launcher" in self.model_fields_set:
+                raise FieldProblem("launcher", "only template distributed has a launcher")
+        limit_seconds = parse_time_minutes(self.time) * 60  # _time_limit refused UNLIMITED
+        if self.signal_grace >= limit_seconds:
+            raise FieldProblem(
+                "signal_grace",
+                f"{self.signal_grace} s must be less than the time limit ({self.time}) and at "
+                f"most {MAX_SIGNAL_GRACE} s",
+            )
+        return self
 
     def container_flags(self) -> list[str]:
         """pyxis's srun options for the container; none without one."""
@@ -134,6 +237,14 @@ class RecipeSpec:
         return flags
 
 
+class Recipe(RecipeSettings):
+    """A whole recipe: the settings and the one training process to start."""
+
+    command: list[Word] = Field(
+        min_length=1, description="the training's argv as a non-empty list of words"
+    )
+
+
 class _RecipeLoader(yaml.SafeLoader):
     """SafeLoader without YAML 1.1's base-60 numbers: ``1:30:00`` stays a string, not 5400."""
 
@@ -143,7 +254,7 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().resolve(kind, value, implicit)
 
 
-def load_recipe(path: Path | str) -> RecipeSpec:
+def load_recipe(path: Path | str) -> Recipe:
     """Read and validate a YAML recipe; any problem is a UsageError naming the file and field."""
     path = Path(path)
     try:
@@ -162,182 +273,124 @@ def load_recipe(path: Path | str) -> RecipeSpec:
     return parse_recipe(raw, path)
 
 
-def parse_recipe(raw: Any, source: Path) -> RecipeSpec:
+def parse_recipe(raw: Any, source: Path) -> Recipe:
     """Validate an already-parsed recipe mapping (``source`` only names it in messages)."""
-
-    def fail(key: str, problem: str) -> UsageError:
-        return UsageError(f"recipe {source}: {key}: {problem}")
-
     if not isinstance(raw, dict):
         raise UsageError(
             f"recipe {source}: the file must hold a mapping of fields "
-            f"({', '.join(FIELDS)}), not {type(raw).__name__}"
+            f"({', '.join(Recipe.model_fields)}), not {type(raw).__name__}"
         )
-    for key in raw:
-        if key not in FIELDS:
-            raise fail(str(key), f"unknown field; the fields are {', '.join(FIELDS)}")
-    if "command" not in raw:
-        raise fail("command", "missing; give the training's argv as a list of words")
-
-    template = _choice(raw, "template", TEMPLATES, "single", fail)
-    nodes = _integer(raw, "nodes", 1, 1, fail)
-    tasks_per_node = _integer(raw, "tasks_per_node", 1, 1, fail)
-    if template == "single":
-        if nodes != 1 or tasks_per_node != 1:
-            key = "nodes" if nodes != 1 else "tasks_per_node"
-            raise fail(key, "template single runs one process on one node; use distributed")
-        if "launcher" in raw:
-            raise fail("launcher", "only template distributed has a launcher")
-    time = _time(raw, fail)
-    signal_grace = _integer(raw, "signal_grace", 120, 1, fail)
-    limit_seconds = parse_time_minutes(time) * 60  # _time refused UNLIMITED
-    if signal_grace >= limit_seconds or signal_grace > MAX_SIGNAL_GRACE:
-        raise fail(
-            "signal_grace",
-            f"{signal_grace} s must be less than the time limit ({time}) and at most "
-            f"{MAX_SIGNAL_GRACE} s",
-        )
-    return RecipeSpec(
-        source=source,
-        command=_command(raw["command"], fail),
-        template=template,
-        nodes=nodes,
-        tasks_per_node=tasks_per_node,
-        gpus_per_node=_integer(raw, "gpus_per_node", 0, 0, fail),
-        cpus_per_task=_integer(raw, "cpus_per_task", 1, 1, fail),
-        time=time,
-        partition=_slurm_name(raw, "partition", fail),
-        account=_slurm_name(raw, "account", fail),
-        qos=_slurm_name(raw, "qos", fail),
-        signal_grace=signal_grace,
-        launcher=_choice(raw, "launcher", LAUNCHERS, "torchrun", fail),
-        container=_container(raw.get("container"), fail),
-        env=_env(raw.get("env"), fail),
-    )
+    return validated(Recipe, raw, f"recipe {source}")
 
 
-def _check_word(word: str, key: str, fail: _Fail) -> None:
-    """Refuse variable references other than ``${CONTRACT_VARIABLE}`` (see the module docstring)."""
-    if "\0" in word:
-        raise fail(key, "holds a NUL byte, which no shell can pass")
-    for match in _VARIABLE_REFERENCE.finditer(word):
-        braced, bare = match.groups()
-        if braced in CONTRACT_VARIABLES:
-            continue
-        if bare in CONTRACT_VARIABLES:
-            raise fail(key, f"{word!r}: write ${{{bare}}} (with braces) to expand {bare}")
-        allowed = ", ".join(f"${{{name}}}" for name in CONTRACT_VARIABLES)
-        raise fail(
-            key,
-            f"{word!r} refers to {match.group(0)}, which a recipe does not expand; only {allowed}"
-            " do. Write the value itself",
-        )
+def parse_settings(raw: dict[str, Any], source: str) -> RecipeSettings:
+    """Validate recipe settings without a command (the chained launcher's)."""
+    return validated(RecipeSettings, raw, source)
 
 
-def _choice(raw: dict, key: str, choices: tuple[str, ...], default: str, fail: _Fail) -> str:
-    value = raw.get(key, default)
-    if value not in choices:
-        raise fail(key, f"{value!r} is not one of {', '.join(choices)}")
-    return value
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def _integer(raw: dict, key: str, default: int, minimum: int, fail: _Fail) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise fail(key, f"{value!r} is not a whole number")
-    if value < minimum:
-        raise fail(key, f"{value} is less than {minimum}")
-    return value
-
-
-def _time(raw: dict, fail: _Fail) -> str:
-    value = raw.get("time", "00:30:00")
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise fail("time", f"{value!r} is not a SLURM time limit such as 30 or 02:00:00")
-    text = str(value).strip()
+def validated(model: type[ModelT], raw: dict[str, Any], source: str) -> ModelT:
     try:
-        minutes = parse_time_minutes(text)
-    except UsageError as error:
-        raise fail("time", str(error)) from error
-    if minutes is None or minutes <= 0:
-        raise fail("time", f"{text!r}: a chain's jobs need a time limit above zero")
-    return text
+        return model.model_validate(raw)
+    except ValidationError as error:
+        # An unknown field first: a misspelt name also makes the right one look missing.
+        first = sorted(error.errors(), key=lambda item: item["type"] != "extra_forbidden")[0]
+        key, problem = describe(first, model)
+        raise UsageError(f"{source}: {key}: {problem}") from None
 
 
-def _slurm_name(raw: dict, key: str, fail: _Fail) -> str | None:
-    value = raw.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not _SLURM_NAME.match(value):
-        raise fail(key, f"{value!r}: use letters, digits and _ . , + @ - only")
-    return value
+def explicit_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings whose values differ from the schema's defaults (what a user really set)."""
+    return {
+        name: value
+        for name, value in settings.items()
+        if value != RecipeSettings.model_fields[name].get_default(call_default_factory=True)
+    }
 
 
-def _scalar_text(value: Any, key: str, fail: _Fail) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise fail(key, f"{value!r} is not a string or number; quote it in the YAML")
-    return str(value)
+def describe(error: dict[str, Any], model: type[BaseModel]) -> tuple[str, str]:
+    """A pydantic error as (field, one-line problem): ``env.NAME``, ``command[1]``..."""
+    kind, value, context = error["type"], error.get("input"), error.get("ctx") or {}
+    cause = context.get("error")
+    if isinstance(cause, FieldProblem):
+        return cause.key, str(cause)
+    location = [str(part) for part in error["loc"]]
+    key = location[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in location[1:])
+    hint = _description(model, location)
+    if kind == "extra_forbidden":
+        fields = ", ".join(_model_at(model, location[:-1]).model_fields)
+        return key, f"unknown field; the fields are {fields}"
+    if kind == "missing":
+        return key, f"missing; give {hint}" if hint else "missing"
+    if kind in _SHAPE_ERRORS and hint:
+        return key, f"give {hint}"
+    if kind == "value_error":
+        return key, str(cause)
+    if kind == "literal_error":
+        return key, f"{value!r} is not one of {context['expected']}"
+    if kind == "greater_than_equal":
+        return key, f"{value} is less than {context['ge']}"
+    if kind == "less_than_equal":
+        return key, f"{value} is more than {context['le']}"
+    if kind.startswith("int_"):
+        return key, f"{value!r} is not a whole number"
+    if kind == "string_type":
+        return key, f"{value!r} is not a string or number; quote it in the YAML"
+    problem = f"{value!r}: {error['msg'][:1].lower()}{error['msg'][1:]}"
+    return key, f"{problem}; give {hint}" if hint else problem
 
 
-def _command(value: Any, fail: _Fail) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value:
-        raise fail("command", "give the training's argv as a non-empty list of words")
-    words = []
-    for position, item in enumerate(value):
-        key = f"command[{position}]"
-        word = _scalar_text(item, key, fail)
-        _check_word(word, key, fail)
-        words.append(word)
-    return tuple(words)
+def _model_at(model: type[BaseModel], location: list[str]) -> type[BaseModel]:
+    """The model that holds the field at ``location`` (the container's, for container.X)."""
+    for part in location:
+        info = model.model_fields.get(part)
+        nested = [
+            arg
+            for arg in typing.get_args(info.annotation if info else None)
+            if isinstance(arg, type) and issubclass(arg, BaseModel)
+        ]
+        if not nested:
+            break
+        model = nested[0]
+    return model
 
 
-def _container(value: Any, fail: _Fail) -> Container | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise fail("container", "give a mapping {image: ..., mounts: [...]}")
-    for key in value:
-        if key not in CONTAINER_FIELDS:
-            raise fail(f"container.{key}", "unknown field; the fields are image, mounts")
-    image = value.get("image")
-    if not isinstance(image, str) or not image.strip():
-        raise fail(
-            "container.image", "missing; name the image, e.g. nvcr.io#nvidia/pytorch:24.09-py3"
-        )
-    mounts = value.get("mounts", [])
-    if not isinstance(mounts, list):
-        raise fail("container.mounts", "give a list of SRC:DST[:FLAGS] strings")
-    for position, mount in enumerate(mounts):
-        if not isinstance(mount, str) or not mount or "," in mount:
-            raise fail(f"container.mounts[{position}]", f"{mount!r} is not SRC:DST[:FLAGS]")
-    return Container(image=image, mounts=tuple(mounts))
+def _description(model: type[BaseModel], location: list[str]) -> str | None:
+    """The description of the field at ``location``; None for list items and env entries."""
+    info = _model_at(model, location[:-1]).model_fields.get(location[-1])
+    return info.description if info is not None else None
 
 
-def _env(value: Any, fail: _Fail) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise fail("env", "give a mapping NAME: value")
-    env = {}
-    for name, item in value.items():
-        key = f"env.{name}"
-        if not isinstance(name, str) or not _IDENTIFIER.match(name):
-            raise fail(key, "not a shell variable name (letters, digits and _, not first a digit)")
-        if _SECRET_NAME.search(name.upper()):
-            raise fail(
-                key,
-                "looks like a secret; secrets come from the environment at run time "
-                "(export it before auto_launch), never from a recipe file",
-            )
-        if _RESERVED_NAME.match(name):
-            raise fail(key, "is set by the orchestrator, SLURM or the launcher; pick another name")
-        text = _scalar_text(item, key, fail)
-        _check_word(text, key, fail)
-        if "${SLURM_NODEID}" in text:
-            raise fail(
-                key,
-                "env values expand in the batch shell, on the first node, so ${SLURM_NODEID} "
-                "would be 0 for every node; use it in the command or read it in the program",
-            )
-        env[name] = text
-    return env
+def plain_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    """The settings as dataclass fields of plain types, for a structured config (Hydra's).
+
+    Values pass through unchecked there and are validated here when a recipe is built.
+    """
+    fields = []
+    for name, info in RecipeSettings.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        if isinstance(default, dict | list):
+            spec = dataclasses.field(default_factory=type(default))
+        else:
+            spec = dataclasses.field(default=default)
+        fields.append((name, _plain(info.annotation), spec))
+    return fields
+
+
+def _plain(annotation: Any) -> Any:
+    """The type OmegaConf understands for a pydantic annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return str
+    if origin is Annotated:
+        return _plain(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        others = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return typing.Optional[_plain(others[0])]  # noqa: UP045
+    if origin is dict or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return dict[str, Any]
+    if origin in (tuple, list):
+        return list[Any]
+    return annotation

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from orchestrator.errors import UsageError
-from orchestrator.recipe import CONTRACT_VARIABLES, RecipeSpec
+from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
 
 _CONTRACT_REFERENCE = re.compile(r"\$\{(" + "|".join(CONTRACT_VARIABLES) + r")\}")
 
@@ -63,7 +63,7 @@ def template_environment(template_dir: Path) -> jinja2.Environment:
     return environment
 
 
-def render_recipe(spec: RecipeSpec, template_dir: Path | None = None) -> str:
+def render_recipe(spec: Recipe, template_dir: Path | None = None) -> str:
     """The batch script for ``spec``, from ``<template_dir>/<spec.template>.sub.j2``."""
     directory = template_dir or default_template_dir()
     name = f"{spec.template}.sub.j2"

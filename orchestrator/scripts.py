@@ -14,7 +14,7 @@ from orchestrator.errors import UsageError
 from orchestrator.sbatch_directives import parse_sbatch_directives
 
 if TYPE_CHECKING:
-    from orchestrator.recipe import RecipeSpec
+    from orchestrator.recipe import Recipe
 
 YAML_SUFFIXES = (".yaml", ".yml")
 SCRIPT_SUFFIXES = (".sub", ".sh")
@@ -30,7 +30,7 @@ class PreparedScript:
     text: str
     directives: dict[str, str]
     source_kind: str  # "yaml" (rendered) or "sub" (read as it is)
-    spec: RecipeSpec | None = None  # the validated recipe, for YAML recipes
+    spec: Recipe | None = None  # the validated recipe, for YAML recipes
 
 
 def prepare_script(path: Path | str) -> PreparedScript:

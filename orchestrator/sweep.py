@@ -9,7 +9,6 @@ submission; if a submission fails, the chains already queued are cancelled. The 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,18 +22,12 @@ from orchestrator.chain import ChainPlan, new_chain_id, rollback, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import Manifest, register_sweep
 from orchestrator.preflight import check_fits
-from orchestrator.recipe import RecipeSpec, load_recipe, parse_recipe
+from orchestrator.recipe import load_recipe, parse_recipe
 from orchestrator.render import render_recipe
 from orchestrator.sbatch_directives import parse_sbatch_directives
 from orchestrator.slurm_commands import probe_partitions
 
 BACKENDS = ("slurm", "local")
-# Recipe fields a sweep takes from the launcher settings (the command is the member's own).
-RESOURCE_FIELDS = tuple(
-    name
-    for name in (f.name for f in dataclasses.fields(RecipeSpec))
-    if name not in ("source", "command")
-)
 
 
 @dataclass(frozen=True)
@@ -54,7 +47,7 @@ class SweepRequest:
     sweep_id: str
     job_name: str
     train_argv: tuple[str, ...]  # e.g. (python, -m, train, --config-name, tiny_fsdp2)
-    resources: dict[str, Any]  # recipe fields other than command
+    resources: dict[str, Any]  # the recipe settings given (every field but command)
     num_jobs: int
     dependency: str
     backend: str  # slurm | local
@@ -74,20 +67,8 @@ def new_sweep_id(stem: str) -> str:
 
 
 def recipe_resources(path: Path) -> dict[str, Any]:
-    """The resource fields of a YAML recipe (validated whole); its command gets replaced."""
-    spec = load_recipe(path)
-    fields = {name: getattr(spec, name) for name in RESOURCE_FIELDS}
-    if spec.container is not None:
-        fields["container"] = {"image": spec.container.image, "mounts": list(spec.container.mounts)}
-    return without_defaults(fields)
-
-
-def without_defaults(fields: dict[str, Any]) -> dict[str, Any]:
-    """Drop unset fields, and the launcher where the single template has none."""
-    kept = {name: value for name, value in fields.items() if value not in (None, {}, [])}
-    if kept.get("template", "single") == "single":
-        kept.pop("launcher", None)
-    return kept
+    """The settings a YAML recipe sets (validated whole); its command gets replaced."""
+    return load_recipe(path).model_dump(exclude_unset=True, exclude={"command"})
 
 
 def member_command(request: SweepRequest, member: SweepMember) -> list[str]:

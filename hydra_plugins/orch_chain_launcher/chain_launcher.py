@@ -9,6 +9,7 @@ the recipe's rank count, then orchestrator.sweep preflights, submits and registe
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_plugins.orch_chain_launcher.config import ChainSettings
 from hydra_plugins.orch_chain_launcher.members import (
     fail,
     member_seeds,
@@ -29,7 +31,8 @@ from orchestrator.errors import UsageError
 
 # The chain sets these for every job: seed=${SEED}, run_dir=${ORCH_RUN_DIR}.
 CHAIN_KEYS = ("seed", "run_dir")
-CHAIN_SETTINGS = ("_target_", "backend", "n", "dependency", "base_seed", "recipe")
+# The launcher's own settings; every other one is a recipe setting.
+CHAIN_SETTINGS = tuple(item.name for item in dataclasses.fields(ChainSettings))
 
 
 class ChainLauncher(Launcher):
@@ -60,6 +63,7 @@ class ChainLauncher(Launcher):
     def _launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> list[JobReturn]:
+        from orchestrator.recipe import explicit_settings, parse_settings
         from orchestrator.sweep import (
             SweepMember,
             SweepRequest,
@@ -67,7 +71,6 @@ class ChainLauncher(Launcher):
             print_sweep,
             recipe_resources,
             submit_sweep,
-            without_defaults,
         )
 
         assert self.config is not None and self.hydra_context is not None
@@ -76,8 +79,9 @@ class ChainLauncher(Launcher):
             resources = recipe_resources(Path(str(params["recipe"])))
         else:
             settings = {k: v for k, v in params.items() if k not in CHAIN_SETTINGS}
-            resources = without_defaults(settings)
-        world_size = int(resources.get("nodes", 1)) * int(resources.get("tasks_per_node", 1))
+            resources = explicit_settings(settings)
+        shape = parse_settings(resources, "hydra.launcher")
+        world_size = shape.nodes * shape.tasks_per_node
         validate_members(
             self.hydra_context, self.config, job_overrides, initial_job_idx, world_size
         )

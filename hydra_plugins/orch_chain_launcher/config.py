@@ -4,22 +4,21 @@ No ``from __future__ import annotations``: Hydra's plugin scan runs this module 
 sys.modules, where dataclasses cannot resolve string annotations.
 """
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, make_dataclass
 
 from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
+from orchestrator.recipe import plain_fields
 
 PACKAGE = "hydra_plugins.orch_chain_launcher"
 
 
 @dataclass
-class ChainLauncherConf:
-    """Each sweep member becomes a chain of ``n`` jobs, as ``auto_launch -n N`` makes.
-
-    The resources are the fields of a YAML recipe (orchestrator/recipe.py), or ``recipe``: a YAML
-    recipe whose resources are used as they are and whose ``command`` is replaced by the member's.
-    """
+class ChainSettings:
+    """The chained launcher's own settings: each sweep member becomes a chain of ``n`` jobs, as
+    ``auto_launch -n N`` makes. ``recipe``: a YAML recipe whose settings are used as they are and
+    whose ``command`` is replaced by the member's."""
 
     _target_: str = f"{PACKAGE}.chain_launcher.ChainLauncher"
     backend: str = "slurm"  # slurm | local
@@ -28,19 +27,11 @@ class ChainLauncherConf:
     # Reproducible seeds for every job of every member; None: fresh random seeds.
     base_seed: int | None = None
     recipe: str | None = None
-    template: str = "distributed"
-    launcher: str = "torchrun"
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    time: str = "00:30:00"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    signal_grace: int = 120
-    env: dict[str, str] = field(default_factory=dict)
-    container: dict[str, Any] | None = None
+
+
+# The chain settings plus every recipe setting, with its default, from the one recipe schema
+# (orchestrator.recipe.RecipeSettings); values are validated there when the sweep is planned.
+ChainLauncherConf = make_dataclass("ChainLauncherConf", plain_fields(), bases=(ChainSettings,))
 
 
 @dataclass
