@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator import __version__
 from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
@@ -23,6 +24,7 @@ from orchestrator.manifest import (
     sweep_index_path,
 )
 from orchestrator.preflight import check_fits
+from orchestrator.resources import locate_recipe
 from orchestrator.scripts import prepare_script
 from orchestrator.slurm_commands import probe_partitions
 
@@ -55,7 +57,11 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         "gets its own seed as $1 and resumes the training the previous job left.",
         epilog="Arguments after -- are passed to the recipe after the seed.",
     )
-    parser.add_argument("recipe", help="a .sub batch script or a .yaml recipe description")
+    parser.add_argument(
+        "recipe",
+        help="a .sub batch script or a .yaml recipe description; a bare name that is not a file "
+        "here (smoke.yaml) is a recipe shipped with the toolkit",
+    )
     parser.add_argument("-n", "--num-jobs", type=int, default=1, help="jobs in the chain")
     parser.add_argument(
         "--dependency",
@@ -86,7 +92,7 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainPlan, dict]:
     """Validate the request (preflight, part one) and decide everything but the job ids."""
-    recipe = Path(args.recipe).expanduser().resolve()
+    recipe = locate_recipe(args.recipe)
     if not recipe.exists():
         raise UsageError(f"recipe {args.recipe} does not exist")
     if not recipe.is_file():
@@ -396,6 +402,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 def orchestrator_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrator", description="Look after chains of jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="chains launched from this machine")
     listing.set_defaults(handler=cmd_list)
@@ -422,7 +429,7 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     )
     plot.set_defaults(handler=cmd_plot)
     dashboard = commands.add_parser(
-        "dashboard", help="create the W&B workspace of recipes/wandb/dashboard.yaml (online)"
+        "dashboard", help="create the W&B workspace of the shipped dashboard spec (online)"
     )
     dashboard.add_argument("--entity", required=True, help="W&B user or team")
     dashboard.add_argument("--project", required=True, help="W&B project (the trainer's: speechlm)")

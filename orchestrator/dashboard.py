@@ -13,14 +13,14 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import UsageError
+from orchestrator.resources import dashboard_spec
 
-DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "recipes" / "wandb" / "dashboard.yaml"
 SPEC_KEYS = {"name", "x_axis", "group_by", "sections"}
 
 
 def load_spec(path: Path | None = None) -> dict[str, Any]:
     """Read and check a dashboard spec: every section named, every panel with a title and y keys."""
-    path = Path(path or DEFAULT_SPEC)
+    path = Path(path or dashboard_spec())
     if not path.is_file():
         raise UsageError(f"dashboard spec {path} does not exist; pass one with --spec")
     spec = yaml.safe_load(path.read_text())

@@ -1,7 +1,8 @@
 """Rendering YAML recipes into batch scripts through Jinja2 templates.
 
-Templates live in the repository's ``templates/`` (override with ``ORCH_TEMPLATE_DIR``). They
-render with StrictUndefined, so a missing variable is an error rather than an empty string, and
+Templates are package data (``orchestrator/templates``); a folder in ``ORCH_TEMPLATE_DIR`` comes
+first, for a user's own templates or their versions of the shipped ones. They render with
+StrictUndefined, so a missing variable is an error rather than an empty string, and
 every value goes through a quoting filter: ``q`` for plain values, ``word`` for command words and
 env values, which may reference the contract variables (see orchestrator.recipe).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from pathlib import Path
 
 import jinja2
 
@@ -42,16 +42,18 @@ def shell_word(word: str) -> str:
     return "".join(parts)
 
 
-def default_template_dir() -> Path:
-    override = os.environ.get("ORCH_TEMPLATE_DIR")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[1] / "templates"
+TEMPLATE_DIR_ENV = "ORCH_TEMPLATE_DIR"
 
 
-def template_environment(template_dir: Path) -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
+    """Templates from ``$ORCH_TEMPLATE_DIR`` first (a user's own, or their versions of the
+    shipped ones), then the ones packaged with the orchestrator."""
+    loaders: list[jinja2.BaseLoader] = []
+    if os.environ.get(TEMPLATE_DIR_ENV):
+        loaders.append(jinja2.FileSystemLoader(os.environ[TEMPLATE_DIR_ENV]))
+    loaders.append(jinja2.PackageLoader("orchestrator", "templates"))
     environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(template_dir)),
+        loader=jinja2.ChoiceLoader(loaders),
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         trim_blocks=True,
@@ -63,14 +65,14 @@ def template_environment(template_dir: Path) -> jinja2.Environment:
     return environment
 
 
-def render_recipe(spec: Recipe, template_dir: Path | None = None) -> str:
-    """The batch script for ``spec``, from ``<template_dir>/<spec.template>.sub.j2``."""
-    directory = template_dir or default_template_dir()
+def render_recipe(spec: Recipe) -> str:
+    """The batch script for ``spec``, from the template ``<spec.template>.sub.j2``."""
     name = f"{spec.template}.sub.j2"
+    where = f"${TEMPLATE_DIR_ENV} or the orchestrator package"
     try:
-        template = template_environment(directory).get_template(name)
+        template = template_environment().get_template(name)
         return template.render(recipe=spec)
     except jinja2.TemplateNotFound as error:
-        raise UsageError(f"template {error.name} not found in {directory}") from error
+        raise UsageError(f"template {error.name} not found in {where}") from error
     except jinja2.TemplateError as error:
-        raise UsageError(f"template {directory / name} failed to render: {error}") from error
+        raise UsageError(f"template {name} failed to render: {error}") from error

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,6 @@ import pytest
 from hydra_plugins.orch_chain_launcher.config import ChainLauncherConf, ChainSettings
 from orchestrator.errors import UsageError
 from orchestrator.recipe import Recipe, RecipeSettings, explicit_settings, parse_settings
-from orchestrator.render import default_template_dir
 
 RECIPE_ONLY = {"command"}  # the chained launcher takes each member's own command
 
@@ -51,7 +51,7 @@ def test_launcher_settings_get_the_recipe_errors() -> None:
 
 def test_the_templates_read_only_fields_of_the_schema() -> None:
     used = set()
-    for template in Path(default_template_dir()).glob("*.j2"):
+    for template in Path(str(files("orchestrator") / "templates")).glob("*.j2"):
         used |= set(re.findall(r"recipe\.(\w+)", template.read_text()))
     assert used
     assert used <= set(Recipe.model_fields) | {"container_flags"}, used - set(Recipe.model_fields)

@@ -1,9 +1,11 @@
 """``python -m train --config-name NAME [key=value ...]``: the shared training entrypoint.
 
-Run under torchrun or srun (one process per rank) or as a single process. Configs live in
-recipes/conf/ (``--config-path`` picks another folder). A bad config or layout stops every rank
-with one ``error:`` line and exit code 2, before any process group exists; a key the schema
-does not know, or a value of the wrong type, is Hydra's own error (exit 1).
+Run under torchrun or srun (one process per rank) or as a single process. Configs are the
+installed package data ``recipes.conf``, found from any directory; ``--config-path DIR`` (an
+absolute path) puts a folder of the user's own configs first, the packaged ones staying on the
+search path after it, and ``--config-dir DIR`` adds a folder after them. A bad config or layout
+stops every rank with one ``error:`` line and exit code 2, before any process group exists; a key
+the schema does not know, or a value of the wrong type, is Hydra's own error (exit 1).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from train.config import TrainConfig, register
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
@@ -23,7 +26,7 @@ from train.trainer import ConfigError, Trainer, init_distributed, preflight
 register()
 
 
-@hydra.main(version_base=None, config_path="../recipes/conf", config_name="tiny_fsdp2")
+@hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name="tiny_fsdp2")
 def main(raw: DictConfig) -> None:
     apply_launch_env()
     cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]

@@ -137,8 +137,14 @@ class ChainLauncher(Launcher):
 
 
 def config_path_args(config: DictConfig) -> list[str]:
-    """``--config-path DIR`` for the primary config folder, so the job reads the same configs."""
+    """The config folders a user gave (``--config-path``, ``--config-dir``), so that every job
+    reads the same configs; the packaged ones need no argument."""
+    args: list[str] = []
     for source in config.hydra.runtime.config_sources:
-        if source.provider == "main" and source.schema == "file":
-            return ["--config-path", str(Path(source.path).resolve())]
-    return []
+        if source.schema != "file":
+            continue
+        if source.provider == "main":
+            args += ["--config-path", str(Path(source.path).resolve())]
+        elif source.provider == "command-line":
+            args += ["--config-dir", str(Path(source.path).resolve())]
+    return args
