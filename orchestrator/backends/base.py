@@ -84,3 +84,16 @@ class Backend(Protocol):
     def cancel(self, job_ids: list[str]) -> None: ...
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]: ...
+
+
+class LogsInRunDir:
+    """For backends that keep no state of their own and log where ``JobRequest.log_pattern``
+    says: ``RUN_DIR/logs/<name>-<job id>.out``."""
+
+    @classmethod
+    def for_run_dir(cls, run_dir: Path) -> Backend:
+        return cls()  # type: ignore[return-value]
+
+    @staticmethod
+    def log_glob(job_id: str) -> str:
+        return f"logs/*-{job_id}.out"

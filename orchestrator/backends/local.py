@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.backends.base import JobRequest, JobStatus
-from orchestrator.backends.slurm import SlurmBackend
+from orchestrator.backends.base import JobRequest, JobStatus, LogsInRunDir
 from orchestrator.errors import SchedulerError
 from orchestrator.manifest import atomic_write_json, orch_home
 from orchestrator.processes import group_and_descendants, terminate
@@ -89,19 +88,11 @@ def job_environment(request: JobRequest, job_id: str, directives: dict[str, str]
     return env
 
 
-class LocalBackend:
+class LocalBackend(LogsInRunDir):
     label = "local"
     option = "local"
     auto = True  # when no SLURM controller answers
     runs_here = True
-
-    @classmethod
-    def for_run_dir(cls, run_dir: Path) -> LocalBackend:
-        return cls()
-
-    @staticmethod
-    def log_glob(job_id: str) -> str:
-        return SlurmBackend.log_glob(job_id)
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
         if request.script is None:

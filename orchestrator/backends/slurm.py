@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
+from orchestrator.backends.base import JobRequest, JobStatus, LogsInRunDir, dependency_spec
 from orchestrator.errors import SchedulerError
 from orchestrator.retry import REJECTED_MARKERS
 from orchestrator.slurm_commands import run_slurm
@@ -23,19 +22,11 @@ def export_option(env: dict[str, str]) -> str:
     return ",".join(["ALL", *(f"{name}={value}" for name, value in sorted(env.items()))])
 
 
-class SlurmBackend:
+class SlurmBackend(LogsInRunDir):
     label = "slurm"
     option = "slurm"
     auto = True  # when a SLURM controller answers
     runs_here = False
-
-    @classmethod
-    def for_run_dir(cls, run_dir: Path) -> SlurmBackend:
-        return cls()
-
-    @staticmethod
-    def log_glob(job_id: str) -> str:
-        return f"logs/*-{job_id}.out"
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
         if request.script is None:
