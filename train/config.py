@@ -87,6 +87,8 @@ class WandbConfig:
 class DebugConfig:
     batch_hashes: bool = False  # write batch_hashes/rank{R}.jsonl: one hash of each step's batch
     check_tp_batches: bool = True  # stop if TP peers do not hold the same first batch
+    # Fault injection for tests: at these steps rank 0 poisons a gradient with NaN.
+    inject_nonfinite_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -32,7 +32,13 @@ from train.metrics import MetricsLogger
 from train.models.build import build_model
 from train.models.parallelize import ParallelizeOptions, compute_autocast
 from train.models.presets import get_preset
-from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens, loss_for_backward
+from train.models.salm import (
+    PAD_ID,
+    ByteTokenizer,
+    encoder_lens,
+    loss_for_backward,
+    loss_targets,
+)
 from train.parallel_dims import ParallelDims
 from train.stop import StopRequest
 
@@ -278,14 +284,14 @@ class Trainer:
     def global_counts(self, batch: dict) -> torch.Tensor:
         """[loss targets, decoder positions, model FLOPs] of the global batch, on the device.
 
-        Counted from the batch's lengths on the CPU before the forward (a transcript of n
-        tokens has n-1 next-token targets), then summed over data-parallel ranks on the device:
+        Counted from the batch's lengths on the CPU before the forward, then summed over
+        data-parallel ranks on the device:
         the loss can be normalized by the global target count with no host sync.
         """
         feature_lens, token_lens = batch["feature_lens"], batch["token_lens"]
         local = torch.tensor(
             [
-                float((token_lens - 1).clamp(min=0).sum()),
+                float(loss_targets(token_lens)),
                 float((encoder_lens(feature_lens) + token_lens).sum()),
                 step_flops(self.model_cfg, feature_lens, token_lens),
             ],
@@ -308,6 +314,9 @@ class Trainer:
             out = self.model(*inputs)
         global_targets = counts[0].to(torch.float32)
         loss_for_backward(out, global_targets, self.dp_size).backward()
+        if self.step + 1 in self.cfg.debug.inject_nonfinite_steps and self.rank == 0:
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("nan"))
         # The global gradient norm is non-finite whenever any rank's loss or gradient is (every
         # gradient is reduced over the ranks), so all ranks skip the same steps.
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)

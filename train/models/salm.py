@@ -267,6 +267,12 @@ class SALMOutput:
     aux_loss: torch.Tensor  # MoE balance loss, already weighted; mean over sequences
 
 
+def loss_targets(token_lens: torch.Tensor) -> torch.Tensor:
+    """How many next-token targets a batch's transcripts hold (n-1 for n tokens), from its
+    lengths alone: known on the CPU before the forward."""
+    return (token_lens - 1).clamp(min=0).sum()
+
+
 def loss_for_backward(out: SALMOutput, global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
     """The local loss whose data-parallel gradient average is the gradient of the global-batch loss
     (sum of token losses / all tokens + weighted aux loss), whatever the token count per rank."""
