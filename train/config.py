@@ -66,7 +66,7 @@ class TrainLoopConfig:
     log_every: int = 1
     max_time_per_run: float = 0.0  # seconds this job may train before it saves and exits; 0: none
     max_steps_per_run: int = 0  # steps this job may train before it saves and exits; 0: none
-    sync_every: int = 10  # steps between host syncs (stop agreement, non-finite check); and logs
+    sync_every: int = 10  # steps between host syncs (stop agreement, non-finite check), and logs
     nonfinite_limit: int = 5  # consecutive non-finite steps (skipped) that end the job, exit 3
 
 

@@ -285,8 +285,8 @@ class Trainer:
         """[loss targets, decoder positions, model FLOPs] of the global batch, on the device.
 
         Counted from the batch's lengths on the CPU before the forward, then summed over
-        data-parallel ranks on the device:
-        the loss can be normalized by the global target count with no host sync.
+        data-parallel ranks on the device: the loss is normalized by the global target count
+        with no host sync.
         """
         feature_lens, token_lens = batch["feature_lens"], batch["token_lens"]
         local = torch.tensor(
@@ -376,7 +376,7 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        last_good = self.restore()
+        self.restore()
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
             return 0
@@ -399,7 +399,7 @@ class Trainer:
             reason = self.train_until_stop(metrics)
         except TrainingDiverged:
             metrics.close({"final_step": self.step, "stop_reason": "diverged"})
-            say(f"last good checkpoint: {self.checkpoints.latest() or last_good or 'none'}")
+            say(f"last good checkpoint: {self.checkpoints.latest() or 'none'}")
             raise
         self.save()
         metrics.close({"final_step": self.step, "stop_reason": reason})
@@ -424,16 +424,19 @@ class Trainer:
         self.since_log.update(time=time.perf_counter(), step=self.step)
         while self.step < cfg.train.max_steps:
             batch = next(batches)
-            first = self.step == first_step
-            if first and self.dims.tp_enabled and cfg.debug.check_tp_batches:
-                check_tp_batches(batch_hash(batch), self.meshes)
+            check_tp = (
+                self.step == first_step and self.dims.tp_enabled and cfg.debug.check_tp_batches
+            )
+            digest = batch_hash(batch) if check_tp or cfg.debug.batch_hashes else ""
+            if check_tp:
+                check_tp_batches(digest, self.meshes)
             if cfg.debug.batch_hashes:
                 append_batch_hash(
                     self.run_dir,
                     step=self.step + 1,
                     rank=self.rank,
                     coords=self.coords,
-                    digest=batch_hash(batch),
+                    digest=digest,
                 )
             lr = self.scheduler.get_last_lr()[0]
             self.train_step(batch)

@@ -2,7 +2,7 @@
 
 The experts' weights are stacked tensors (E, d, h) and run as one grouped matmul over tokens
 sorted by expert. Routing keeps static shapes (counts by ``scatter_add``, not ``bincount``), so
-the whole MoE compiles with ``fullgraph=True``.
+it compiles with ``fullgraph=True``.
 
 Under tensor + sequence parallelism the MoE works on this rank's sequence shard: no all-gather
 of the sequence and no all-reduce of a (tokens x top_k x d) tensor. Each TP rank routes and runs
