@@ -68,11 +68,11 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     import torch
 
     from train.data import build_dataloader
+    from train.models.build import build_model
     from train.models.presets import get_preset
-    from train.models.salm import PAD_ID, SALM, ByteTokenizer, encoder_lens
+    from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens
 
-    torch.manual_seed(1234)
-    model = SALM(get_preset(args.preset))
+    model = build_model(get_preset(args.preset), torch.device("cpu"), 1234)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     loader = build_dataloader(
         Path(args.corpus) / "cuts_train.jsonl.gz",

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from tests.dist_equivalence_worker import full_params, synthetic_batch
 from train.checkpoint import CheckpointManager
 from train.mesh import build_meshes
-from train.models.parallelize import ParallelizeOptions, parallelize
+from train.models.build import build_model
 from train.models.presets import get_preset
-from train.models.salm import SALM, loss_for_backward
+from train.models.salm import loss_for_backward
 from train.parallel_dims import ParallelDims
 
 STEPS = 3
@@ -44,15 +44,13 @@ class Run:
     """A tiny SALM under one layout with its AdamW, warm-up schedule and slice of the batch."""
 
     def __init__(self, args: argparse.Namespace, model_seed: int) -> None:
-        torch.manual_seed(model_seed)
-        self.model = SALM(get_preset("tiny"))
-        dp_rank, dp_size, self.dp_group = 0, 1, None
+        dp_rank, dp_size, self.dp_group, meshes = 0, 1, None, None
         if dist.is_initialized():
             dims = ParallelDims(dist.get_world_size(), dp_shard=args.dp_shard, tp=args.tp)
             meshes = build_meshes(dims, "cpu")
-            parallelize(self.model, meshes, ParallelizeOptions())
             coords = dims.coordinates(dist.get_rank())
             dp_rank, dp_size, self.dp_group = coords.dp_rank, coords.dp_size, meshes.dp.get_group()
+        self.model = build_model(get_preset("tiny"), torch.device("cpu"), model_seed, meshes)
         self.dp_size = dp_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

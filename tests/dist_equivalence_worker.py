@@ -4,7 +4,9 @@ Run plainly for the single-process reference, or under torchrun with a layout:
     torchrun --standalone --nproc-per-node=4 tests/dist_equivalence_worker.py \
         --preset tiny --dp-shard 2 --tp 2 --out result.pt
 Each data-parallel rank trains on its slice of every global batch (TP peers on the same slice);
-the result file holds the global losses and the full (gathered) parameters, written by rank 0.
+the result file, written by rank 0, holds the global losses, the full (gathered) parameters at
+the start and at the end, rank 0's number of parameter elements, and torch.compile's counts of
+graphs and graph breaks.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 from train.mesh import build_meshes
-from train.models.parallelize import ParallelizeOptions, parallelize
+from train.models.build import build_model
+from train.models.init import canonical_name
+from train.models.parallelize import AC_MODES, ParallelizeOptions
 from train.models.presets import get_preset
-from train.models.salm import PAD_ID, SALM, loss_for_backward
+from train.models.salm import PAD_ID, loss_for_backward
 from train.parallel_dims import ParallelDims
 
 GLOBAL_BATCH = 4
@@ -43,7 +48,7 @@ def synthetic_batch() -> tuple[torch.Tensor, ...]:
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered to its full shape (a collective: all ranks must call it)."""
     return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        canonical_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
     }
 
@@ -57,15 +62,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--ac", default="none", choices=AC_MODES)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
     cfg = get_preset(args.preset)
-    torch.manual_seed(MODEL_SEED)
-    model = SALM(cfg)
     distributed = "WORLD_SIZE" in os.environ
     dp_rank, dp_size, dp_group = 0, 1, None
     if distributed:
@@ -80,15 +83,19 @@ def main() -> None:
         dims.validate(cfg, args.strategy)
         meshes = build_meshes(dims, "cpu")
         options = ParallelizeOptions(
-            strategy=args.strategy,
-            activation_checkpointing=args.activation_checkpointing,
-            compile=args.compile,
+            strategy=args.strategy, activation_checkpointing=args.ac, compile=args.compile
         )
-        parallelize(model, meshes, options)
+        model = build_model(cfg, torch.device("cpu"), MODEL_SEED, meshes, options)
         coords = dims.coordinates(dist.get_rank())
         mesh_coords = [m.get_local_rank() for m in (meshes.dp, meshes.tp, meshes.ep)]
         assert mesh_coords == [coords.dp_rank, coords.tp, coords.ep], (mesh_coords, coords)
         dp_rank, dp_size, dp_group = coords.dp_rank, coords.dp_size, meshes.dp.get_group()
+    else:
+        model = build_model(cfg, torch.device("cpu"), MODEL_SEED)
+    initial = full_params(model)
+    local_numel = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     losses = []
@@ -107,7 +114,15 @@ def main() -> None:
 
     params = full_params(model)
     if not distributed or dist.get_rank() == 0:
-        torch.save({"losses": losses, "params": params}, args.out)
+        result = {
+            "losses": losses,
+            "params": params,
+            "initial": initial,
+            "local_numel": local_numel,
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": dict(counters["graph_break"]),
+        }
+        torch.save(result, args.out)
     if distributed:
         dist.destroy_process_group()
 

@@ -1,13 +1,18 @@
 """Every parallel layout trains exactly like one process on the same global batch.
 
 Each case runs tests/dist_equivalence_worker.py under torchrun (gloo, CPU, fp32, 5 SGD steps) and
-compares the global losses and the gathered final parameters with a single-process run.
+compares the global losses and the gathered final parameters with a single-process eager run.
+The initial weights (built on the meta device, sharded, then initialized by parameter name) must
+equal the single process's bitwise, and ranks must hold only their shards.
 
 Tolerance: rtol 1e-5, atol 1e-6. Data parallelism alone reproduces the reference to ~1e-7 (fp32
 rounding of the gradient average); TP and EP change the summation order of sharded matmuls and
 reductions, which measured up to 8e-7 relative on losses and 3.4e-7 absolute on parameters after
-5 steps at lr 0.5. That leaves ~10x headroom, while a wrong gradient scale or a missing reduction
-shows up as differences of 1e-2 or more.
+5 steps at lr 0.5. Compiled blocks (inductor) with full or selective activation checkpointing
+measured up to 2.5e-7 relative on losses and 3.4e-7 absolute on parameters. That leaves ~10x
+headroom, while a wrong gradient scale or a missing reduction shows up as 1e-2 or more.
+Compiled cases also assert that compilation happened with no graph break (``fullgraph=True``
+would fail the run otherwise; the dynamo counters say so explicitly).
 """
 
 from __future__ import annotations
@@ -37,9 +42,29 @@ CASES = {
     "fsdp2xtp2_ep2_ac": (
         "tiny_moe",
         4,
-        ["--dp-shard", "2", "--tp", "2", "--ep", "2", "--activation-checkpointing"],
+        ["--dp-shard", "2", "--tp", "2", "--ep", "2", "--ac", "full"],
     ),
 }
+# The GPU recipes' path: compiled blocks with activation checkpointing, dense and MoE.
+for _ac in ("full", "selective"):
+    CASES[f"compiled_fsdp2_{_ac}"] = ("tiny", 2, ["--dp-shard", "2", "--compile", "--ac", _ac])
+    CASES[f"compiled_fsdp2xtp2_{_ac}"] = (
+        "tiny",
+        4,
+        ["--dp-shard", "2", "--tp", "2", "--compile", "--ac", _ac],
+    )
+    CASES[f"compiled_moe_fsdp2_{_ac}"] = (
+        "tiny_moe",
+        2,
+        ["--dp-shard", "2", "--compile", "--ac", _ac],
+    )
+    CASES[f"compiled_moe_fsdp2xtp2_ep2_{_ac}"] = (
+        "tiny_moe",
+        4,
+        ["--dp-shard", "2", "--tp", "2", "--ep", "2", "--compile", "--ac", _ac],
+    )
+# Largest share of the model's elements one rank may hold: FSDP over 2 ranks halves it.
+SHARD_FRACTION = {"ddp2": 1.0, "tp2": 1.0}
 
 
 def _run(command: list[str]) -> None:
@@ -83,6 +108,13 @@ def test_layout_matches_single_process(case, reference, tmp_path):
         ]
     )
     got, want = torch.load(out), reference(preset)
+    for name, param in want["initial"].items():
+        assert torch.equal(got["initial"][name], param), f"{name}: initial weights differ"
+    total = sum(p.numel() for p in want["initial"].values())
+    assert got["local_numel"] <= SHARD_FRACTION.get(case, 0.55) * total, (got["local_numel"], total)
+    if "--compile" in layout:
+        assert got["graphs"] > 0, "nothing was compiled"
+        assert got["graph_breaks"] == {}, got["graph_breaks"]
     assert want["losses"][-1] < want["losses"][0] - 1.0, "the reference run did not train"
     torch.testing.assert_close(
         torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=ATOL

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -222,3 +223,34 @@ def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, corpus):
     resumed = train(run_dir, corpus, "seed=3", "train.max_steps=4", nproc=2)
     assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in resumed.stderr
     assert [row["step"] for row in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_then_end_the_job(tmp_path, corpus):
+    """A NaN gradient (on one rank) skips the step on every rank and is counted; five in a row
+    end the job with exit 3 and one error line, nothing non-finite is saved, and the next job
+    resumes from the last checkpoint and finishes."""
+    run_dir = tmp_path / "run"
+    common = ("train.max_steps=12", "checkpoint.interval=2", "checkpoint.keep=10")
+    poisoned = "debug.inject_nonfinite_steps=[3,4,5,6,7]"
+    first = train(run_dir, corpus, *common, poisoned, nproc=2, check=False)
+    # Each rank exits 3; torchrun reports a failed worker as 1 and names the ranks' code.
+    assert first.returncode != 0 and "exitcode  : 3" in first.stderr, first.stderr[-3000:]
+    errors = [line for line in first.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "5 consecutive steps up to step 7" in errors[0], errors
+    rows = metrics(run_dir)
+    assert [row["nonfinite_steps"] for row in rows] == [0, 0, 1, 2, 3, 4]
+    assert all(row["grad_norm"] is None for row in rows[2:]), rows  # NaN is written as null
+    saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved == [2, 4, 6], saved
+    # Skipped steps leave the weights as they were: step 6 holds step 2's weights, finite.
+    at_2, at_6 = final_weights(run_dir, 2, tmp_path), final_weights(run_dir, 6, tmp_path)
+    for name, weight in at_2.items():
+        assert torch.isfinite(weight).all(), name
+        assert torch.equal(weight, at_6[name]), name
+
+    second = train(run_dir, corpus, *common, nproc=2)
+    assert "resumed from" in second.stderr and "step_6" in second.stderr
+    rows = metrics(run_dir)
+    assert rows[-1]["step"] == 12 and math.isfinite(rows[-1]["loss"])
+    assert rows[-1]["nonfinite_steps"] == 4  # steps 3-6, as saved at step 6; step 7 was redone

@@ -4,8 +4,10 @@ Run under torchrun or srun (one process per rank) or as a single process. Config
 installed package data ``recipes.conf``, found from any directory; ``--config-path DIR`` (an
 absolute path) puts a folder of the user's own configs first, the packaged ones staying on the
 search path after it, and ``--config-dir DIR`` adds a folder after them. A bad config or layout
-stops every rank with one ``error:`` line and exit code 2, before any process group exists; a key
-the schema does not know, or a value of the wrong type, is Hydra's own error (exit 1).
+stops every rank with one ``error:`` line and exit code 2, before any process group exists; a
+training that diverges (``train.nonfinite_limit`` consecutive non-finite steps) exits 3 without
+saving; a key the schema does not know, or a value of the wrong type, is Hydra's own error
+(exit 1).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from train.config import TrainConfig, register
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
-from train.trainer import ConfigError, Trainer, init_distributed, preflight
+from train.trainer import (
+    EXIT_DIVERGED,
+    ConfigError,
+    Trainer,
+    TrainingDiverged,
+    init_distributed,
+    preflight,
+)
 
 register()
 
@@ -43,6 +52,10 @@ def main(raw: DictConfig) -> None:
     device = init_distributed()
     try:
         code = Trainer(cfg, dims, device, stop).run()
+    except TrainingDiverged as error:
+        if dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        code = EXIT_DIVERGED
     finally:
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from orchestrator.seeds import SEED_LIMIT
 from train.parallel_dims import STRATEGIES
 
+AC_MODES = ("none", "full", "selective")
 MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
 
 
@@ -67,6 +68,8 @@ class TrainLoopConfig:
     log_every: int = 1
     max_time_per_run: float = 0.0  # seconds this job may train before it saves and exits; 0: none
     max_steps_per_run: int = 0  # steps this job may train before it saves and exits; 0: none
+    sync_every: int = 10  # steps between host syncs (stop agreement, non-finite check), and logs
+    nonfinite_limit: int = 5  # consecutive non-finite steps (skipped) that end the job, exit 3
 
 
 @dataclass
@@ -86,6 +89,8 @@ class WandbConfig:
 class DebugConfig:
     batch_hashes: bool = False  # write batch_hashes/rank{R}.jsonl: one hash of each step's batch
     check_tp_batches: bool = True  # stop if TP peers do not hold the same first batch
+    # Fault injection for tests: at these steps rank 0 poisons a gradient with NaN.
+    inject_nonfinite_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,9 +98,9 @@ class TrainConfig:
     seed: int = 0  # the job seed; recipes pass the chain's $1
     run_dir: str = "runs/local"  # recipes pass $ORCH_RUN_DIR, shared by every job of a chain
     strategy: str = "fsdp2"
-    compile: bool = False
-    activation_checkpointing: bool = False
-    mixed_precision: bool = True  # bf16 params / fp32 reduce, CUDA with fsdp2 only
+    compile: bool = False  # torch.compile each block, fullgraph (an MoE block around its dispatch)
+    activation_checkpointing: str = "none"  # none | full | selective (keep matmul outputs)
+    mixed_precision: bool = True  # bf16 on CUDA: FSDP2 params / fp32 reduce, or ddp autocast
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -145,6 +150,11 @@ def validate(cfg: TrainConfig) -> None:
     """Checks no type can express; each failure is one ValueError line naming the key."""
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"strategy={cfg.strategy}: choose one of {', '.join(STRATEGIES)}")
+    if cfg.activation_checkpointing not in AC_MODES:
+        raise ValueError(
+            f"activation_checkpointing={cfg.activation_checkpointing}: choose one of "
+            f"{', '.join(AC_MODES)}"
+        )
     if not 0 <= cfg.seed < SEED_LIMIT:
         raise ValueError(f"seed={cfg.seed}: give an integer in [0, 2**31)")
     if cfg.train.max_steps < 1:
@@ -157,6 +167,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"optim.lr={cfg.optim.lr}: must be positive")
     if cfg.train.max_time_per_run < 0:
         raise ValueError("train.max_time_per_run must be 0 (no budget) or positive seconds")
+    if cfg.train.sync_every < 1 or cfg.train.nonfinite_limit < 1:
+        raise ValueError("train.sync_every and train.nonfinite_limit must be at least 1")
     if cfg.train.max_steps_per_run < 0:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
     path = data_path(cfg)

@@ -126,12 +126,14 @@ def build_dataloader(
     shar: bool = False,
     buckets: int = 4,
     epoch: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """One epoch of batches for one data-parallel rank (see the module docstring).
 
     ``cuts_path_or_shar`` is a cut manifest, or a Shar directory when ``shar`` is set.
     The loader owns a torch generator seeded from the rank's data seed, so creating it
-    never draws from the trainer's global RNG.
+    never draws from the trainer's global RNG. ``pin_memory`` (for CUDA) lets the trainer copy
+    batches to the device without blocking.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
@@ -142,6 +144,7 @@ def build_dataloader(
         "num_workers": num_workers,
         "worker_init_fn": make_worker_init_fn(job_seed, dp_rank, epoch),
         "generator": torch.Generator().manual_seed(own_seed),
+        "pin_memory": pin_memory,
     }
     if shar:
         fields = shar_fields(Path(cuts_path_or_shar))

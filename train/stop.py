@@ -1,18 +1,16 @@
 """Stopping cleanly: a signal or the job's time budget ends training at a step boundary.
 
 SLURM warns a job with USR1 (the templates ask for ``--signal=B:USR1@grace`` and forward it to
-the ranks); SIGTERM comes with cancellation or preemption. A handler only sets a flag. At each
-step boundary the ranks agree with one all_reduce (MAX), so they all save the same step and
-exit 0 together, and the next job of the chain resumes from that checkpoint.
+the ranks); SIGTERM comes with cancellation or preemption. A handler only sets a flag. At the
+trainer's sync steps (log steps and every ``train.sync_every`` steps) the ranks agree with one
+all_reduce (MAX) of ``local_flag``, so they all save the same step and exit 0 together, and the
+next job of the chain resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-
-import torch
-import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -34,14 +32,14 @@ class StopRequest:
         budget = self.max_time_per_run
         return budget > 0 and time.monotonic() - self.started >= budget
 
-    def agreed(self, device: torch.device) -> str | None:
-        """Why every rank stops now ("SIGUSR1", "time budget"), or None: a collective call."""
-        local = 2.0 if self.signal_name else 1.0 if self.over_budget() else 0.0
-        flag = torch.tensor([local], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        reason = int(flag.item())
-        if reason == 2:
+    def local_flag(self) -> float:
+        """This rank's wish to stop, for a MAX all-reduce: 2 a signal, 1 the time budget, 0 none."""
+        return 2.0 if self.signal_name else 1.0 if self.over_budget() else 0.0
+
+    def reason(self, agreed_flag: float) -> str | None:
+        """Why every rank stops, given the MAX of all ranks' ``local_flag``; None: go on."""
+        if agreed_flag >= 2:
             return self.signal_name or "a stop signal on another rank"
-        if reason == 1:
+        if agreed_flag >= 1:
             return "time budget (train.max_time_per_run)"
         return None

@@ -26,20 +26,31 @@ from train.batch_hash import append_batch_hash, batch_hash
 from train.checkpoint import CheckpointManager
 from train.config import TrainConfig, data_path, validate
 from train.data import batches_forever, build_dataloader
+from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
 from train.mesh import Meshes, build_meshes
 from train.metrics import MetricsLogger
-from train.models.parallelize import ParallelizeOptions, parallelize
-from train.models.presets import flops_per_token, get_preset
-from train.models.salm import PAD_ID, SALM, ByteTokenizer, encoder_lens, loss_for_backward
+from train.models.build import build_model
+from train.models.parallelize import ParallelizeOptions, compute_autocast
+from train.models.presets import get_preset
+from train.models.salm import (
+    PAD_ID,
+    ByteTokenizer,
+    encoder_lens,
+    loss_for_backward,
+    loss_targets,
+)
 from train.parallel_dims import ParallelDims
 from train.stop import StopRequest
 
-# Dense bf16 peak of the GPU, for MFU (H100 SXM); override with ORCH_PEAK_FLOPS.
-DEFAULT_PEAK_FLOPS = 989e12
+EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
 
 
 class ConfigError(ValueError):
     """A bad config or layout, found before training starts: exit code 2."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite steps: exit code 3, the last good checkpoint kept."""
 
 
 def say(line: str) -> None:
@@ -101,25 +112,29 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm over parameters that may live on different meshes (dense vs EP)."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` (0: only measure) and return the global gradient norm, on device.
+
+    Parameters may live on different meshes (TP'd or not, dense or EP experts): each mesh's
+    norm is reduced on its own, the norms are combined, and each mesh's gradients are scaled in
+    one foreach call (per device and dtype). Nothing is read back to the host.
+    """
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for param in model.parameters():
         if param.grad is not None:
             mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-            by_mesh.setdefault(mesh, []).append(param.grad)
-    squares = 0.0
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            by_mesh.setdefault(mesh, []).append(param)
+    squares = []
+    for params in by_mesh.values():
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        squares += float(norm) ** 2
-    total = math.sqrt(squares)
-    if max_norm > 0 and total > max_norm:
-        scale = max_norm / (total + 1e-6)
-        for grads in by_mesh.values():
-            for grad in grads:
-                grad.mul_(scale)
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm > 0:
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
 
 
@@ -158,20 +173,22 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.meshes = build_meshes(dims, device.type)
         self.model_cfg = get_preset(cfg.model.preset)
-        torch.manual_seed(cfg.model.init_seed)
-        self.model = SALM(self.model_cfg).to(device)
-        options = ParallelizeOptions(
+        self.options = ParallelizeOptions(
             strategy=cfg.strategy,
             activation_checkpointing=cfg.activation_checkpointing,
             compile=cfg.compile,
             mixed_precision=cfg.mixed_precision,
         )
-        parallelize(self.model, self.meshes, options)
+        self.model = build_model(
+            self.model_cfg, device, cfg.model.init_seed, self.meshes, self.options
+        )
+        # fused: the only AdamW that skips a step on the device (``found_inf``), with no sync.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.optim.lr,
             betas=(cfg.optim.beta1, cfg.optim.beta2),
             weight_decay=cfg.optim.weight_decay,
+            fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
@@ -180,8 +197,16 @@ class Trainer:
         self.coords = mesh_coordinates(dims, self.rank)
         self.step = 0
         self.tokens_seen = 0
+        self.nonfinite_steps = 0
         self.wandb_run_id: str | None = None
         self.data_position = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
+        # Device-side tallies, read back only at sync steps (see `read_back`).
+        self.since_sync = torch.zeros(3, dtype=torch.float64, device=device)  # COUNTS, summed
+        self.nonfinite_run = torch.zeros((), device=device)  # consecutive skipped steps
+        self.nonfinite_new = torch.zeros((), device=device)  # skipped since the last sync
+        self.last_step: torch.Tensor | None = None  # [nll, aux, targets, grad norm] of a step
+        # Host tallies of the global batches since the last metrics line (for rates and MFU).
+        self.since_log = {"time": time.perf_counter(), "step": 0, "positions": 0.0, "flops": 0.0}
 
     # state ------------------------------------------------------------------------------------
 
@@ -189,6 +214,7 @@ class Trainer:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
+            "nonfinite_steps": self.nonfinite_steps,
             "wandb_run_id": self.wandb_run_id,
             "data_position": dict(self.data_position),
         }
@@ -201,6 +227,7 @@ class Trainer:
         state = self.checkpoints.load(latest, self.model, self.optimizer, self.scheduler)
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.wandb_run_id = state.get("wandb_run_id")
         saved = state.get("data_position") or {}
         if saved.get("data_seed") == self.cfg.seed:
@@ -209,6 +236,7 @@ class Trainer:
         return latest
 
     def save(self) -> None:
+        self.read_back(stop_flag=0.0)  # tokens seen and the non-finite check are up to date
         path = self.checkpoints.save(
             self.step, self.model, self.optimizer, self.scheduler, self.trainer_state()
         )
@@ -236,6 +264,7 @@ class Trainer:
                 shar=cfg.data.shar,
                 buckets=cfg.data.buckets,
                 epoch=start_epoch + epoch,
+                pin_memory=self.device.type == "cuda",
             )
 
         current_epoch = None
@@ -252,36 +281,97 @@ class Trainer:
 
     # loop -------------------------------------------------------------------------------------
 
-    def train_step(self, batch: dict) -> dict[str, float]:
-        features = batch["features"].to(self.device)
-        feature_lens = batch["feature_lens"].to(self.device)
-        tokens = batch["tokens"].to(self.device)
-        token_lens = batch["token_lens"].to(self.device)
-        out = self.model(features, feature_lens, tokens, token_lens)
-        positions = (encoder_lens(feature_lens) + token_lens).sum()
-        sums = torch.stack(
+    def global_counts(self, batch: dict) -> torch.Tensor:
+        """[loss targets, decoder positions, model FLOPs] of the global batch, on the device.
+
+        Counted from the batch's lengths on the CPU before the forward, then summed over
+        data-parallel ranks on the device: the loss is normalized by the global target count
+        with no host sync.
+        """
+        feature_lens, token_lens = batch["feature_lens"], batch["token_lens"]
+        local = torch.tensor(
             [
-                out.nll_sum.detach().float(),
-                out.num_tokens.float(),
-                out.aux_loss.detach().float(),
-                positions.float(),
-            ]
+                float(loss_targets(token_lens)),
+                float((encoder_lens(feature_lens) + token_lens).sum()),
+                step_flops(self.model_cfg, feature_lens, token_lens),
+            ],
+            dtype=torch.float64,
         )
-        dist.all_reduce(sums, group=self.meshes.dp.get_group())
-        nll, num_tokens, aux, global_positions = sums.tolist()
-        loss_for_backward(out, sums[1], self.dp_size).backward()
-        grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
+        if self.device.type == "cuda":
+            local = local.pin_memory()
+        counts = local.to(self.device, non_blocking=True)
+        dist.all_reduce(counts, group=self.meshes.dp.get_group())
+        return counts
+
+    def train_step(self, batch: dict) -> None:
+        """One optimizer step, queued on the device; a non-finite gradient norm skips it there."""
+        counts = self.global_counts(batch)
+        inputs = [
+            batch[key].to(self.device, non_blocking=True)
+            for key in ("features", "feature_lens", "tokens", "token_lens")
+        ]
+        with compute_autocast(self.options, self.device.type):
+            out = self.model(*inputs)
+        global_targets = counts[0].to(torch.float32)
+        loss_for_backward(out, global_targets, self.dp_size).backward()
+        if self.step + 1 in self.cfg.debug.inject_nonfinite_steps and self.rank == 0:
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("nan"))
+        # The global gradient norm is non-finite whenever any rank's loss or gradient is (every
+        # gradient is reduced over the ranks), so all ranks skip the same steps.
+        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        self.optimizer.found_inf = found_inf  # read by fused AdamW: the update is skipped
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_run.add_(found_inf).mul_(found_inf)
+        self.nonfinite_new.add_(found_inf)
+        self.since_sync.add_(counts)
+        self.last_step = torch.stack(
+            [out.nll_sum.detach().float(), out.aux_loss.detach().float(), global_targets, grad_norm]
+        )
+
+    def read_back(self, stop_flag: float) -> dict[str, float]:
+        """The one host sync of a sync step: the last step's loss and gradient norm, the tallies
+        since the previous sync, and the ranks' agreed stop flag (MAX of ``stop_flag``).
+
+        Raises TrainingDiverged after ``train.nonfinite_limit`` consecutive non-finite steps.
+        """
+        if self.last_step is None:
+            return {}
+        loss_parts = self.last_step[:2].clone()
+        dist.all_reduce(loss_parts, group=self.meshes.dp.get_group())
+        flag = torch.tensor([stop_flag], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        values = torch.cat(
+            [
+                loss_parts.double(),
+                self.last_step[2:].double(),
+                self.since_sync,
+                torch.stack([self.nonfinite_run, self.nonfinite_new]).double(),
+                flag.double(),
+            ]
+        ).tolist()
+        nll, aux, targets, grad_norm, new_targets, positions, flops, run, new_bad, agreed = values
+        self.since_sync.zero_()
+        self.nonfinite_new.zero_()
+        self.tokens_seen += int(new_targets)
+        self.nonfinite_steps += int(new_bad)
+        self.since_log["positions"] += positions
+        self.since_log["flops"] += flops
+        limit = self.cfg.train.nonfinite_limit
+        if run >= limit:
+            raise TrainingDiverged(
+                f"{int(run)} consecutive steps up to step {self.step} had a non-finite loss or "
+                f"gradient norm (train.nonfinite_limit={limit}): stopping without saving; the "
+                "next job resumes from the last good checkpoint. Lower optim.lr or raise "
+                "optim.warmup_steps"
+            )
         return {
-            "loss": nll / num_tokens + aux / self.dp_size,
+            "loss": nll / targets + aux / self.dp_size,
             "grad_norm": grad_norm,
-            "lr": lr,
-            "text_tokens": num_tokens,
-            "positions": global_positions,
-            "max_len": float(tokens.shape[1] + encoder_lens(features.shape[1])),
+            "stop_flag": agreed,
         }
 
     def run(self) -> int:
@@ -290,7 +380,6 @@ class Trainer:
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
             return 0
-        stop = self.stop
         metrics = MetricsLogger(
             self.run_dir,
             rank=self.rank,
@@ -306,19 +395,41 @@ class Trainer:
             f"job {os.environ.get('ORCH_JOB_INDEX', '-')} seed {cfg.seed}: training steps "
             f"{self.step + 1}..{cfg.train.max_steps}, layout {self.dims.describe()}"
         )
-        peak = float(os.environ.get("ORCH_PEAK_FLOPS", DEFAULT_PEAK_FLOPS))
-        reason = "max_steps reached"
+        try:
+            reason = self.train_until_stop(metrics)
+        except TrainingDiverged:
+            metrics.close({"final_step": self.step, "stop_reason": "diverged"})
+            say(f"last good checkpoint: {self.checkpoints.latest() or 'none'}")
+            raise
+        self.save()
+        metrics.close({"final_step": self.step, "stop_reason": reason})
+        say(f"{reason}; tokens seen {self.tokens_seen}")
+        return 0
+
+    def peak_flops(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        name = torch.cuda.get_device_name(self.device)
+        peak = peak_flops(name, os.environ)
+        if peak is None:
+            say(f"MFU not reported: no peak FLOP/s known for {name!r}; set {PEAK_FLOPS_ENV}")
+        return peak
+
+    def train_until_stop(self, metrics: MetricsLogger) -> str:
+        """Train to max_steps, a stop signal, the time budget or the step budget; the reason."""
+        cfg = self.cfg
+        peak = self.peak_flops()
         first_step = self.step
         batches = self.batches()
-        checked = False
+        self.since_log.update(time=time.perf_counter(), step=self.step)
         while self.step < cfg.train.max_steps:
-            started = time.perf_counter()
             batch = next(batches)
-            check_first = not checked and self.dims.tp_enabled and cfg.debug.check_tp_batches
-            digest = batch_hash(batch) if check_first or cfg.debug.batch_hashes else ""
-            if check_first:
+            check_tp = (
+                self.step == first_step and self.dims.tp_enabled and cfg.debug.check_tp_batches
+            )
+            digest = batch_hash(batch) if check_tp or cfg.debug.batch_hashes else ""
+            if check_tp:
                 check_tp_batches(digest, self.meshes)
-            checked = True
             if cfg.debug.batch_hashes:
                 append_batch_hash(
                     self.run_dir,
@@ -327,34 +438,44 @@ class Trainer:
                     coords=self.coords,
                     digest=digest,
                 )
-            result = self.train_step(batch)
+            lr = self.scheduler.get_last_lr()[0]
+            self.train_step(batch)
             self.step += 1
-            self.tokens_seen += int(result["text_tokens"])
-            step_time = time.perf_counter() - started
-            if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                tokens_per_s = result["positions"] / step_time
-                record = {
-                    "loss": result["loss"],
-                    "lr": result["lr"],
-                    "grad_norm": result["grad_norm"],
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": step_time,
-                    "tokens_seen": self.tokens_seen,
-                }
-                if self.device.type == "cuda":
-                    flops = flops_per_token(self.model_cfg, int(result["max_len"]))
-                    record["mfu"] = flops * tokens_per_s / (peak * dist.get_world_size())
-                metrics.log(self.step, record)
-            why = stop.agreed(self.device)
+            last = self.step == cfg.train.max_steps
+            log_now = self.step % cfg.train.log_every == 0 or last
+            why = None
+            if log_now or self.step % cfg.train.sync_every == 0:
+                result = self.read_back(self.stop.local_flag())
+                why = self.stop.reason(result["stop_flag"])
+                if log_now:
+                    metrics.log(self.step, self.log_record(result, lr, peak))
             per_run = cfg.train.max_steps_per_run
             if why is None and per_run and self.step - first_step >= per_run:
                 why = f"step budget of this job (train.max_steps_per_run={per_run})"
-            if why is not None and self.step < cfg.train.max_steps:
-                reason = f"stopping at step {self.step}: {why}"
-                break
-            if self.step % cfg.checkpoint.interval == 0 and self.step < cfg.train.max_steps:
+            if why is not None and not last:
+                return f"stopping at step {self.step}: {why}"
+            if self.step % cfg.checkpoint.interval == 0 and not last:
                 self.save()
-        self.save()
-        metrics.close({"final_step": self.step, "stop_reason": reason})
-        say(f"{reason}; tokens seen {self.tokens_seen}")
-        return 0
+        return "max_steps reached"
+
+    def log_record(
+        self, result: dict[str, float], lr: float, peak: float | None
+    ) -> dict[str, float]:
+        """The metrics line of a log step; rates cover the steps since the previous log line."""
+        logged = self.since_log
+        now = time.perf_counter()
+        elapsed = max(now - logged["time"], 1e-9)
+        steps = self.step - int(logged["step"])
+        record = {
+            "loss": result["loss"],
+            "lr": lr,
+            "grad_norm": result["grad_norm"],
+            "tokens_per_s": logged["positions"] / elapsed,
+            "step_time_s": elapsed / steps,
+            "tokens_seen": self.tokens_seen,
+            "nonfinite_steps": self.nonfinite_steps,
+        }
+        if peak is not None:
+            record["mfu"] = logged["flops"] / (elapsed * peak * dist.get_world_size())
+        logged.update(time=now, step=self.step, positions=0.0, flops=0.0)
+        return record

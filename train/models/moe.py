@@ -1,86 +1,94 @@
 """Mixture-of-experts feed-forward: top-k router, grouped experts, and the token dispatcher.
 
 The experts' weights are stacked tensors (E, d, h) and run as one grouped matmul over tokens
-sorted by expert (`torch._grouped_mm`, which also runs on CPU in fp32). Parallelism lives in
-`TokenDispatcher`: with tensor parallelism each TP rank computes the experts for its own slice of
-the (replicated) tokens and the results are summed over TP; with expert parallelism the tokens
-travel to the rank owning their expert with `all_to_all_single` (uneven splits) and back.
+sorted by expert. Routing keeps static shapes (counts by ``scatter_add``, not ``bincount``), so
+it compiles with ``fullgraph=True``.
+
+Under tensor + sequence parallelism the MoE works on this rank's sequence shard: no all-gather
+of the sequence and no all-reduce of a (tokens x top_k x d) tensor. Each TP rank routes and runs
+its own tokens through whole experts; the router's weight gradient is summed over TP by DTensor
+(the router is sequence-parallel, see ``parallelize``), the experts' by FSDP over the efsdp
+ranks, and only the balance loss's small per-sequence sums cross the TP group.
+
+Under expert parallelism tokens travel to the rank owning their expert with
+``all_to_all_single_autograd`` (a functional collective, uneven splits) and back. The split
+sizes must be known on the host, so EP pays one device-to-host copy of E counts per MoE layer.
+
+Compilation (``parallelize.apply_compile``) draws one graph boundary, around the dispatcher:
+``route``, ``combine`` and the experts' ``compute`` each compile with ``fullgraph=True``, while
+the dispatcher runs eagerly, because FSDP's hooks on the experts (their own mesh) cannot be
+traced inside a checkpointed block and EP's split sizes are host values.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the gradient travels back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits = (output_splits, input_splits)
-        ctx.group = group
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return out, None, None, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward; all-reduce (sum) backward, as each rank computed part of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward, as every rank receives the same gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-@torch.compiler.disable
-def _eager_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """torch.compile's shape check for _grouped_mm accepts only bf16 (the fast CUDA kernel's
-    rule), while the eager kernels also run fp32: fp32 grouped matmuls stay eager."""
+@torch.library.custom_op("salm::grouped_mm_fp32", mutates_args=())
+def _grouped_mm_fp32(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """fp32 grouped matmul as an opaque op: torch.compile's shape check for ``_grouped_mm``
+    accepts only bf16 (the fast CUDA kernel's rule) while the eager kernels also run fp32, so
+    fp32 runs (CPU tests, fp32 training) keep the eager kernel without a graph break."""
     return torch._grouped_mm(x, w, offs=offs)
 
 
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.bfloat16:
-        return torch._grouped_mm(x, w, offs=offs)
-    return _eager_grouped_mm(x, w, offs)
+@_grouped_mm_fp32.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[-1]))
+
+
+@torch.library.custom_op("salm::grouped_mm_fp32_backward", mutates_args=())
+def _grouped_mm_fp32_backward(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
+    grad_w = torch._grouped_mm(x.t(), grad, offs=offs)
+    return grad_x, grad_w
+
+
+@_grouped_mm_fp32_backward.register_fake
+def _(grad, x, w, offs) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad_x, grad_w = _grouped_mm_fp32_backward(grad.contiguous(), x, w, offs)
+    return grad_x, grad_w, None
+
+
+_grouped_mm_fp32.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Row groups of ``x`` (M, d) times ``w`` (E, d, h); group e ends at row ``offs[e]``."""
+    if x.dtype == torch.float32:
+        return _grouped_mm_fp32(x, w, offs)
+    return torch._grouped_mm(x, w, offs=offs)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds of an expert-parallel weight (the weight itself otherwise)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def swiglu_experts(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """``x`` (M, d) sorted by expert, ``counts`` (E,) tokens per expert, weights (E, ., .)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
+    return grouped_mm(h, w2, offs)
 
 
 class GroupedExperts(nn.Module):
@@ -91,65 +99,52 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+        self.compute = swiglu_experts  # compiled by apply_compile, outside FSDP's hooks
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (M, d) sorted by local expert, ``counts`` (E_local,) tokens per local expert."""
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
-        h = F.silu(_grouped_mm(x, w1, offs)) * _grouped_mm(x, w3, offs)
-        return _grouped_mm(h, w2, offs)
+        return self.compute(x, counts, _local(self.w1), _local(self.w3), _local(self.w2))
 
 
 class TokenDispatcher:
-    """Moves routed tokens to their experts and back; holds the TP and EP groups it talks over.
+    """Moves routed tokens to the rank that owns their expert and back (expert parallelism).
 
-    `parallelize` sets the groups; with neither set this is a plain local call of the experts.
+    `parallelize` sets the EP mesh; without one this is a plain local call of the experts.
     """
 
     def __init__(self) -> None:
-        self.tp_group: ProcessGroup | None = None
-        self.ep_group: ProcessGroup | None = None
-
-    def token_range(self, n_tokens: int) -> tuple[int, int]:
-        """The slice of the TP-replicated tokens this rank routes through the experts."""
-        if self.tp_group is None:
-            return 0, n_tokens
-        size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-        return n_tokens * rank // size, n_tokens * (rank + 1) // size
-
-    def copy_to_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Mark where TP ranks start working on different tokens: their gradients get summed."""
-        return x if self.tp_group is None else _CopyToGroup.apply(x, self.tp_group)
-
-    def sum_over_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Add up the TP ranks' partial results; every rank then holds all of them."""
-        return x if self.tp_group is None else _SumOverGroup.apply(x, self.tp_group)
+        self.ep_mesh: DeviceMesh | None = None
 
     def run(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Apply ``experts`` to ``x`` (sorted by global expert id; ``counts`` per global expert)."""
-        if self.ep_group is None:
+        if self.ep_mesh is None:
             return experts(x, counts)
-        ep = dist.get_world_size(self.ep_group)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        group = self.ep_mesh.get_group()
+        ep = self.ep_mesh.size()
+        recv_counts = funcol.all_to_all_single(counts, None, None, group)
         send = counts.view(ep, -1)
         recv = recv_counts.view(ep, -1)  # [source rank, local expert]
         input_splits = send.sum(1).tolist()
         output_splits = recv.sum(1).tolist()
-        received = _AllToAll.apply(x, output_splits, input_splits, self.ep_group)
+        received = funcol.all_to_all_single_autograd(x, output_splits, input_splits, group)
         # Received rows come grouped by source rank, then expert: regroup them by expert.
         n_local = recv.shape[1]
         local_expert = torch.arange(n_local, device=x.device).repeat(ep)
-        row_expert = torch.repeat_interleave(local_expert, recv.flatten())
+        row_expert = torch.repeat_interleave(
+            local_expert, recv.flatten(), output_size=sum(output_splits)
+        )
         order = torch.argsort(row_expert, stable=True)
         y = experts(received[order], recv.sum(0))
         unsorted = torch.empty_like(y).index_copy(0, order, y)
-        return _AllToAll.apply(unsorted, input_splits, output_splits, self.ep_group)
+        return funcol.all_to_all_single_autograd(unsorted, input_splits, output_splits, group)
+
+
+def sum_over_mesh(x: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Sum ``x`` over ``mesh``; every rank gets the sum and its own gradient passes through
+    unchanged (DTensor keeps the backward of Partial -> Replicate replicated)."""
+    if mesh is None:
+        return x
+    return DTensor.from_local(x, mesh, [Partial()]).full_tensor()
 
 
 class MoE(nn.Module):
@@ -162,27 +157,36 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, n_experts)
         self.dispatcher = TokenDispatcher()
+        self.tp_mesh: DeviceMesh | None = None  # set under TP: x is then a sequence shard
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` (B, S, d), ``mask`` (B, S) true on real positions; returns (output, aux loss)."""
+        """``x`` (B, S_local, d): the whole sequence, or this TP rank's shard of it; ``mask``
+        (B, S) true on real positions of the whole sequence. Returns (output like x, aux loss)."""
+        tokens, counts, order, weights, aux = self.route(x, mask)
+        y = self.dispatcher.run(self.experts, tokens, counts)
+        return self.combine(y, order, weights).view_as(x), aux
+
+    def route(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Tokens sorted by expert (one row per routed slot), tokens per expert, the sort order,
+        the slots' combine weights and the balance loss. Static shapes throughout."""
         B, S, d = x.shape
-        flat = x.reshape(B * S, d)
-        probs = torch.softmax(self.router(flat).float(), dim=-1)
+        if self.tp_mesh is not None:
+            mask = mask.chunk(self.tp_mesh.size(), dim=1)[self.tp_mesh.get_local_rank()]
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
         weights = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
-        aux = self.balance_loss(probs.view(B, S, -1), top_e.view(B, S, -1), mask)
-
-        start, end = self.dispatcher.token_range(B * S)
-        experts_flat = top_e[start:end].reshape(-1)
+        aux = self.balance_loss(probs, top_e, mask)
+        experts_flat = top_e.reshape(-1)
         order = torch.argsort(experts_flat, stable=True)
-        counts = torch.bincount(experts_flat, minlength=self.n_experts)
-        slot = torch.arange(start * self.top_k, end * self.top_k, device=x.device)[order]
-        tokens = self.dispatcher.copy_to_tp(flat)[slot // self.top_k]
-        y = self.dispatcher.run(self.experts, tokens, counts)
-        per_slot = flat.new_zeros(B * S * self.top_k, d).index_copy(0, slot, y)
-        per_slot = self.dispatcher.sum_over_tp(per_slot).view(B * S, self.top_k, d)
-        out = (per_slot * weights.unsqueeze(-1)).sum(1)
-        return out.view(B, S, d), aux
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, experts_flat, torch.ones_like(experts_flat))
+        tokens = x.reshape(B * S, d)[order // self.top_k]
+        return tokens, counts, order, weights.reshape(B * S, self.top_k), aux
+
+    def combine(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token's output (tokens, d): its slots' expert outputs, weighted and summed."""
+        per_slot = torch.empty_like(y).index_copy(0, order, y).view(-1, self.top_k, y.shape[-1])
+        return (per_slot * weights.unsqueeze(-1)).sum(1)
 
     def balance_loss(
         self, probs: torch.Tensor, top_e: torch.Tensor, mask: torch.Tensor
@@ -190,11 +194,14 @@ class MoE(nn.Module):
         """Switch-style E * sum_e f_e * P_e per sequence over real positions, mean over sequences.
 
         Per sequence (not per batch) so that the mean over data-parallel ranks equals the loss of
-        the whole global batch.
+        the whole global batch; under TP the per-sequence sums add up the sequence shards.
         """
         m = mask.to(probs.dtype).unsqueeze(-1)  # (B, S, 1)
-        n = m.sum(1).clamp(min=1)  # (B, 1)
         picked = F.one_hot(top_e, self.n_experts).sum(2).to(probs.dtype)  # (B, S, E)
-        frac_tokens = (picked * m).sum(1) / (n * self.top_k)
-        frac_probs = (probs * m).sum(1) / n
-        return (self.n_experts * (frac_tokens * frac_probs).sum(-1)).mean()
+        sums = torch.cat([(picked * m).sum(1), (probs * m).sum(1), m.sum(1)], dim=-1)
+        sums = sum_over_mesh(sums, self.tp_mesh)
+        E = self.n_experts
+        tokens, prob_mass, n = sums[:, :E], sums[:, E : 2 * E], sums[:, 2 * E :].clamp(min=1)
+        frac_tokens = tokens / (n * self.top_k)
+        frac_probs = prob_mass / n
+        return (E * (frac_tokens * frac_probs).sum(-1)).mean()

@@ -3,58 +3,105 @@ TP (with sequence parallel) and EP -> activation checkpointing -> torch.compile 
 
 Only the LLM gets tensor parallelism; the audio encoder, projector and embeddings are small and
 run replicated over TP (FSDP still shards them). The same code runs CUDA+NCCL and CPU+gloo.
+
+Activation checkpointing wraps each block in a checkpoint wrapper (``full``: recompute the
+block's matmuls and elementwise work in backward, keeping only the outputs of its collectives and
+attention; ``selective``: also keep the matmuls' outputs, recompute only elementwise work).
+Compilation then compiles each (wrapped) block in place with ``fullgraph=True``: a graph break
+is an error, never a silent fall-back to eager, and parameter names stay those of the plain
+model.
+
+The model may live on the meta device: every step here only places and wraps parameters, so the
+caller materializes each rank's shards afterwards (``to_empty`` + ``init_weights``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint, replicate
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed._composable import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
+from train.config import AC_MODES
 from train.mesh import Meshes
 from train.models.moe import MoE
 from train.models.salm import SALM, Block
+
+_aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+# Both AC modes keep the outputs of collectives and attention: communication is never worth
+# repeating in backward, and attention's output is one activation of the block's width. (Full
+# recomputation of attention in a compiled TP block also fails in AOT autograd, which would
+# have to save a DeviceMesh.)
+_KEPT_BY_FULL = frozenset(
+    {
+        _c10d.reduce_scatter_tensor.default,
+        _c10d.all_gather_into_tensor.default,
+        _c10d.all_to_all_single.default,
+        _c10d.all_reduce.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+)
+# Selective AC also keeps the matmuls' outputs and recomputes only cheap elementwise work.
+_KEPT_BY_SELECTIVE = _KEPT_BY_FULL | {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._grouped_mm.default,
+    torch.ops.salm.grouped_mm_fp32.default,
+}
 
 
 @dataclass(frozen=True)
 class ParallelizeOptions:
     strategy: str = "fsdp2"  # "fsdp2" (FSDP, or HSDP with dp_replicate > 1) or "ddp"
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # one of AC_MODES
     compile: bool = False
-    mixed_precision: bool = True  # bf16 params, fp32 reductions; CUDA with fsdp2 only
+    mixed_precision: bool = True  # bf16 compute on CUDA: FSDP2 params, or autocast under ddp
 
 
 def parallelize(model: SALM, meshes: Meshes, options: ParallelizeOptions) -> SALM:
-    """Parallelize ``model`` in place (initialize it identically on every rank first)."""
+    """Parallelize ``model`` in place (on the meta device, or initialized identically)."""
     dims = meshes.dims
     if dims.tp_enabled:
         apply_tp(model, meshes)
     if model.cfg.n_experts:
         apply_moe_parallel(model, meshes)
-    if options.activation_checkpointing:
-        for block in [*model.encoder.layers, *model.llm.layers]:
-            checkpoint(block)
+    blocks = [model.encoder.layers, model.llm.layers]
+    if options.activation_checkpointing != "none":
+        for layers in blocks:
+            apply_ac(layers, options.activation_checkpointing)
     if options.compile:
-        for block in [*model.encoder.layers, *model.llm.layers]:
-            block.compile()
-    policy = mixed_precision_policy(meshes, options)
+        for layers in blocks:
+            apply_compile(layers)
     if options.strategy == "ddp":
         replicate(model, device_mesh=meshes.dp)
-    elif dims.world_size > 1 or policy.param_dtype is not None:
-        apply_fsdp(model, meshes, policy)
+    elif dims.world_size > 1 or fsdp_mixed_precision(meshes, options):
+        apply_fsdp(model, meshes, options)
     # else one process in full precision: nothing to shard, and FSDP's hooks would only cost time.
     return model
 
@@ -63,7 +110,8 @@ def apply_tp(model: SALM, meshes: Meshes) -> None:
     """Megatron-style TP with sequence parallelism on the LLM.
 
     Between blocks the residual stream is this rank's sequence shard (a local tensor); norms run
-    on shards, attention and FFNs all-gather the sequence and reduce-scatter their output.
+    on shards, attention and dense FFNs all-gather the sequence and reduce-scatter their output,
+    MoE FFNs work on the shard itself.
     """
     tp_mesh = meshes.tp
     model.seq_multiple = math.lcm(model.seq_multiple, meshes.dims.tp)
@@ -114,51 +162,126 @@ def _block_plan(block: Block) -> dict:
             }
         )
     else:
-        # The MoE sees all tokens (the router runs replicated); its dispatcher splits the expert
-        # work between TP ranks and sums it back, so the output is replicated.
-        plan["moe"] = PrepareModuleInputOutput(
+        # The MoE takes and returns this rank's sequence shard as a local tensor; its router is
+        # sequence-parallel, so DTensor sums the router's weight gradient over TP.
+        plan["moe"] = PrepareModuleInput(
             input_layouts=(Shard(1), None),
-            desired_input_layouts=(Replicate(), None),
-            use_local_input=True,
-            output_layouts=(Replicate(), None),
-            desired_output_layouts=(Shard(1), None),
+            desired_input_layouts=(Shard(1), None),
             use_local_output=True,
         )
+        plan["moe.router"] = SequenceParallel(use_local_output=True)
     return plan
 
 
-def _moe_layers(model: SALM) -> list[MoE]:
+def moe_layers(model: SALM) -> list[MoE]:
     return [block.moe for block in model.llm.layers if block.moe is not None]
 
 
 def apply_moe_parallel(model: SALM, meshes: Meshes) -> None:
-    """Give each MoE its TP and EP groups; under EP shard the stacked experts over the EP view."""
+    """Give each MoE its TP and EP meshes; under EP shard the stacked experts over the EP view."""
     dims = meshes.dims
-    for moe in _moe_layers(model):
+    for moe in moe_layers(model):
         if dims.tp_enabled:
-            moe.dispatcher.tp_group = meshes.tp.get_group()
+            moe.tp_mesh = meshes.tp
         if dims.ep_enabled:
-            moe.dispatcher.ep_group = meshes.ep.get_group()
+            moe.dispatcher.ep_mesh = meshes.ep
             for name, param in list(moe.experts.named_parameters()):
-                sharded = distribute_tensor(param.data, meshes.ep, [Shard(0)])
+                sharded = distribute_tensor(param.data, meshes.ep, [Shard(0)], src_data_rank=None)
                 moe.experts.register_parameter(name, nn.Parameter(sharded))
 
 
-def mixed_precision_policy(meshes: Meshes, options: ParallelizeOptions) -> MixedPrecisionPolicy:
-    if options.mixed_precision and meshes.dense.device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+def _policy(kept: frozenset):
+    def policy(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def apply_fsdp(model: SALM, meshes: Meshes, mp_policy: MixedPrecisionPolicy) -> None:
+def apply_ac(layers: nn.ModuleList, mode: str) -> None:
+    """Activation checkpointing (``full`` or ``selective``) for each block of ``layers``.
+
+    A dense block is wrapped whole. An MoE block is checkpointed as its pieces around the token
+    dispatcher, the boundary compilation uses too: FSDP's hooks on the experts must stay outside
+    a selectively checkpointed region (SAC refuses the ops they issue in the recompute), and the
+    dispatcher's all-to-all outputs are worth keeping anyway.
+    """
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpointing={mode}: choose one of {', '.join(AC_MODES)}")
+    policy = _policy(_KEPT_BY_SELECTIVE if mode == "selective" else _KEPT_BY_FULL)
+    options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
+    for index, block in enumerate(layers):
+        if block.moe is None:
+            layers[index] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
+            continue
+        moe = block.moe
+        block.mix = _checkpointed(block.mix, options)
+        moe.route = _checkpointed(moe.route, options)
+        moe.combine = _checkpointed(moe.combine, options)
+        moe.experts.compute = _checkpointed(moe.experts.compute, options)
+
+
+def _checkpointed(fn: Callable, options: dict) -> Callable:
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **options)
+
+    return run
+
+
+def apply_compile(layers: nn.ModuleList) -> None:
+    """Compile each block in place with ``fullgraph=True`` (a graph break fails loudly).
+
+    An MoE block compiles as its pieces around the token dispatcher (see ``train.models.moe``):
+    the attention half (``Block.mix``), the routing, the experts' matmuls and the combine.
+    """
+    for block in layers:
+        if block.moe is None:
+            block.compile(fullgraph=True)
+            continue
+        block.mix = torch.compile(block.mix, fullgraph=True)
+        moe = block.moe
+        moe.route = torch.compile(moe.route, fullgraph=True)
+        moe.combine = torch.compile(moe.combine, fullgraph=True)
+        moe.experts.compute = torch.compile(moe.experts.compute, fullgraph=True)
+
+
+def fsdp_mixed_precision(meshes: Meshes, options: ParallelizeOptions) -> bool:
+    on_cuda = meshes.dense.device_type == "cuda"
+    return options.mixed_precision and options.strategy == "fsdp2" and on_cuda
+
+
+def compute_autocast(
+    options: ParallelizeOptions, device_type: str
+) -> contextlib.AbstractContextManager:
+    """The forward's autocast: bf16 for ddp on CUDA (FSDP2 casts its parameters instead)."""
+    if options.mixed_precision and options.strategy == "ddp" and device_type == "cuda":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def mixed_precision_policies(bf16: bool) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """(root policy, inner policy). The root casts the model's float inputs to bf16 once; inner
+    modules do not cast theirs, so the fp32 RoPE tables reach every block in fp32."""
+    if not bf16:
+        return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    inner = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    return root, inner
+
+
+def apply_fsdp(model: SALM, meshes: Meshes, options: ParallelizeOptions) -> None:
     """fully_shard each block, the experts on their own mesh, then the root."""
+    root_policy, policy = mixed_precision_policies(fsdp_mixed_precision(meshes, options))
     for block in model.encoder.layers:
-        fully_shard(block, mesh=meshes.fsdp, mp_policy=mp_policy)
+        fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
     for block in model.llm.layers:
         if block.moe is not None:
-            _shard_experts(block.moe, meshes, mp_policy)
-        fully_shard(block, mesh=meshes.fsdp, mp_policy=mp_policy)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy)
+            _shard_experts(block.moe, meshes, policy)
+        fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=root_policy)
+    if meshes.dims.ep_enabled:
+        _prefetch_explicitly(model.llm.layers)
 
 
 def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) -> None:
@@ -166,10 +289,12 @@ def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) ->
 
     Expert gradients arrive summed over the EP group (all-to-all) and over TP (each TP rank
     computed its own tokens), so FSDP must divide by the data-parallel degree, not by its mesh.
+    Dim 0 (experts) is sharded while every efsdp rank still gets whole experts; beyond that the
+    hidden dim is. Replicas (HSDP) hold copies, so they do not count.
     """
     dims = meshes.dims
     mesh = meshes.expert_fsdp
-    placement = Shard(1) if mesh.size() * dims.ep > moe.n_experts else Shard(0)
+    placement = Shard(1) if dims.efsdp * dims.ep > moe.n_experts else Shard(0)
     experts = fully_shard(
         moe.experts,
         mesh=mesh,
@@ -182,3 +307,16 @@ def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) ->
             # gloo has no PREMUL_SUM. Not with efsdp == 1: FSDP then divides while copying
             # instead of reduce-scattering, and forced sums would divide a second time.
             experts.set_force_sum_reduction_for_comms(True)
+
+
+def _prefetch_explicitly(layers: nn.ModuleList) -> None:
+    """Under EP each MoE layer syncs with the host (split sizes), which defeats FSDP's implicit
+    prefetch: name the next block (and its experts) to all-gather, forward and backward."""
+    blocks: list[FSDPModule] = list(layers)
+
+    def with_experts(block) -> list[FSDPModule]:
+        return [block, block.moe.experts] if block.moe is not None else [block]
+
+    for block, following in itertools.pairwise(blocks):
+        block.set_modules_to_forward_prefetch(with_experts(following))
+        following.set_modules_to_backward_prefetch(with_experts(block))

@@ -1,4 +1,4 @@
-"""Named model sizes, and the model FLOPs per token that MFU is computed from."""
+"""Named model sizes (their FLOPs for MFU are counted in ``train.flops``)."""
 
 from __future__ import annotations
 
@@ -53,26 +53,3 @@ def get_preset(name: str) -> SALMConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
     return PRESETS[name]
-
-
-def active_llm_params(cfg: SALMConfig) -> int:
-    """LLM weights one token's matmuls touch: attention, FFN (router + top-k experts for MoE),
-    norms and output head; the embedding lookup is not a matmul and is left out."""
-    head_dim = cfg.d_model // cfg.n_heads
-    attn = 2 * cfg.d_model * cfg.n_heads * head_dim + 2 * cfg.d_model * cfg.n_kv_heads * head_dim
-    if cfg.n_experts:
-        ffn = cfg.d_model * cfg.n_experts + cfg.top_k * 3 * cfg.d_model * cfg.moe_hidden
-    else:
-        ffn = 3 * cfg.d_model * cfg.ffn_hidden
-    norms = 2 * cfg.d_model
-    return cfg.n_layers * (attn + ffn + norms) + cfg.d_model + cfg.d_model * cfg.vocab_size
-
-
-def flops_per_token(cfg: SALMConfig, seq_len: int) -> float:
-    """Training FLOPs per decoder position: 6N for the matmuls (forward + backward) plus the
-    attention scores, 12 * layers * d_model * seq_len (the PaLM/torchtitan convention).
-
-    The audio encoder is left out: it is small next to the LLM in the GPU presets, so MFU is
-    slightly under-reported rather than flattered.
-    """
-    return 6 * active_llm_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len

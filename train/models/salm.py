@@ -154,11 +154,16 @@ class Block(nn.Module):
         self.ffn = None if moe else FeedForward(dim, ffn_hidden)
 
     def forward(self, x, cos, sin, key_mask, token_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, key_mask)
+        x, h = self.mix(x, cos, sin, key_mask)
         if self.moe is None:
-            return x + self.ffn(self.ffn_norm(x)), x.new_zeros((), dtype=torch.float32)
-        out, aux = self.moe(self.ffn_norm(x), token_mask)
+            return x + self.ffn(h), x.new_zeros((), dtype=torch.float32)
+        out, aux = self.moe(h, token_mask)
         return x + out, aux
+
+    def mix(self, x, cos, sin, key_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half with its residual, and the FFN's normalized input."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_mask)
+        return x, self.ffn_norm(x)
 
 
 def subsampled_lens(lens: torch.Tensor | int) -> torch.Tensor | int:
@@ -260,6 +265,12 @@ class SALMOutput:
     nll_sum: torch.Tensor  # summed next-token loss over this rank's transcript targets
     num_tokens: torch.Tensor  # how many targets that sum covers
     aux_loss: torch.Tensor  # MoE balance loss, already weighted; mean over sequences
+
+
+def loss_targets(token_lens: torch.Tensor) -> torch.Tensor:
+    """How many next-token targets a batch's transcripts hold (n-1 for n tokens), from its
+    lengths alone: known on the CPU before the forward."""
+    return (token_lens - 1).clamp(min=0).sum()
 
 
 def loss_for_backward(out: SALMOutput, global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""The pieces of the GPU fast path that run anywhere: FLOPs and peaks for MFU, mixed-precision
+numerics, the device-side skip of non-finite steps, foreach clipping, and initialization by
+parameter name. (Compiled blocks and every layout's equivalence: test_parallel_equivalence.py.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.dist_equivalence_worker import synthetic_batch
+from train.flops import PEAK_FLOPS_ENV, llm_weights_per_position, peak_flops, step_flops
+from train.models.build import build_model
+from train.models.init import canonical_name, init_weights, name_seed
+from train.models.parallelize import (
+    ParallelizeOptions,
+    compute_autocast,
+    mixed_precision_policies,
+)
+from train.models.presets import get_preset
+from train.models.salm import SALM, loss_targets
+from train.trainer import clip_grad_norm
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo world for FSDP on CPU, torn down after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA B200", 2250e12),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_flops_by_gpu_name(name, expected):
+    assert peak_flops(name, {}) == expected
+
+
+def test_peak_flops_override():
+    assert peak_flops("NVIDIA H100 80GB HBM3", {PEAK_FLOPS_ENV: "7.5e14"}) == 7.5e14
+    assert peak_flops("anything", {PEAK_FLOPS_ENV: "1e12"}) == 1e12
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_step_flops_match_pytorchs_flop_counter(preset):
+    """Forward + backward of one unpadded example, counted by torch's FlopCounterMode. Ours
+    counts the first conv's input gradient (never computed) and causal attention in full (the
+    PaLM convention), so it may only be a few percent higher."""
+    cfg = get_preset(preset)
+    model = build_model(cfg, CPU, 1)
+    model.seq_multiple = 1  # no padding: the counter sees exactly the real positions
+    feature_lens, token_lens = torch.tensor([203]), torch.tensor([37])
+    features, tokens = torch.randn(1, 203, 80), torch.randint(0, 256, (1, 37))
+    with FlopCounterMode(display=False) as counter:
+        out = model(features, feature_lens, tokens, token_lens)
+        (out.nll_sum + out.aux_loss).backward()
+    ratio = step_flops(cfg, feature_lens, token_lens) / counter.get_total_flops()
+    assert 1.0 <= ratio < 1.07, ratio
+
+
+def test_step_flops_use_real_lengths_and_add_up_over_examples():
+    cfg = get_preset("small")
+    feature_lens, token_lens = torch.tensor([100, 300]), torch.tensor([20, 40])
+    both = step_flops(cfg, feature_lens, token_lens)
+    one = step_flops(cfg, feature_lens[:1], token_lens[:1])
+    other = step_flops(cfg, feature_lens[1:], token_lens[1:])
+    assert both == pytest.approx(one + other)
+    # Attention grows with the square of each sequence: one long example costs more than two
+    # examples of half its length.
+    long = step_flops(cfg, torch.tensor([400]), torch.tensor([40]))
+    halves = step_flops(cfg, torch.tensor([200, 200]), torch.tensor([20, 20]))
+    assert long > halves
+
+
+def test_moe_flops_count_the_active_experts_only():
+    dense, moe = get_preset("tiny"), get_preset("tiny_moe")
+    per_block_attention = llm_weights_per_position(dense) - dense.n_layers * 3 * 64 * 128
+    expected_moe = per_block_attention + moe.n_layers * (64 * 4 + 2 * 3 * 64 * 64)
+    assert llm_weights_per_position(moe) == expected_moe
+
+
+def test_loss_targets_from_lengths_equal_the_models_count():
+    batch = synthetic_batch()
+    out = build_model(get_preset("tiny"), CPU, 1)(*batch)
+    assert int(loss_targets(batch[3])) == int(out.num_tokens)
+
+
+def test_ddp_on_cuda_autocasts_to_bf16_and_fsdp_does_not():
+    ddp = ParallelizeOptions(strategy="ddp")
+    cuda_ddp = compute_autocast(ddp, "cuda")
+    assert isinstance(cuda_ddp, torch.autocast)
+    assert (cuda_ddp.device, cuda_ddp.fast_dtype) == ("cuda", torch.bfloat16)
+    fsdp = ParallelizeOptions(strategy="fsdp2")
+    assert isinstance(compute_autocast(fsdp, "cuda"), contextlib.nullcontext)
+    assert isinstance(compute_autocast(ddp, "cpu"), contextlib.nullcontext)
+    off = ParallelizeOptions(strategy="ddp", mixed_precision=False)
+    assert isinstance(compute_autocast(off, "cuda"), contextlib.nullcontext)
+
+
+def test_the_model_computes_in_bf16_under_autocast():
+    """What ddp's autocast does on CUDA, on the CPU: matmuls in bf16, the loss in fp32."""
+    model = build_model(get_preset("tiny"), CPU, 1)
+    dtypes = []
+    model.llm.lm_head.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(*synthetic_batch())
+    assert dtypes == [torch.bfloat16]
+    assert out.nll_sum.dtype == torch.float32
+
+
+def test_fsdp_bf16_keeps_rope_tables_fp32(one_rank_group):
+    """The root casts the inputs to bf16; blocks get bf16 activations but fp32 cos/sin."""
+    model = SALM(get_preset("tiny"))
+    root, inner = mixed_precision_policies(bf16=True)
+    assert root.cast_forward_inputs and not inner.cast_forward_inputs
+    for block in [*model.encoder.layers, *model.llm.layers]:
+        fully_shard(block, mesh=one_rank_group, mp_policy=inner)
+    fully_shard(model, mesh=one_rank_group, mp_policy=root)
+    seen = []
+    for block in (model.encoder.layers[0], model.llm.layers[0]):
+        block.attn.register_forward_pre_hook(
+            lambda _m, args: seen.append((args[0].dtype, args[1].dtype, args[2].dtype))
+        )
+    model(*synthetic_batch())
+    assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * 2
+
+
+def test_nonfinite_gradient_skips_the_step_on_the_device():
+    model = build_model(get_preset("tiny"), CPU, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    out = model(*synthetic_batch())
+    out.nll_sum.backward()
+    next(model.parameters()).grad.fill_(float("nan"))
+    norm = clip_grad_norm(model, 1.0)
+    assert torch.isnan(norm)
+    optimizer.found_inf = (~torch.isfinite(norm)).float()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert all(int(state["step"]) == 0 for state in optimizer.state.values())
+
+
+def test_clipping_matches_torch_reference():
+    models = [build_model(get_preset("tiny"), CPU, 1) for _ in range(2)]
+    for model in models:
+        model(*synthetic_batch()).nll_sum.backward()
+    ours = clip_grad_norm(models[0], 0.5)
+    reference = torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5)
+    torch.testing.assert_close(ours, reference)
+    for mine, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_initialization_by_name_is_independent_of_how_the_model_was_built():
+    cfg = get_preset("tiny_moe")
+    on_meta = build_model(cfg, CPU, 7)
+    direct = SALM(cfg)
+    init_weights(direct, 7)
+    for (name, a), (_, b) in zip(
+        on_meta.named_parameters(), direct.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+        assert torch.isfinite(a).all(), name
+    other_seed = build_model(cfg, CPU, 8)
+    assert not torch.equal(on_meta.llm.embed.weight, other_seed.llm.embed.weight)
+    # Norms start at one; every other weight differs from its neighbours' (own name, own seed).
+    assert torch.equal(on_meta.llm.norm.weight, torch.ones(cfg.d_model))
+    assert not torch.equal(
+        on_meta.llm.layers[0].attn.wq.weight, on_meta.llm.layers[1].attn.wq.weight
+    )
+
+
+def test_canonical_names_drop_wrappers():
+    assert canonical_name("llm.layers.0._checkpoint_wrapped_module.attn.wq.weight") == (
+        "llm.layers.0.attn.wq.weight"
+    )
+    assert canonical_name("encoder._orig_mod.conv1.weight") == "encoder.conv1.weight"
+    assert name_seed(1, "a.weight") != name_seed(1, "b.weight") != name_seed(2, "a.weight")

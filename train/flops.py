@@ -1,0 +1,82 @@
+"""Model FLOPs of a training step and the GPU's peak, for an MFU a reader can trust.
+
+A step's FLOPs are counted from the batch's real (unpadded) lengths, summed over its examples,
+for the whole model: the audio encoder (two stride-2 convolutions, their projection, bidirectional
+blocks), the projector, and the LLM over each example's audio positions plus text tokens. Per
+matmul weight of shape (n, m) applied to one position: 2*n*m FLOPs forward, twice that backward,
+so 6*n*m for training. Attention scores and their weighted sum cost 2 * 2 * P * d forward per
+position of a length-P sequence and layer, 12 * d * P for training: sequences count P**2 each
+(the PaLM/torchtitan convention: causal masking is not discounted). Padding, norms, softmax and
+elementwise work are not counted. Activation recomputation is not counted either: MFU measures
+useful model work, so checkpointing lowers it.
+
+Peaks are dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, looked up by the device name
+that CUDA reports; ``ORCH_PEAK_FLOPS`` overrides (for a GPU missing here, or to measure against
+a measured matmul ceiling instead of the datasheet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from train.models.salm import SALMConfig, encoder_lens, subsampled_lens
+
+PEAK_FLOPS_ENV = "ORCH_PEAK_FLOPS"
+# Dense bf16 FLOP/s (no sparsity), NVIDIA datasheets. Matched against the CUDA device name in
+# order, so the more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM5 (device name "NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("H20", 148e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+)
+
+
+def peak_flops(device_name: str, environ: Mapping[str, str]) -> float | None:
+    """Peak bf16 FLOP/s of one GPU, or None when it is unknown (MFU is then not reported)."""
+    if environ.get(PEAK_FLOPS_ENV):
+        return float(environ[PEAK_FLOPS_ENV])
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+def _block_weights(dim: int, n_heads: int, n_kv_heads: int, ffn_weights: int) -> int:
+    head_dim = dim // n_heads
+    return 2 * dim * n_heads * head_dim + 2 * dim * n_kv_heads * head_dim + ffn_weights
+
+
+def llm_weights_per_position(cfg: SALMConfig) -> int:
+    """LLM matmul weights one position touches: attention, FFN (router and top-k experts for
+    MoE), output head. The embedding lookup is not a matmul."""
+    if cfg.n_experts:
+        ffn = cfg.d_model * cfg.n_experts + cfg.top_k * 3 * cfg.d_model * cfg.moe_hidden
+    else:
+        ffn = 3 * cfg.d_model * cfg.ffn_hidden
+    block = _block_weights(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, ffn)
+    return cfg.n_layers * block + cfg.d_model * cfg.vocab_size
+
+
+def step_flops(cfg: SALMConfig, feature_lens: torch.Tensor, token_lens: torch.Tensor) -> float:
+    """Training FLOPs (forward + backward) of one batch, from its CPU length tensors."""
+    half = subsampled_lens(feature_lens).double()  # after conv1
+    audio = encoder_lens(feature_lens).double()  # after conv2: the encoder's positions
+    mel_half, mel_quarter = subsampled_lens(cfg.n_mels), encoder_lens(cfg.n_mels)
+    c = cfg.enc_dim
+    conv = 9 * c * half * mel_half + 9 * c * c * audio * mel_quarter  # MACs per example
+    enc_block = _block_weights(c, cfg.enc_heads, cfg.enc_heads, 3 * c * cfg.enc_ffn_hidden)
+    enc_matmul = (c * mel_quarter * c + cfg.enc_layers * enc_block) * audio
+    enc_attn = 2 * cfg.enc_layers * c * audio**2
+    projector = (c * cfg.d_model + cfg.d_model**2) * audio
+    positions = audio + token_lens.double()
+    llm_matmul = llm_weights_per_position(cfg) * positions
+    llm_attn = 2 * cfg.n_layers * cfg.d_model * positions**2
+    macs = conv + enc_matmul + enc_attn + projector + llm_matmul + llm_attn
+    return float(6 * macs.sum())

@@ -1,0 +1,32 @@
+"""One way to build the model every job trains: on the meta device, parallelized, then
+materialized shard by shard and initialized by parameter name (see ``train.models.init``)."""
+
+from __future__ import annotations
+
+import torch
+
+from train.mesh import Meshes
+from train.models.init import init_weights
+from train.models.parallelize import ParallelizeOptions, parallelize
+from train.models.salm import SALM, SALMConfig
+
+
+def build_model(
+    cfg: SALMConfig,
+    device: torch.device,
+    init_seed: int,
+    meshes: Meshes | None = None,
+    options: ParallelizeOptions | None = None,
+) -> SALM:
+    """The initialized model on ``device``; with ``meshes``, parallelized by ``options``.
+
+    Each rank only ever allocates its own shards, and the weights equal a single process's for
+    the same ``init_seed`` whatever the layout.
+    """
+    with torch.device("meta"):
+        model = SALM(cfg)
+    if meshes is not None:
+        parallelize(model, meshes, options or ParallelizeOptions())
+    model.to_empty(device=device)
+    init_weights(model, init_seed)
+    return model

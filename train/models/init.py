@@ -1,0 +1,77 @@
+"""Initial weights by parameter name, so every layout starts from the same model.
+
+Each parameter's full initial value is drawn from a generator seeded by (init seed, canonical
+name), never from a global RNG stream whose order depends on how modules were built or wrapped.
+A rank then keeps only its own shard of that value. Models are built on the meta device,
+parallelized, materialized with ``to_empty`` (each rank allocates its shards only) and filled
+here, so the weights are bitwise those of a single process for the same ``model.init_seed``,
+whatever the layout, and a model too large for one process can still be built. The cost is one
+full parameter at a time on the CPU, never the whole model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from train.models.moe import GroupedExperts
+
+# Wrappers that sit between a module and its children without changing the model's meaning.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as a plain single-process model has it (and as checkpoints store it)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def name_seed(init_seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{init_seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _fan_in(module: nn.Module) -> int:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if isinstance(module, nn.Conv2d):
+        return module.in_channels * math.prod(module.kernel_size) // module.groups
+    raise TypeError(f"no fan-in rule for {type(module).__name__}")
+
+
+def initial_value(
+    module: nn.Module, attr: str, shape: torch.Size, generator: torch.Generator
+) -> torch.Tensor:
+    """The full fp32 initial value of ``module.<attr>`` (torch's defaults for its layer types)."""
+    if isinstance(module, nn.RMSNorm):
+        return torch.ones(shape)
+    if isinstance(module, nn.Embedding):
+        return torch.randn(shape, generator=generator)
+    if isinstance(module, GroupedExperts):
+        return torch.randn(shape, generator=generator) * shape[1] ** -0.5
+    if isinstance(module, nn.Linear | nn.Conv2d):
+        bound = 1 / math.sqrt(_fan_in(module))
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+    raise TypeError(f"no initialization rule for {type(module).__name__}.{attr}")
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, init_seed: int) -> None:
+    """Fill every parameter of ``model`` (plain or sharded DTensors, already materialized)."""
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            name = canonical_name(f"{module_name}.{attr}" if module_name else attr)
+            generator = torch.Generator().manual_seed(name_seed(init_seed, name))
+            full = initial_value(module, attr, param.shape, generator).to(param.dtype)
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(
+                    full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+                )
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
