@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from orchestrator.errors import SchedulerError
+
 DEPENDENCY_KINDS = ("afterany", "afterok", "singleton")
 
 # States reported by status, in SLURM's vocabulary whatever the backend.
@@ -86,9 +88,11 @@ class Backend(Protocol):
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]: ...
 
 
-class LogsInRunDir:
-    """For backends that keep no state of their own and log where ``JobRequest.log_pattern``
-    says: ``RUN_DIR/logs/<name>-<job id>.out``."""
+class BatchScriptBackend:
+    """For backends that run batch scripts only, keep no state of their own and log where
+    ``JobRequest.log_pattern`` says: ``RUN_DIR/logs/<name>-<job id>.out``."""
+
+    label: ClassVar[str]
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:
@@ -97,3 +101,11 @@ class LogsInRunDir:
     @staticmethod
     def log_glob(job_id: str) -> str:
         return f"logs/*-{job_id}.out"
+
+    @classmethod
+    def script_of(cls, request: JobRequest) -> Path:
+        if request.script is None:
+            raise SchedulerError(
+                f"the {cls.label} backend runs batch scripts, not Python callables"
+            )
+        return request.script

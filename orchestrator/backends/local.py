@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from orchestrator.backends.base import JobRequest, JobStatus, LogsInRunDir
-from orchestrator.errors import SchedulerError
+from orchestrator.backends.base import BatchScriptBackend, JobRequest, JobStatus
 from orchestrator.manifest import atomic_write_json, orch_home
 from orchestrator.processes import group_and_descendants, terminate
 from orchestrator.sbatch_directives import parse_sbatch_directives, parse_signal
@@ -88,16 +87,15 @@ def job_environment(request: JobRequest, job_id: str, directives: dict[str, str]
     return env
 
 
-class LocalBackend(LogsInRunDir):
+class LocalBackend(BatchScriptBackend):
     label = "local"
     option = "local"
     auto = True  # when no SLURM controller answers
     runs_here = True
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
-        if request.script is None:
-            raise SchedulerError("the local backend runs batch scripts, not Python callables")
-        return ["bash", str(request.script), str(request.seed), *request.script_args]
+        script = self.script_of(request)
+        return ["bash", str(script), str(request.seed), *request.script_args]
 
     def test_only(self, request: JobRequest) -> str | None:
         return None
@@ -142,8 +140,7 @@ class LocalBackend(LogsInRunDir):
         print(f"[local] {line}", file=sys.stderr, flush=True)
 
     def _run(self, request: JobRequest, job_id: str) -> JobStatus:
-        assert request.script is not None
-        directives = parse_sbatch_directives(request.script.read_text())
+        directives = parse_sbatch_directives(self.script_of(request).read_text())
         env = job_environment(request, job_id, directives)
         log_path = Path(
             str(request.log_pattern).replace("%j", job_id).replace("%x", request.job_name)

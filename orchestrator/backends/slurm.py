@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from orchestrator.backends.base import JobRequest, JobStatus, LogsInRunDir, dependency_spec
+from orchestrator.backends.base import BatchScriptBackend, JobRequest, JobStatus, dependency_spec
 from orchestrator.errors import SchedulerError
 from orchestrator.retry import REJECTED_MARKERS
 from orchestrator.slurm_commands import run_slurm
@@ -22,15 +22,14 @@ def export_option(env: dict[str, str]) -> str:
     return ",".join(["ALL", *(f"{name}={value}" for name, value in sorted(env.items()))])
 
 
-class SlurmBackend(LogsInRunDir):
+class SlurmBackend(BatchScriptBackend):
     label = "slurm"
     option = "slurm"
     auto = True  # when a SLURM controller answers
     runs_here = False
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
-        if request.script is None:
-            raise SchedulerError("the slurm backend runs batch scripts, not Python callables")
+        script = self.script_of(request)
         return [
             "sbatch",
             "--parsable",
@@ -40,7 +39,7 @@ class SlurmBackend(LogsInRunDir):
             f"--chdir={request.workdir}",
             *dependency_option(request.dependency_kind, after),
             f"--export={export_option(request.env)}",
-            str(request.script),
+            str(script),
             str(request.seed),
             *request.script_args,
         ]
