@@ -1,7 +1,8 @@
 """Rendering YAML recipes into batch scripts through Jinja2 templates.
 
-Templates are package data (``orchestrator/templates``); a folder in ``ORCH_TEMPLATE_DIR`` comes
-first, for a user's own templates or their versions of the shipped ones. They render with
+Templates are package data (the top-level ``templates`` package); a folder in
+``ORCH_TEMPLATE_DIR`` comes first, for a user's own templates or their versions of the shipped
+ones. They render with
 StrictUndefined, so a missing variable is an error rather than an empty string, and
 every value goes through a quoting filter: ``q`` for plain values, ``word`` for command words and
 env values, which may reference the contract variables (see orchestrator.recipe).
@@ -17,6 +18,7 @@ import jinja2
 
 from orchestrator.errors import UsageError
 from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
+from orchestrator.resources import packaged_templates
 
 _CONTRACT_REFERENCE = re.compile(r"\$\{(" + "|".join(CONTRACT_VARIABLES) + r")\}")
 
@@ -51,7 +53,7 @@ def template_environment() -> jinja2.Environment:
     loaders: list[jinja2.BaseLoader] = []
     if os.environ.get(TEMPLATE_DIR_ENV):
         loaders.append(jinja2.FileSystemLoader(os.environ[TEMPLATE_DIR_ENV]))
-    loaders.append(jinja2.PackageLoader("orchestrator", "templates"))
+    loaders.append(jinja2.FileSystemLoader(packaged_templates()))
     environment = jinja2.Environment(
         loader=jinja2.ChoiceLoader(loaders),
         undefined=jinja2.StrictUndefined,

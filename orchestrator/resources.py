@@ -1,10 +1,10 @@
 """Where the data the toolkit ships lives: found through the installed packages, never through
 the checkout, so a wheel works from any directory.
 
-Jinja2 templates are package data of ``orchestrator`` (``orchestrator/templates``); the Hydra
-configs, the launcher presets, the ready-made recipes and the dashboard spec are package data of
-``recipes``. A user's own files come first where the toolkit reads such files: ``ORCH_TEMPLATE_DIR``
-for templates, a recipe path that exists for recipes.
+Jinja2 templates are package data of ``templates``; the Hydra configs, the launcher presets, the
+ready-made recipes and the dashboard spec are package data of ``recipes``. A user's own files come
+first where the toolkit reads such files: ``ORCH_TEMPLATE_DIR`` for templates, a recipe path that
+exists for recipes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ from importlib.resources import files
 from pathlib import Path
 
 RECIPES_PACKAGE = "recipes"
+TEMPLATES_PACKAGE = "templates"
+
+
+def packaged_templates() -> Path:
+    """The folder of the shipped Jinja2 templates (``distributed.sub.j2``...)."""
+    return Path(str(files(TEMPLATES_PACKAGE)))
 
 
 def packaged_recipes() -> Path:

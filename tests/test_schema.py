@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from importlib.resources import files
-from pathlib import Path
 
 import pytest
 
 from hydra_plugins.orch_chain_launcher.config import ChainLauncherConf, ChainSettings
 from orchestrator.errors import UsageError
 from orchestrator.recipe import Recipe, RecipeSettings, explicit_settings, parse_settings
+from orchestrator.resources import packaged_templates
 
 RECIPE_ONLY = {"command"}  # the chained launcher takes each member's own command
 
@@ -51,7 +50,9 @@ def test_launcher_settings_get_the_recipe_errors() -> None:
 
 def test_the_templates_read_only_fields_of_the_schema() -> None:
     used = set()
-    for template in Path(str(files("orchestrator") / "templates")).glob("*.j2"):
+    templates = sorted(packaged_templates().glob("*.j2"))
+    assert templates, "no packaged templates found"
+    for template in templates:
         used |= set(re.findall(r"recipe\.(\w+)", template.read_text()))
     assert used
     assert used <= set(Recipe.model_fields) | {"container_flags"}, used - set(Recipe.model_fields)
