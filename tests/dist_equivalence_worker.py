@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from train.mesh import build_meshes
 from train.models.build import build_model
 from train.models.init import canonical_name
+from train.models.moe import local_shard
 from train.models.parallelize import AC_MODES, ParallelizeOptions
 from train.models.presets import get_preset
 from train.models.salm import PAD_ID, loss_for_backward
@@ -93,9 +94,7 @@ def main() -> None:
     else:
         model = build_model(cfg, torch.device("cpu"), MODEL_SEED)
     initial = full_params(model)
-    local_numel = sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
-    )
+    local_numel = sum(local_shard(p).numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     losses = []

@@ -30,6 +30,7 @@ from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
 from train.mesh import Meshes, build_meshes
 from train.metrics import MetricsLogger
 from train.models.build import build_model
+from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast
 from train.models.presets import get_preset
 from train.models.salm import (
@@ -316,7 +317,7 @@ class Trainer:
         loss_for_backward(out, global_targets, self.dp_size).backward()
         if self.step + 1 in self.cfg.debug.inject_nonfinite_steps and self.rank == 0:
             grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
-            (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("nan"))
+            local_shard(grad).fill_(float("nan"))
         # The global gradient norm is non-finite whenever any rank's loss or gradient is (every
         # gradient is reduced over the ranks), so all ranks skip the same steps.
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)

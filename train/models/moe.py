@@ -77,8 +77,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch._grouped_mm(x, w, offs=offs)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds of an expert-parallel weight (the weight itself otherwise)."""
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard, a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -103,7 +103,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (M, d) sorted by local expert, ``counts`` (E_local,) tokens per local expert."""
-        return self.compute(x, counts, _local(self.w1), _local(self.w3), _local(self.w2))
+        return self.compute(
+            x, counts, local_shard(self.w1), local_shard(self.w3), local_shard(self.w2)
+        )
 
 
 class TokenDispatcher:

@@ -173,14 +173,14 @@ def _block_plan(block: Block) -> dict:
     return plan
 
 
-def moe_layers(model: SALM) -> list[MoE]:
+def _moe_layers(model: SALM) -> list[MoE]:
     return [block.moe for block in model.llm.layers if block.moe is not None]
 
 
 def apply_moe_parallel(model: SALM, meshes: Meshes) -> None:
     """Give each MoE its TP and EP meshes; under EP shard the stacked experts over the EP view."""
     dims = meshes.dims
-    for moe in moe_layers(model):
+    for moe in _moe_layers(model):
         if dims.tp_enabled:
             moe.tp_mesh = meshes.tp
         if dims.ep_enabled:
