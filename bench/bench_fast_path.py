@@ -79,13 +79,14 @@ def run_one(args: argparse.Namespace) -> dict:
         token_lens.to(device),
     ]
     targets = torch.tensor(float(args.batch * (args.text_tokens - 1)), device=device)
+    sequences = torch.tensor(float(args.batch), device=device)
     positions = float((encoder_lens(feature_lens) + token_lens).sum())
     flops = step_flops(cfg, feature_lens, token_lens)
 
     def step() -> None:
         with compute_autocast(options, device.type):
             out = model(*batch)
-        loss_for_backward(out, targets, 1).backward()
+        loss_for_backward(out, targets, sequences, 1).backward()
         clip_grad_norm(model, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

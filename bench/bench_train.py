@@ -90,7 +90,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
         started = time.perf_counter()
         batch = next(batches)
         out = model(batch["features"], batch["feature_lens"], batch["tokens"], batch["token_lens"])
-        (out.nll_sum / out.num_tokens + out.aux_loss).backward()
+        (out.nll_sum / out.num_tokens + out.aux_sum / len(batch["token_lens"])).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ same layout and records the same things from the loaded state.
     torchrun ... tests/checkpoint_worker.py load --dp-shard 4 --run-dir RUN --out loaded.pt
     python tests/checkpoint_worker.py load --run-dir RUN --out loaded.pt   (one plain process)
 load the newest checkpoint into a fresh model and record the same things. Rank 0 writes --out.
+With ``--pp 2`` the model runs as two pipeline stages (1f1b), through the trainer's runner.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ import torch.distributed as dist
 from tests.dist_equivalence_worker import full_params, synthetic_batch
 from train.checkpoint import CheckpointManager
 from train.mesh import build_meshes
-from train.models.build import build_model
+from train.models.build import build_model, build_pipeline
+from train.models.parallelize import ParallelizeOptions
+from train.models.pipeline import PipelineRunner, merged_view, pipeline_plan
 from train.models.presets import get_preset
-from train.models.salm import loss_for_backward
+from train.models.salm import loss_targets
 from train.parallel_dims import ParallelDims
+from train.step import WholeModelRunner
 
 STEPS = 3
 TRAINER_STATE = {
@@ -44,13 +48,24 @@ class Run:
     """A tiny SALM under one layout with its AdamW, warm-up schedule and slice of the batch."""
 
     def __init__(self, args: argparse.Namespace, model_seed: int) -> None:
-        dp_rank, dp_size, self.dp_group, meshes = 0, 1, None, None
+        dp_rank, dp_size, self.dp_group, self.pp_group, meshes = 0, 1, None, None, None
+        cfg, cpu = get_preset("tiny"), torch.device("cpu")
         if dist.is_initialized():
-            dims = ParallelDims(dist.get_world_size(), dp_shard=args.dp_shard, tp=args.tp)
+            dims = ParallelDims(
+                dist.get_world_size(), dp_shard=args.dp_shard, tp=args.tp, pp=args.pp
+            )
             meshes = build_meshes(dims, "cpu")
             coords = dims.coordinates(dist.get_rank())
             dp_rank, dp_size, self.dp_group = coords.dp_rank, coords.dp_size, meshes.dp.get_group()
-        self.model = build_model(get_preset("tiny"), torch.device("cpu"), model_seed, meshes)
+        if args.pp > 1:
+            plan = pipeline_plan(cfg, args.pp, "1f1b", 0, 0, [])
+            parts = build_pipeline(cfg, cpu, model_seed, meshes, ParallelizeOptions(), plan)
+            self.pp_group = meshes.pp.get_group()
+            self.runner = PipelineRunner(parts, plan, self.pp_group, cpu, torch.float32, args.tp)
+            self.model = merged_view(parts)
+        else:
+            self.model = build_model(cfg, cpu, model_seed, meshes)
+            self.runner = WholeModelRunner(self.model, cpu)
         self.dp_size = dp_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -60,11 +75,10 @@ class Run:
         self.batch = [t[dp_rank * per_rank : (dp_rank + 1) * per_rank] for t in synthetic_batch()]
 
     def step(self) -> None:
-        out = self.model(*self.batch)
-        tokens = out.num_tokens.float()
+        counts = torch.tensor([float(loss_targets(self.batch[3])), float(len(self.batch[3]))])
         if self.dp_group is not None:
-            dist.all_reduce(tokens, group=self.dp_group)
-        loss_for_backward(out, tokens, self.dp_size).backward()
+            dist.all_reduce(counts, group=self.dp_group)
+        self.runner.forward_backward([tuple(self.batch)], counts[0], counts[1], self.dp_size)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
@@ -97,12 +111,12 @@ def load_and_step(args: argparse.Namespace, manager: CheckpointManager) -> dict:
     result = {
         "trainer_state": trainer_state,
         "load_s": load_s,
-        "params": full_params(run.model),
+        "params": full_params(run.model, run.pp_group),
         "lr": run.scheduler.get_last_lr(),
         "draws": rng_draws(),
     }
     run.step()
-    result["params_after_step"] = full_params(run.model)
+    result["params_after_step"] = full_params(run.model, run.pp_group)
     return result
 
 
@@ -117,12 +131,12 @@ def save(args: argparse.Namespace, manager: CheckpointManager) -> dict:
     result = {
         "path": str(path),
         "save_s": save_s,
-        "params": full_params(run.model),
+        "params": full_params(run.model, run.pp_group),
         "lr": run.scheduler.get_last_lr(),
         "draws": rng_draws(),
     }
     run.step()
-    result["params_after_step"] = full_params(run.model)
+    result["params_after_step"] = full_params(run.model, run.pp_group)
     result["reloaded"] = load_and_step(args, manager)
     return result
 
@@ -132,6 +146,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["save", "load"])
     parser.add_argument("--dp-shard", type=int, default=-1)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -46,14 +46,18 @@ def _worker(*args: str, world: int) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _save_run(tmp_path_factory, name: str, *layout: str, world: int) -> tuple[Path, dict]:
+    """Train and save under ``layout``: the run dir and what the worker recorded."""
+    directory = tmp_path_factory.mktemp(name)
+    out = directory / "saved.pt"
+    _worker("save", *layout, "--run-dir", str(directory / "run"), "--out", str(out), world=world)
+    return directory / "run", torch.load(out)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:
-    """A 2x2 run saved once for the module: its run dir and what the worker recorded."""
-    directory = tmp_path_factory.mktemp("saved")
-    out = directory / "saved.pt"
-    _worker("save", "--dp-shard", "2", "--tp", "2", "--run-dir", str(directory / "run"),
-            "--out", str(out), world=4)  # fmt: skip
-    return directory / "run", torch.load(out)
+    """A 2x2 (FSDP x TP) run saved once for the module."""
+    return _save_run(tmp_path_factory, "saved", "--dp-shard", "2", "--tp", "2", world=4)
 
 
 def _assert_loaded(want: dict, got: dict, *, same_layout: bool) -> None:
@@ -101,6 +105,44 @@ def test_loads_under_another_layout(saved, layout, tmp_path):
     else:
         assert got["draws"][0] != want["draws"][0]
         assert completed.stderr.count(NOT_RESTORED) == 1, completed.stderr
+
+
+@pytest.fixture(scope="module")
+def saved_pp(tmp_path_factory) -> tuple[Path, dict]:
+    """A pipeline run (pp 2 x dp_shard 2) saved once for the module."""
+    return _save_run(tmp_path_factory, "saved_pp", "--pp", "2", "--dp-shard", "2", world=4)
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_reloads_at_its_layout(saved_pp):
+    _, result = saved_pp
+    _assert_loaded(result, result["reloaded"], same_layout=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layout", "args", "world"),
+    [
+        ("dp4", ["--dp-shard", "4"], 4),
+        ("one_process", [], 1),
+        ("pp2", ["--pp", "2", "--dp-shard", "1"], 2),
+    ],
+)
+def test_pipeline_checkpoint_reshards(saved_pp, layout, args, world, tmp_path):
+    """Saved by two stages of two FSDP ranks each: loads without stages, and at pp 2 alone."""
+    run_dir, want = saved_pp
+    out = tmp_path / "loaded.pt"
+    _worker("load", *args, "--run-dir", str(run_dir), "--out", str(out), world=world)
+    _assert_loaded(want, torch.load(out), same_layout=False)
+
+
+@pytest.mark.slow
+def test_a_data_parallel_checkpoint_loads_into_pipeline_stages(saved, tmp_path):
+    run_dir, want = saved
+    out = tmp_path / "loaded.pt"
+    _worker("load", "--pp", "2", "--dp-shard", "1", "--run-dir", str(run_dir), "--out",
+            str(out), world=2)  # fmt: skip
+    _assert_loaded(want, torch.load(out), same_layout=False)
 
 
 @pytest.fixture(params=["no_group", "group_of_one"])
@@ -236,3 +278,28 @@ def test_trainer_state_must_be_json(tmp_path):
     with pytest.raises(ValueError, match="JSON-serialisable"):
         manager.save(1, *_training_objects(0), {"started": object()})
     assert manager.latest() is None
+
+
+def test_a_checkpoint_with_list_style_optimizer_state_still_loads(tmp_path):
+    """Checkpoints written before pipeline parallelism keep the optimizer's param groups as
+    lists; a resumed run must still read them (and every new save is flattened)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer, scheduler = _training_objects(seed=0)
+    _train_step(model, optimizer, scheduler)
+    old = tmp_path / "checkpoints" / "step_1"
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
+        checkpoint_id=old,
+    )
+    # Saved by another world size, so no per-rank RNG file is looked for.
+    (old / "state.json").write_text('{"step": 1, "world_size": 2, "trainer_state": {}}')
+    (old / MARKER).write_text("done\n")
+    fresh_model, fresh_optimizer, fresh_scheduler = _training_objects(seed=1)
+    CheckpointManager(tmp_path).load(old, fresh_model, fresh_optimizer, fresh_scheduler)
+    for saved, loaded in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(saved, loaded)
+    want = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], want)

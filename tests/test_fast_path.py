@@ -71,7 +71,7 @@ def test_step_flops_match_pytorchs_flop_counter(preset):
     features, tokens = torch.randn(1, 203, 80), torch.randint(0, 256, (1, 37))
     with FlopCounterMode(display=False) as counter:
         out = model(features, feature_lens, tokens, token_lens)
-        (out.nll_sum + out.aux_loss).backward()
+        (out.nll_sum + out.aux_sum).backward()
     ratio = step_flops(cfg, feature_lens, token_lens) / counter.get_total_flops()
     assert 1.0 <= ratio < 1.07, ratio
 
@@ -131,11 +131,11 @@ def test_fsdp_bf16_keeps_rope_tables_fp32(one_rank_group):
     model = SALM(get_preset("tiny"))
     root, inner = mixed_precision_policies(bf16=True)
     assert root.cast_forward_inputs and not inner.cast_forward_inputs
-    for block in [*model.encoder.layers, *model.llm.layers]:
+    for block in [*model.encoder.layers, *model.llm.layers.values()]:
         fully_shard(block, mesh=one_rank_group, mp_policy=inner)
     fully_shard(model, mesh=one_rank_group, mp_policy=root)
     seen = []
-    for block in (model.encoder.layers[0], model.llm.layers[0]):
+    for block in (model.encoder.layers[0], model.llm.layers["0"]):
         block.attn.register_forward_pre_hook(
             lambda _m, args: seen.append((args[0].dtype, args[1].dtype, args[2].dtype))
         )
@@ -185,7 +185,7 @@ def test_initialization_by_name_is_independent_of_how_the_model_was_built():
     # Norms start at one; every other weight differs from its neighbours' (own name, own seed).
     assert torch.equal(on_meta.llm.norm.weight, torch.ones(cfg.d_model))
     assert not torch.equal(
-        on_meta.llm.layers[0].attn.wq.weight, on_meta.llm.layers[1].attn.wq.weight
+        on_meta.llm.layers["0"].attn.wq.weight, on_meta.llm.layers["1"].attn.wq.weight
     )
 
 

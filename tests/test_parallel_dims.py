@@ -25,7 +25,8 @@ def test_dp_shard_takes_the_rest_of_the_world():
         (ParallelDims(world_size=4, dp_shard=0), TINY, "dp_shard=0 must be a positive integer"),
         (ParallelDims(world_size=4, tp=0), TINY, "tp=0 must be a positive integer"),
         (ParallelDims(world_size=4, cp=2), TINY, "context parallelism (cp=2) is not supported"),
-        (ParallelDims(world_size=4, pp=2), TINY, "pipeline parallelism (pp=2) is not supported"),
+        (ParallelDims(world_size=4, pp=4), TINY, "pp=4 is more pipeline stages than the model's 2"),
+        (ParallelDims(world_size=4, pp=2, dp_shard=1), TINY, "pp*dp_replicate*dp_shard*tp = 2*1"),
         (ParallelDims(world_size=4, dp_shard=2), TINY, "= 2 but the world has 4 ranks"),
         (ParallelDims(world_size=6, dp_replicate=4), TINY, "dp_shard=-1 cannot fill a world of 6"),
         (ParallelDims(world_size=8, tp=8), TINY, "tp=8 must divide the 4 attention heads"),
@@ -50,6 +51,8 @@ def test_strategy_is_checked_against_the_layout():
     ParallelDims(world_size=4, dp_replicate=4, dp_shard=1).validate(TINY, "ddp")
     with pytest.raises(ValueError, match="strategy ddp replicates whole models"):
         ParallelDims(world_size=4).validate(TINY, "ddp")
+    with pytest.raises(ValueError, match="it needs dp_shard=1, tp=1, ep=1, pp=1"):
+        ParallelDims(world_size=2, pp=2).validate(TINY, "ddp")
     with pytest.raises(ValueError, match="unknown data-parallel strategy 'zero3'"):
         ParallelDims(world_size=4).validate(TINY, "zero3")
 
@@ -84,3 +87,16 @@ def test_expert_parallel_coordinates_span_dp_shard_and_tp():
 def test_rank_outside_the_world_is_rejected():
     with pytest.raises(ValueError, match="rank 4 is outside a world of 4 ranks"):
         ParallelDims(world_size=4).coordinates(4)
+
+
+def test_coordinates_put_pp_outermost():
+    """Pipeline stages are the outermost dim, so each stage's ranks are contiguous (a node)."""
+    dims = ParallelDims(world_size=8, pp=2, dp_shard=2, tp=2)
+    dims.validate(TINY)
+    coords = [dims.coordinates(rank) for rank in range(8)]
+    assert [c.pp for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # PP peers (rank r and r + 4) share their data-parallel slot and TP coordinate.
+    assert [c.dp_rank for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [c.tp for c in coords] == [0, 1] * 4
+    assert dims.dense_shape == (2, 1, 2, 2)
+    assert dims.sparse_shape == (2, 1, 4, 1)

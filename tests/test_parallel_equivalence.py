@@ -63,8 +63,42 @@ for _ac in ("full", "selective"):
         4,
         ["--dp-shard", "2", "--tp", "2", "--ep", "2", "--compile", "--ac", _ac],
     )
-# Largest share of the model's elements one rank may hold: FSDP over 2 ranks halves it.
-SHARD_FRACTION = {"ddp2": 1.0, "tp2": 1.0}
+# Pipeline stages (the batch of 4 cut into microbatches; gpipe's 3 pad it to 6) and gradient
+# accumulation (the batch cut into microbatches of one optimizer step).
+CASES.update(
+    {
+        "pp2_1f1b": ("tiny", 2, ["--pp", "2"]),
+        "pp2_gpipe_padded": (
+            "tiny",
+            2,
+            ["--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "3"],
+        ),
+        "pp2_interleaved": ("tiny_deep", 2, ["--pp", "2", "--pp-schedule", "interleaved_1f1b"]),
+        "pp2xfsdp2": ("tiny", 4, ["--pp", "2", "--dp-shard", "2"]),
+        "pp2xtp2": ("tiny", 4, ["--pp", "2", "--tp", "2"]),
+        "moe_pp2_interleaved_ep2": (
+            "tiny_moe_deep",
+            4,
+            ["--pp", "2", "--dp-shard", "2", "--ep", "2", "--pp-schedule", "interleaved_1f1b"],
+        ),
+        "compiled_pp2_selective": ("tiny", 2, ["--pp", "2", "--compile", "--ac", "selective"]),
+        "accum4_moe": ("tiny_moe", 1, ["--grad-accum", "4"]),
+        "pp2_accum2": ("tiny", 2, ["--pp", "2", "--microbatches", "2", "--grad-accum", "2"]),
+    }
+)
+# Largest share of the model's elements one rank may hold: FSDP over 2 ranks halves it. A
+# pipeline's first stage holds the encoder, which outweighs the tiny LLM's blocks.
+SHARD_FRACTION = {
+    "ddp2": 1.0,
+    "tp2": 1.0,
+    "accum4_moe": 1.0,
+    "pp2_1f1b": 0.85,
+    "pp2_gpipe_padded": 0.85,
+    "pp2_interleaved": 0.85,
+    "compiled_pp2_selective": 0.85,
+    "pp2_accum2": 0.85,
+    "pp2xtp2": 0.85,
+}
 
 
 def _run(command: list[str]) -> None:

@@ -44,14 +44,14 @@ def main(raw: DictConfig) -> None:
     stop = StopRequest(cfg.train.max_time_per_run)
     stop.install()
     try:
-        dims = preflight(cfg)
+        dims, plan = preflight(cfg)
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     device = init_distributed()
     try:
-        code = Trainer(cfg, dims, device, stop).run()
+        code = Trainer(cfg, dims, plan, device, stop).run()
     except TrainingDiverged as error:
         if dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""Batch fingerprints: TP peers must see byte-identical batches, and the trainer can prove it.
+"""Batch fingerprints: TP and PP peers must see byte-identical batches, and the trainer can
+prove it.
 
 The hash covers every tensor of a batch (name, dtype, shape and raw bytes, keys in sorted
 order), so two ranks agree exactly when the model inputs agree. Non-tensor entries such as
@@ -7,7 +8,7 @@ cut ids are metadata and are left out.
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +25,14 @@ def batch_hash(batch: Mapping[str, object]) -> str:
         digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def step_hash(batches: Sequence[Mapping[str, object]]) -> str:
+    """The digest of one optimizer step's batches: the batch's own digest when there is one,
+    else sha256 over the digests of each, in order (gradient accumulation)."""
+    if len(batches) == 1:
+        return batch_hash(batches[0])
+    return hashlib.sha256("".join(batch_hash(b) for b in batches).encode()).hexdigest()
 
 
 def batch_hash_record(step: int, rank: int, coords: Mapping[str, int], digest: str) -> str:

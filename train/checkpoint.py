@@ -12,7 +12,11 @@ Layout of ``run_dir/checkpoints``::
 Model and optimizer go through ``get_state_dict``/``set_state_dict``, which hand DCP DTensors
 (FSDP2/TP/EP) under their global shapes with FQN keys, so the checkpoint holds one copy whatever
 the data-parallel degree, and loads under another layout (DCP reshards) or into a plain
-single-process model. The LR scheduler is replicated on every rank; DCP keeps one copy of it.
+single-process model. Under pipeline parallelism a rank holds some of the parameters only; the
+optimizer state is flattened to per-parameter keys (hyperparameters included), so every rank
+saves and loads exactly its own parameters' entries whatever the stage split. Checkpoints
+written before that (with the optimizer's param groups as lists) still load, under layouts
+without pipeline parallelism. The LR scheduler is replicated on every rank; DCP keeps one copy.
 
 ``trainer_state`` is the trainer's small JSON dict (step, tokens seen, W&B run id, data
 position, ...). It lives in ``state.json`` so that tools without torch can read where a run is.
@@ -47,7 +51,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,10 @@ STATE_FILE = "state.json"
 RNG_DIR = "rng"
 _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_RE = re.compile(r"\.tmp-step_(\d+)-.+")
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+# Only list-style param groups (before pipelines) have this key: a flattened one ends in a
+# hyperparameter's name.
+LEGACY_OPTIMIZER_KEY = "optim.param_groups.0.params"
 
 
 class CheckpointError(RuntimeError):
@@ -137,6 +149,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _flat_optimizer(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` keeps the optimizer state flattened by parameter."""
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: unreadable metadata ({exc!r})"
+        ) from None
+    return LEGACY_OPTIMIZER_KEY not in keys
+
+
 class CheckpointManager:
     """Saves and finds the checkpoints of one run directory (shared by every job of a chain)."""
 
@@ -207,7 +230,7 @@ class CheckpointManager:
         rng_file = _rng_file(tmp, _rank())
         rng_file.parent.mkdir(exist_ok=True)
         torch.save(_rng_state(), rng_file)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
         state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
         dcp.save(state, checkpoint_id=tmp)
         _barrier()
@@ -250,7 +273,8 @@ class CheckpointManager:
         path = Path(path)
         saved = self._read_state_file(path)
         optimizers = () if optimizer is None else optimizer
-        model_state, optim_state = get_state_dict(model, optimizers)
+        options = FLAT_OPTIMIZER if optimizer is None or _flat_optimizer(path) else None
+        model_state, optim_state = get_state_dict(model, optimizers, options=options)
         state: dict[str, Any] = {"model": model_state}
         if optimizer is not None:
             state["optim"] = optim_state
@@ -266,6 +290,7 @@ class CheckpointManager:
             optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
+            options=options,
         )
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])

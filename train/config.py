@@ -32,7 +32,11 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     cp: int = 1  # reserved: context parallelism does not exist yet
-    pp: int = 1  # reserved: pipeline parallelism does not exist yet
+    pp: int = 1  # pipeline stages (ranks), outermost: stages span nodes
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (train/pipeline_plan.py)
+    pp_microbatches: int = 0  # per batch; 0: 2 * pp
+    pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for interleaved_1f1b, else 1
+    pp_split: list[int] = field(default_factory=list)  # LLM blocks per stage; []: balanced
 
 
 @dataclass
@@ -69,6 +73,7 @@ class TrainLoopConfig:
     max_time_per_run: float = 0.0  # seconds this job may train before it saves and exits; 0: none
     max_steps_per_run: int = 0  # steps this job may train before it saves and exits; 0: none
     sync_every: int = 10  # steps between host syncs (stop agreement, non-finite check), and logs
+    grad_accum: int = 1  # batches (microbatches) per optimizer step, gradients accumulated
     nonfinite_limit: int = 5  # consecutive non-finite steps (skipped) that end the job, exit 3
 
 
@@ -88,7 +93,7 @@ class WandbConfig:
 @dataclass
 class DebugConfig:
     batch_hashes: bool = False  # write batch_hashes/rank{R}.jsonl: one hash of each step's batch
-    check_tp_batches: bool = True  # stop if TP peers do not hold the same first batch
+    check_batches: bool = True  # stop if TP/PP peers do not hold the same first batch
     # Fault injection for tests: at these steps rank 0 poisons a gradient with NaN.
     inject_nonfinite_steps: list[int] = field(default_factory=list)
 
@@ -169,6 +174,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("train.max_time_per_run must be 0 (no budget) or positive seconds")
     if cfg.train.sync_every < 1 or cfg.train.nonfinite_limit < 1:
         raise ValueError("train.sync_every and train.nonfinite_limit must be at least 1")
+    if cfg.train.grad_accum < 1:
+        raise ValueError(f"train.grad_accum={cfg.train.grad_accum}: must be at least 1")
     if cfg.train.max_steps_per_run < 0:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
     path = data_path(cfg)

@@ -1,8 +1,8 @@
 """Builds the DeviceMesh views that `ParallelDims` describes; the only place with mesh calls.
 
-One 1-D world mesh is unflattened into the dense view (dp_replicate, dp_shard, tp) and the sparse
-view (dp_replicate, efsdp, ep). Both share the world as root mesh, which FSDP needs to combine its
-sharding with the TP/EP placements of a parameter.
+One 1-D world mesh is unflattened into the dense view (pp, dp_replicate, dp_shard, tp) and the
+sparse view (pp, dp_replicate, efsdp, ep). Both share the world as root mesh, which FSDP needs to
+combine its sharding with the TP/EP placements of a parameter.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class Meshes:
     @property
     def ep(self) -> DeviceMesh:
         return self.sparse["ep"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.dense["pp"]
 
     @property
     def fsdp(self) -> DeviceMesh:

@@ -1,10 +1,11 @@
 """The parallel layout of one training job, as plain arithmetic (no process groups).
 
 `ParallelDims` is the single source of truth for how the world is split. Ranks are laid out
-row-major with tensor parallelism innermost, so TP peers sit on neighbouring ranks (one node):
+row-major with tensor parallelism innermost, so TP peers sit on neighbouring ranks (one node),
+and pipeline parallelism outermost, so pipeline stages span nodes:
 
-    dense view  (dp_replicate, dp_shard, tp)   attention, dense FFN, encoder, embeddings
-    sparse view (dp_replicate, efsdp, ep)      MoE experts; ep * efsdp == dp_shard * tp
+    dense view  (pp, dp_replicate, dp_shard, tp)   attention, dense FFN, encoder, embeddings
+    sparse view (pp, dp_replicate, efsdp, ep)      MoE experts; ep * efsdp == dp_shard * tp
 
 Expert parallelism is carved out of the dp_shard x tp ranks (as in torchtitan with etp=1): ep
 ranks hold different experts, and FSDP shards each expert over the remaining efsdp ranks.
@@ -16,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-DENSE_DIMS = ("dp_replicate", "dp_shard", "tp")
-SPARSE_DIMS = ("dp_replicate", "efsdp", "ep")
+DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+SPARSE_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 DP_VIEW = "dp"
 STRATEGIES = ("ddp", "fsdp2")
 
@@ -28,12 +29,14 @@ class ModelShape(Protocol):
     n_heads: int
     n_kv_heads: int
     n_experts: int
+    n_layers: int
 
 
 @dataclass(frozen=True)
 class RankCoordinates:
     """Where one global rank sits in the dense and sparse views, and its data-parallel slot."""
 
+    pp: int
     dp_replicate: int
     dp_shard: int
     tp: int
@@ -74,14 +77,17 @@ class ParallelDims:
             )
         if self.cp != 1:
             raise ValueError(f"context parallelism (cp={self.cp}) is not supported yet: use cp=1")
-        if self.pp != 1:
-            raise ValueError(f"pipeline parallelism (pp={self.pp}) is not supported yet: use pp=1")
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"dp_replicate*dp_shard*tp = {self.dp_replicate}*{self.dp_shard}*{self.tp} = "
-                f"{product} but the world has {self.world_size} ranks: make the product match "
-                "(or set dp_shard=-1)"
+                f"pp*dp_replicate*dp_shard*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*"
+                f"{self.tp} = {product} but the world has {self.world_size} ranks: make the "
+                "product match (or set dp_shard=-1)"
+            )
+        if self.pp > model.n_layers:
+            raise ValueError(
+                f"pp={self.pp} is more pipeline stages than the model's {model.n_layers} LLM "
+                "blocks: every stage needs at least one block; lower pp"
             )
         if model.n_heads % self.tp:
             raise ValueError(
@@ -106,10 +112,10 @@ class ParallelDims:
             raise ValueError(
                 f"unknown data-parallel strategy {strategy!r}: use one of {STRATEGIES}"
             )
-        if strategy == "ddp" and (self.dp_shard, self.tp, self.ep) != (1, 1, 1):
+        if strategy == "ddp" and (self.dp_shard, self.tp, self.ep, self.pp) != (1, 1, 1, 1):
             raise ValueError(
-                "strategy ddp replicates whole models: it needs dp_shard=1, tp=1, ep=1 "
-                "(use fsdp2 for sharded, TP or EP layouts)"
+                "strategy ddp replicates whole models: it needs dp_shard=1, tp=1, ep=1, pp=1 "
+                "(use fsdp2 for sharded, TP, EP or pipeline layouts)"
             )
 
     @property
@@ -123,12 +129,12 @@ class ParallelDims:
         return self.dp_shard * self.tp // self.ep
 
     @property
-    def dense_shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def dense_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     @property
-    def sparse_shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.efsdp, self.ep)
+    def sparse_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.efsdp, self.ep)
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -147,6 +153,10 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def fsdp_dims(self) -> tuple[str, ...]:
         """Dense-view dims FSDP spans: 2-D (HSDP) only when there is more than one replica."""
         return ("dp_replicate", "dp_shard") if self.dp_replicate_enabled else ("dp_shard",)
@@ -160,10 +170,12 @@ class ParallelDims:
         """Named coordinates of global ``rank`` (what the data loader and batch hashes need)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
-        replica, inner = divmod(rank, self.dp_shard * self.tp)
+        stage, in_stage = divmod(rank, self.world_size // self.pp)
+        replica, inner = divmod(in_stage, self.dp_shard * self.tp)
         shard, tp = divmod(inner, self.tp)
         efsdp, ep = divmod(inner, self.ep)
         return RankCoordinates(
+            pp=stage,
             dp_replicate=replica,
             dp_shard=shard,
             tp=tp,
@@ -176,6 +188,7 @@ class ParallelDims:
     def describe(self) -> str:
         """One line for the logs."""
         return (
-            f"world={self.world_size} dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
-            f"tp={self.tp} ep={self.ep} (efsdp={self.efsdp}, dp={self.dp})"
+            f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} "
+            f"dp_shard={self.dp_shard} tp={self.tp} ep={self.ep} (efsdp={self.efsdp}, "
+            f"dp={self.dp})"
         )

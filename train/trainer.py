@@ -16,32 +16,33 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from train.batch_hash import append_batch_hash, batch_hash
+from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager
 from train.config import TrainConfig, data_path, validate
 from train.data import batches_forever, build_dataloader
 from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
-from train.mesh import Meshes, build_meshes
+from train.mesh import build_meshes
 from train.metrics import MetricsLogger
-from train.models.build import build_model
+from train.models.build import build_model, build_pipeline
 from train.models.moe import local_shard
-from train.models.parallelize import ParallelizeOptions, compute_autocast
+from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
+from train.models.pipeline import PipelineRunner, merged_view, pipeline_plan
 from train.models.presets import get_preset
-from train.models.salm import (
-    PAD_ID,
-    ByteTokenizer,
-    encoder_lens,
-    loss_for_backward,
-    loss_targets,
-)
+from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens, loss_targets
 from train.parallel_dims import ParallelDims
+from train.pipeline_plan import PipelinePlan
+from train.step import WholeModelRunner
 from train.stop import StopRequest
+
+BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens")
+COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
 
 EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
 
@@ -77,13 +78,32 @@ def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def preflight(cfg: TrainConfig) -> ParallelDims:
+def plan_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
+    """The pipeline plan of a layout with pp > 1 (None without pipeline parallelism)."""
+    if not dims.pp_enabled:
+        return None
+    p = cfg.parallel
+    try:
+        return pipeline_plan(
+            get_preset(cfg.model.preset),
+            dims.pp,
+            p.pp_schedule,
+            p.pp_microbatches,
+            p.pp_stages_per_rank,
+            p.pp_split,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def preflight(cfg: TrainConfig) -> tuple[ParallelDims, PipelinePlan | None]:
     """Everything checkable before a process group exists."""
     try:
         validate(cfg)
     except ValueError as error:
         raise ConfigError(str(error)) from error
-    return parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    dims = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    return dims, plan_for(cfg, dims)
 
 
 def init_distributed() -> torch.device:
@@ -113,12 +133,15 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(
+    model: torch.nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip to ``max_norm`` (0: only measure) and return the global gradient norm, on device.
 
     Parameters may live on different meshes (TP'd or not, dense or EP experts): each mesh's
-    norm is reduced on its own, the norms are combined, and each mesh's gradients are scaled in
-    one foreach call (per device and dtype). Nothing is read back to the host.
+    norm is reduced on its own, the norms are combined (and summed over pipeline stages, which
+    hold different parameters), and each mesh's gradients are scaled in one foreach call (per
+    device and dtype). Nothing is read back to the host.
     """
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
     for param in model.parameters():
@@ -132,28 +155,37 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
     if max_norm > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
 
 
-def check_tp_batches(digest: str, meshes: Meshes) -> None:
-    """TP peers must hold byte-identical batches (same data-parallel coordinate, same seed)."""
-    group = meshes.tp.get_group()
-    digests: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) != 1:
-        raise RuntimeError(
-            f"tensor-parallel peers read different first batches ({digests}): the data seed "
-            "contract is broken; every rank of a TP group must get the same data-parallel rank"
-        )
+def check_identical_batches(digest: str, dp_rank: int) -> None:
+    """Ranks of one data-parallel coordinate (TP and PP peers) must hold byte-identical batches
+    (same data-parallel rank, same seed). One all-gather over the world, at a job's first step."""
+    gathered: list[tuple[int, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (dp_rank, digest))
+    by_dp_rank: dict[int, dict[int, str]] = {}
+    for rank, (peer_dp_rank, peer_digest) in enumerate(gathered):
+        by_dp_rank.setdefault(peer_dp_rank, {})[rank] = peer_digest
+    for peer_dp_rank, digests in by_dp_rank.items():
+        if len(set(digests.values())) != 1:
+            raise RuntimeError(
+                f"ranks {sorted(digests)} share data-parallel rank {peer_dp_rank} but read "
+                f"different first batches ({digests}): the data seed contract is broken; TP and "
+                "PP peers must read the same batches"
+            )
 
 
 def mesh_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
     coords = dims.coordinates(rank)
     return {
+        "pp": coords.pp,
         "dp_replicate": coords.dp_replicate,
         "dp_shard": coords.dp_shard,
         "tp": coords.tp,
@@ -164,11 +196,17 @@ def mesh_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, dims: ParallelDims, device: torch.device, stop: StopRequest
+        self,
+        cfg: TrainConfig,
+        dims: ParallelDims,
+        plan: PipelinePlan | None,
+        device: torch.device,
+        stop: StopRequest,
     ) -> None:
         self.cfg = cfg
         self.stop = stop
         self.dims = dims
+        self.plan = plan
         self.device = device
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
@@ -180,9 +218,11 @@ class Trainer:
             compile=cfg.compile,
             mixed_precision=cfg.mixed_precision,
         )
-        self.model = build_model(
-            self.model_cfg, device, cfg.model.init_seed, self.meshes, self.options
-        )
+        self.pp_group = self.meshes.pp.get_group() if plan is not None else None
+        self.runner = self.build_runner()
+        # The optimizer, gradient clipping and checkpoints see all of this rank's parameters,
+        # named as in the whole model, through one module.
+        self.model = merged_view(self.runner.parts)
         # fused: the only AdamW that skips a step on the device (``found_inf``), with no sync.
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -202,12 +242,29 @@ class Trainer:
         self.wandb_run_id: str | None = None
         self.data_position = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
         # Device-side tallies, read back only at sync steps (see `read_back`).
-        self.since_sync = torch.zeros(3, dtype=torch.float64, device=device)  # COUNTS, summed
+        self.since_sync = torch.zeros(len(COUNTS), dtype=torch.float64, device=device)
         self.nonfinite_run = torch.zeros((), device=device)  # consecutive skipped steps
         self.nonfinite_new = torch.zeros((), device=device)  # skipped since the last sync
-        self.last_step: torch.Tensor | None = None  # [nll, aux, targets, grad norm] of a step
+        # [nll, aux, global targets, global sequences, grad norm] of the last step
+        self.last_step: torch.Tensor | None = None
         # Host tallies of the global batches since the last metrics line (for rates and MFU).
         self.since_log = {"time": time.perf_counter(), "step": 0, "positions": 0.0, "flops": 0.0}
+
+    def build_runner(self) -> WholeModelRunner | PipelineRunner:
+        cfg, options = self.cfg, self.options
+        init_seed = cfg.model.init_seed
+        if self.plan is None:
+            model = build_model(self.model_cfg, self.device, init_seed, self.meshes, options)
+            autocast = partial(compute_autocast, options, self.device.type)
+            return WholeModelRunner(model, self.device, autocast)
+        parts = build_pipeline(
+            self.model_cfg, self.device, init_seed, self.meshes, options, self.plan
+        )
+        bf16 = fsdp_mixed_precision(self.meshes, options)
+        hidden_dtype = torch.bfloat16 if bf16 else torch.float32
+        return PipelineRunner(
+            parts, self.plan, self.pp_group, self.device, hidden_dtype, self.dims.tp
+        )
 
     # state ------------------------------------------------------------------------------------
 
@@ -282,45 +339,50 @@ class Trainer:
 
     # loop -------------------------------------------------------------------------------------
 
-    def global_counts(self, batch: dict) -> torch.Tensor:
-        """[loss targets, decoder positions, model FLOPs] of the global batch, on the device.
+    def global_counts(self, batches: list[dict]) -> torch.Tensor:
+        """[loss targets, decoder positions, model FLOPs, sequences] of the step's global
+        batch (all its microbatches, all data-parallel ranks), on the device.
 
-        Counted from the batch's lengths on the CPU before the forward, then summed over
-        data-parallel ranks on the device: the loss is normalized by the global target count
-        with no host sync.
+        Counted from the batches' lengths on the CPU before the forward, then summed over
+        data-parallel ranks on the device: the loss is normalized by the global counts with no
+        host sync.
         """
-        feature_lens, token_lens = batch["feature_lens"], batch["token_lens"]
-        local = torch.tensor(
-            [
-                float(loss_targets(token_lens)),
-                float((encoder_lens(feature_lens) + token_lens).sum()),
-                step_flops(self.model_cfg, feature_lens, token_lens),
-            ],
-            dtype=torch.float64,
-        )
+        local = torch.zeros(len(COUNTS), dtype=torch.float64)
+        for batch in batches:
+            feature_lens, token_lens = batch["feature_lens"], batch["token_lens"]
+            local += torch.tensor(
+                [
+                    float(loss_targets(token_lens)),
+                    float((encoder_lens(feature_lens) + token_lens).sum()),
+                    step_flops(self.model_cfg, feature_lens, token_lens),
+                    float(len(token_lens)),
+                ],
+                dtype=torch.float64,
+            )
         if self.device.type == "cuda":
             local = local.pin_memory()
         counts = local.to(self.device, non_blocking=True)
         dist.all_reduce(counts, group=self.meshes.dp.get_group())
         return counts
 
-    def train_step(self, batch: dict) -> None:
-        """One optimizer step, queued on the device; a non-finite gradient norm skips it there."""
-        counts = self.global_counts(batch)
-        inputs = [
-            batch[key].to(self.device, non_blocking=True)
-            for key in ("features", "feature_lens", "tokens", "token_lens")
-        ]
-        with compute_autocast(self.options, self.device.type):
-            out = self.model(*inputs)
-        global_targets = counts[0].to(torch.float32)
-        loss_for_backward(out, global_targets, self.dp_size).backward()
+    def train_step(self, batches: list[dict]) -> None:
+        """One optimizer step over ``train.grad_accum`` batches, queued on the device; a
+        non-finite gradient norm skips it there."""
+        counts = self.global_counts(batches)
+        global_targets = counts[COUNTS.index("targets")].to(torch.float32)
+        global_sequences = counts[COUNTS.index("sequences")].to(torch.float32)
+        sums = self.runner.forward_backward(
+            [tuple(batch[key] for key in BATCH_KEYS) for batch in batches],
+            global_targets,
+            global_sequences,
+            self.dp_size,
+        )
         if self.step + 1 in self.cfg.debug.inject_nonfinite_steps and self.rank == 0:
             grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
             local_shard(grad).fill_(float("nan"))
         # The global gradient norm is non-finite whenever any rank's loss or gradient is (every
         # gradient is reduced over the ranks), so all ranks skip the same steps.
-        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip, self.pp_group)
         found_inf = (~torch.isfinite(grad_norm)).float()
         self.optimizer.found_inf = found_inf  # read by fused AdamW: the update is skipped
         self.optimizer.step()
@@ -329,8 +391,8 @@ class Trainer:
         self.nonfinite_run.add_(found_inf).mul_(found_inf)
         self.nonfinite_new.add_(found_inf)
         self.since_sync.add_(counts)
-        self.last_step = torch.stack(
-            [out.nll_sum.detach().float(), out.aux_loss.detach().float(), global_targets, grad_norm]
+        self.last_step = torch.cat(
+            [sums, torch.stack([global_targets, global_sequences, grad_norm])]
         )
 
     def read_back(self, stop_flag: float) -> dict[str, float]:
@@ -343,6 +405,8 @@ class Trainer:
             return {}
         loss_parts = self.last_step[:2].clone()
         dist.all_reduce(loss_parts, group=self.meshes.dp.get_group())
+        if self.pp_group is not None:  # the loss is on the last stage, balance losses on all
+            dist.all_reduce(loss_parts, group=self.pp_group)
         flag = torch.tensor([stop_flag], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         values = torch.cat(
@@ -354,7 +418,9 @@ class Trainer:
                 flag.double(),
             ]
         ).tolist()
-        nll, aux, targets, grad_norm, new_targets, positions, flops, run, new_bad, agreed = values
+        nll, aux, targets, sequences, grad_norm = values[:5]
+        new_targets, positions, flops, _ = values[5 : 5 + len(COUNTS)]
+        run, new_bad, agreed = values[5 + len(COUNTS) :]
         self.since_sync.zero_()
         self.nonfinite_new.zero_()
         self.tokens_seen += int(new_targets)
@@ -370,7 +436,7 @@ class Trainer:
                 "optim.warmup_steps"
             )
         return {
-            "loss": nll / targets + aux / self.dp_size,
+            "loss": nll / targets + aux / sequences,
             "grad_norm": grad_norm,
             "stop_flag": agreed,
         }
@@ -385,7 +451,11 @@ class Trainer:
             self.run_dir,
             rank=self.rank,
             run_id=self.wandb_run_id,
-            config={**asdict(cfg), "layout": self.dims.describe()},
+            config={
+                **asdict(cfg),
+                "layout": self.dims.describe(),
+                "pipeline": self.plan.describe() if self.plan else None,
+            },
             total_steps=cfg.train.max_steps,
             wandb_enabled=cfg.wandb.enabled,
             wandb_project=cfg.wandb.project,
@@ -396,6 +466,8 @@ class Trainer:
             f"job {os.environ.get('ORCH_JOB_INDEX', '-')} seed {cfg.seed}: training steps "
             f"{self.step + 1}..{cfg.train.max_steps}, layout {self.dims.describe()}"
         )
+        if self.plan is not None:
+            say(self.plan.describe())
         try:
             reason = self.train_until_stop(metrics)
         except TrainingDiverged:
@@ -423,14 +495,13 @@ class Trainer:
         first_step = self.step
         batches = self.batches()
         self.since_log.update(time=time.perf_counter(), step=self.step)
+        has_peers = self.dims.tp_enabled or self.dims.pp_enabled
         while self.step < cfg.train.max_steps:
-            batch = next(batches)
-            check_tp = (
-                self.step == first_step and self.dims.tp_enabled and cfg.debug.check_tp_batches
-            )
-            digest = batch_hash(batch) if check_tp or cfg.debug.batch_hashes else ""
-            if check_tp:
-                check_tp_batches(digest, self.meshes)
+            step_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
+            check = self.step == first_step and has_peers and cfg.debug.check_batches
+            digest = step_hash(step_batches) if check or cfg.debug.batch_hashes else ""
+            if check:
+                check_identical_batches(digest, self.dp_rank)
             if cfg.debug.batch_hashes:
                 append_batch_hash(
                     self.run_dir,
@@ -440,7 +511,7 @@ class Trainer:
                     digest=digest,
                 )
             lr = self.scheduler.get_last_lr()[0]
-            self.train_step(batch)
+            self.train_step(step_batches)
             self.step += 1
             last = self.step == cfg.train.max_steps
             log_now = self.step % cfg.train.log_every == 0 or last

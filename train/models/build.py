@@ -8,7 +8,9 @@ import torch
 from train.mesh import Meshes
 from train.models.init import init_weights
 from train.models.parallelize import ParallelizeOptions, parallelize
+from train.models.pipeline import PipelinePart, pipeline_parts
 from train.models.salm import SALM, SALMConfig
+from train.pipeline_plan import PipelinePlan
 
 
 def build_model(
@@ -30,3 +32,23 @@ def build_model(
     model.to_empty(device=device)
     init_weights(model, init_seed)
     return model
+
+
+def build_pipeline(
+    cfg: SALMConfig,
+    device: torch.device,
+    init_seed: int,
+    meshes: Meshes,
+    options: ParallelizeOptions,
+    plan: PipelinePlan,
+) -> list[PipelinePart]:
+    """This rank's pipeline stages, each built, parallelized and initialized like a whole model
+    (so each holds the single process's values of its parameters)."""
+    with torch.device("meta"):
+        model = SALM(cfg)
+    parts = pipeline_parts(model, plan, meshes.pp.get_local_rank())
+    for part in parts:
+        parallelize(part, meshes, options)
+        part.to_empty(device=device)
+        init_weights(part, init_seed)
+    return parts

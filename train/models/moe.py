@@ -193,10 +193,13 @@ class MoE(nn.Module):
     def balance_loss(
         self, probs: torch.Tensor, top_e: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Switch-style E * sum_e f_e * P_e per sequence over real positions, mean over sequences.
+        """Switch-style E * sum_e f_e * P_e per sequence over real positions, summed over
+        sequences.
 
-        Per sequence (not per batch) so that the mean over data-parallel ranks equals the loss of
-        the whole global batch; under TP the per-sequence sums add up the sequence shards.
+        Per sequence (not per batch), and summed, so that the trainer's division by the global
+        number of sequences gives the same loss however the batch is split: over data-parallel
+        ranks, microbatches or accumulation steps (a padding sequence adds nothing). Under TP the
+        per-sequence sums add up the sequence shards.
         """
         m = mask.to(probs.dtype).unsqueeze(-1)  # (B, S, 1)
         picked = F.one_hot(top_e, self.n_experts).sum(2).to(probs.dtype)  # (B, S, E)
@@ -206,4 +209,4 @@ class MoE(nn.Module):
         tokens, prob_mass, n = sums[:, :E], sums[:, E : 2 * E], sums[:, 2 * E :].clamp(min=1)
         frac_tokens = tokens / (n * self.top_k)
         frac_probs = prob_mass / n
-        return (E * (frac_tokens * frac_probs).sum(-1)).mean()
+        return (E * (frac_tokens * frac_probs).sum(-1)).sum()

@@ -2,7 +2,9 @@
 TP (with sequence parallel) and EP -> activation checkpointing -> torch.compile -> FSDP2 or DDP.
 
 Only the LLM gets tensor parallelism; the audio encoder, projector and embeddings are small and
-run replicated over TP (FSDP still shards them). The same code runs CUDA+NCCL and CPU+gloo.
+run replicated over TP (FSDP still shards them). The same code runs CUDA+NCCL and CPU+gloo, and
+parallelizes a whole model or one pipeline stage of it (a `PipelinePart`: the same modules under
+the same names, some of them absent).
 
 Activation checkpointing wraps each block in a checkpoint wrapper (``full``: recompute the
 block's matmuls and elementwise work in backward, keeping only the outputs of its collectives and
@@ -23,6 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -47,6 +50,9 @@ from train.config import AC_MODES
 from train.mesh import Meshes
 from train.models.moe import MoE
 from train.models.salm import SALM, Block
+
+if TYPE_CHECKING:
+    from train.models.pipeline import PipelinePart
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -84,14 +90,24 @@ class ParallelizeOptions:
     mixed_precision: bool = True  # bf16 compute on CUDA: FSDP2 params, or autocast under ddp
 
 
-def parallelize(model: SALM, meshes: Meshes, options: ParallelizeOptions) -> SALM:
+def block_lists(model: SALM | PipelinePart) -> list[nn.ModuleList | nn.ModuleDict]:
+    """The containers of transformer blocks ``model`` holds (a pipeline part may lack some)."""
+    lists: list[nn.ModuleList | nn.ModuleDict] = [model.llm.layers]
+    if model.encoder is not None:
+        lists.insert(0, model.encoder.layers)
+    return lists
+
+
+def parallelize(
+    model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeOptions
+) -> SALM | PipelinePart:
     """Parallelize ``model`` in place (on the meta device, or initialized identically)."""
     dims = meshes.dims
     if dims.tp_enabled:
         apply_tp(model, meshes)
     if model.cfg.n_experts:
         apply_moe_parallel(model, meshes)
-    blocks = [model.encoder.layers, model.llm.layers]
+    blocks = block_lists(model)
     if options.activation_checkpointing != "none":
         for layers in blocks:
             apply_ac(layers, options.activation_checkpointing)
@@ -106,34 +122,38 @@ def parallelize(model: SALM, meshes: Meshes, options: ParallelizeOptions) -> SAL
     return model
 
 
-def apply_tp(model: SALM, meshes: Meshes) -> None:
+def apply_tp(model: SALM | PipelinePart, meshes: Meshes) -> None:
     """Megatron-style TP with sequence parallelism on the LLM.
 
     Between blocks the residual stream is this rank's sequence shard (a local tensor); norms run
     on shards, attention and dense FFNs all-gather the sequence and reduce-scatter their output,
-    MoE FFNs work on the shard itself.
+    MoE FFNs work on the shard itself. The part that builds the sequence (the whole model, or
+    the first pipeline stage) cuts it into shards as it enters the LLM; later stages receive
+    shards.
     """
     tp_mesh = meshes.tp
     model.seq_multiple = math.lcm(model.seq_multiple, meshes.dims.tp)
     llm = model.llm
-    parallelize_module(
-        llm,
-        tp_mesh,
-        PrepareModuleInput(
-            input_layouts=(Replicate(), None),
-            desired_input_layouts=(Shard(1), None),
-            use_local_output=True,
-        ),
-    )
-    parallelize_module(
-        llm,
-        tp_mesh,
-        {
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for block in llm.layers:
+    if model.encoder is not None:
+        parallelize_module(
+            llm,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(), None),
+                desired_input_layouts=(Shard(1), None),
+                use_local_output=True,
+            ),
+        )
+    if llm.lm_head is not None:
+        parallelize_module(
+            llm,
+            tp_mesh,
+            {
+                "norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            },
+        )
+    for block in llm.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block))
 
 
@@ -173,11 +193,11 @@ def _block_plan(block: Block) -> dict:
     return plan
 
 
-def _moe_layers(model: SALM) -> list[MoE]:
-    return [block.moe for block in model.llm.layers if block.moe is not None]
+def _moe_layers(model: SALM | PipelinePart) -> list[MoE]:
+    return [block.moe for block in model.llm.layers.values() if block.moe is not None]
 
 
-def apply_moe_parallel(model: SALM, meshes: Meshes) -> None:
+def apply_moe_parallel(model: SALM | PipelinePart, meshes: Meshes) -> None:
     """Give each MoE its TP and EP meshes; under EP shard the stacked experts over the EP view."""
     dims = meshes.dims
     for moe in _moe_layers(model):
@@ -197,7 +217,7 @@ def _policy(kept: frozenset):
     return policy
 
 
-def apply_ac(layers: nn.ModuleList, mode: str) -> None:
+def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     """Activation checkpointing (``full`` or ``selective``) for each block of ``layers``.
 
     A dense block is wrapped whole. An MoE block is checkpointed as its pieces around the token
@@ -209,15 +229,21 @@ def apply_ac(layers: nn.ModuleList, mode: str) -> None:
         raise ValueError(f"activation_checkpointing={mode}: choose one of {', '.join(AC_MODES)}")
     policy = _policy(_KEPT_BY_SELECTIVE if mode == "selective" else _KEPT_BY_FULL)
     options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
-    for index, block in enumerate(layers):
+    for key, block in _items(layers):
         if block.moe is None:
-            layers[index] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
+            layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
             continue
         moe = block.moe
         block.mix = _checkpointed(block.mix, options)
         moe.route = _checkpointed(moe.route, options)
         moe.combine = _checkpointed(moe.combine, options)
         moe.experts.compute = _checkpointed(moe.experts.compute, options)
+
+
+def _items(layers: nn.ModuleList | nn.ModuleDict) -> list[tuple[int | str, nn.Module]]:
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.items())
+    return list(enumerate(layers))
 
 
 def _checkpointed(fn: Callable, options: dict) -> Callable:
@@ -227,13 +253,13 @@ def _checkpointed(fn: Callable, options: dict) -> Callable:
     return run
 
 
-def apply_compile(layers: nn.ModuleList) -> None:
+def apply_compile(layers: nn.ModuleList | nn.ModuleDict) -> None:
     """Compile each block in place with ``fullgraph=True`` (a graph break fails loudly).
 
     An MoE block compiles as its pieces around the token dispatcher (see ``train.models.moe``):
     the attention half (``Block.mix``), the routing, the experts' matmuls and the combine.
     """
-    for block in layers:
+    for _, block in _items(layers):
         if block.moe is None:
             block.compile(fullgraph=True)
             continue
@@ -270,18 +296,19 @@ def mixed_precision_policies(bf16: bool) -> tuple[MixedPrecisionPolicy, MixedPre
     return root, inner
 
 
-def apply_fsdp(model: SALM, meshes: Meshes, options: ParallelizeOptions) -> None:
+def apply_fsdp(model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeOptions) -> None:
     """fully_shard each block, the experts on their own mesh, then the root."""
     root_policy, policy = mixed_precision_policies(fsdp_mixed_precision(meshes, options))
-    for block in model.encoder.layers:
-        fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
-    for block in model.llm.layers:
+    if model.encoder is not None:
+        for block in model.encoder.layers:
+            fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
+    for block in model.llm.layers.values():
         if block.moe is not None:
             _shard_experts(block.moe, meshes, policy)
         fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=root_policy)
     if meshes.dims.ep_enabled:
-        _prefetch_explicitly(model.llm.layers)
+        _prefetch_explicitly(list(model.llm.layers.values()))
 
 
 def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) -> None:
@@ -309,10 +336,9 @@ def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) ->
             experts.set_force_sum_reduction_for_comms(True)
 
 
-def _prefetch_explicitly(layers: nn.ModuleList) -> None:
+def _prefetch_explicitly(blocks: list[FSDPModule]) -> None:
     """Under EP each MoE layer syncs with the host (split sizes), which defeats FSDP's implicit
     prefetch: name the next block (and its experts) to all-gather, forward and backward."""
-    blocks: list[FSDPModule] = list(layers)
 
     def with_experts(block) -> list[FSDPModule]:
         return [block, block.moe.experts] if block.moe is not None else [block]

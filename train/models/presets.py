@@ -8,6 +8,9 @@ PRESETS: dict[str, SALMConfig] = {
     # CPU tests: a few seconds per step on one core.
     "tiny": SALMConfig(),
     "tiny_moe": SALMConfig(n_experts=4, top_k=2, moe_hidden=64),
+    # CPU pipeline tests: enough LLM blocks for two stages on each of two ranks.
+    "tiny_deep": SALMConfig(n_layers=4),
+    "tiny_moe_deep": SALMConfig(n_layers=4, n_experts=4, top_k=2, moe_hidden=64),
     # CPU sweeps: big enough for learning curves to differ between settings.
     "small": SALMConfig(
         enc_dim=192,

@@ -212,7 +212,9 @@ class AudioEncoder(nn.Module):
             x = x * length_mask(lens, x.shape[2])[:, None, :, None]
         B, C, T, Fr = x.shape
         x = self.conv_out(x.permute(0, 2, 1, 3).reshape(B, T, C * Fr))
-        mask = length_mask(lens, T)
+        # The first frame is always attendable, so an example with no frames (a pipeline's
+        # padding example) stays finite; every real example has that frame anyway.
+        mask = length_mask(lens, T) | (torch.arange(T, device=x.device) == 0)
         cos, sin = rope_tables(T, self.head_dim, self.rope_theta, x.device)
         for layer in self.layers:
             x, _ = layer(x, cos, sin, mask, None)
@@ -222,49 +224,117 @@ class AudioEncoder(nn.Module):
 class Decoder(nn.Module):
     """The LLM: embeddings, causal blocks, final norm and output head.
 
-    `forward` takes already-embedded inputs (audio then text) and returns logits and the MoE aux
-    loss averaged over layers.
+    `forward` takes already-embedded inputs (audio then text) and runs the blocks it holds.
+    Blocks sit in a ModuleDict keyed by their index, so a pipeline stage that keeps some of
+    them (and drops the norm and head unless it is the last) names its parameters exactly as
+    the whole model does.
     """
 
     def __init__(self, cfg: SALMConfig) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(
-            Block(
-                cfg.d_model,
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                True,
-                cfg.norm_eps,
-                cfg.ffn_hidden,
-                MoE(cfg.d_model, cfg.moe_hidden, cfg.n_experts, cfg.top_k)
-                if cfg.n_experts
-                else None,
-            )
-            for _ in range(cfg.n_layers)
+        self.layers = nn.ModuleDict(
+            {
+                str(index): Block(
+                    cfg.d_model,
+                    cfg.n_heads,
+                    cfg.n_kv_heads,
+                    True,
+                    cfg.norm_eps,
+                    cfg.ffn_hidden,
+                    MoE(cfg.d_model, cfg.moe_hidden, cfg.n_experts, cfg.top_k)
+                    if cfg.n_experts
+                    else None,
+                )
+                for index in range(cfg.n_layers)
+            }
         )
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope_theta = cfg.rope_theta
         self.head_dim = cfg.d_model // cfg.n_heads
 
     def forward(self, x, token_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` (B, S, d) (under TP: this rank's sequence shard), ``token_mask`` (B, S)."""
+        """``x`` (B, S, d) (under TP: this rank's sequence shard), ``token_mask`` (B, S).
+
+        Returns the logits (the hidden states if this part has no head) and the MoE balance
+        losses of its blocks, summed over blocks and sequences.
+        """
         cos, sin = rope_tables(token_mask.shape[1], self.head_dim, self.rope_theta, x.device)
         aux = x.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x, layer_aux = layer(x, cos, sin, None, token_mask)
             aux = aux + layer_aux
-        return self.lm_head(self.norm(x)), aux / len(self.layers)
+        if self.lm_head is None:
+            return x, aux
+        return self.lm_head(self.norm(x)), aux
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where each example's audio and text sit in its packed decoder sequence."""
+
+    is_audio: torch.Tensor  # (B, S) audio positions
+    is_text: torch.Tensor  # (B, S) transcript positions
+    text_index: torch.Tensor  # (B, S) index into the tokens at text positions (clamped elsewhere)
+    labels: torch.Tensor  # (B, S) the next token at each text position but the last, else ignored
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """Real positions (audio or text); the rest is padding."""
+        return self.is_audio | self.is_text
+
+
+def packed_length(audio_lens: torch.Tensor, token_lens: torch.Tensor, multiple: int) -> int:
+    """The decoder sequence length of a batch: its longest example, rounded up to ``multiple``."""
+    longest = int((audio_lens + token_lens).max())
+    return max(1, math.ceil(longest / multiple)) * multiple
+
+
+def sequence_layout(
+    audio_lens: torch.Tensor, tokens: torch.Tensor, token_lens: torch.Tensor, seq_len: int
+) -> SequenceLayout:
+    """One sequence per example: its audio positions, its text, then padding."""
+    pos = torch.arange(seq_len, device=tokens.device)[None, :]
+    is_audio = pos < audio_lens[:, None]
+    text_pos = pos - audio_lens[:, None]
+    is_text = (text_pos >= 0) & (text_pos < token_lens[:, None])
+    text_index = text_pos.clamp(0, tokens.shape[1] - 1)
+    has_next = is_text & (text_pos + 1 < token_lens[:, None])
+    next_tokens = tokens.gather(1, (text_index + 1).clamp(max=tokens.shape[1] - 1))
+    labels = torch.where(has_next, next_tokens, IGNORE_INDEX)
+    return SequenceLayout(is_audio, is_text, text_index, labels)
+
+
+def embed_inputs(
+    encoder: AudioEncoder,
+    projector: nn.Module,
+    embed: nn.Embedding,
+    batch: tuple[torch.Tensor, ...],
+    seq_len: int,
+) -> tuple[torch.Tensor, SequenceLayout]:
+    """The decoder's input (B, seq_len, d): each example's projected audio frames, then its
+    embedded text, then zeros; and where each lies."""
+    features, feature_lens, tokens, token_lens = batch
+    audio, audio_lens = encoder(features, feature_lens)
+    audio = projector(audio)
+    text = embed(tokens)
+    layout = sequence_layout(audio_lens, tokens, token_lens, seq_len)
+    d = audio.shape[-1]
+    audio_index = torch.arange(seq_len, device=audio.device).clamp(max=audio.shape[1] - 1)
+    from_audio = audio.gather(1, audio_index[None, :, None].expand(len(tokens), -1, d))
+    from_text = text.gather(1, layout.text_index[..., None].expand(-1, -1, d))
+    x = torch.where(layout.is_audio[..., None], from_audio, from_text * layout.is_text[..., None])
+    return x, layout
 
 
 @dataclass
 class SALMOutput:
-    """Sums rather than means, so the trainer can normalize by the global token count."""
+    """Sums rather than means, so the trainer can normalize by the global counts."""
 
     nll_sum: torch.Tensor  # summed next-token loss over this rank's transcript targets
     num_tokens: torch.Tensor  # how many targets that sum covers
-    aux_loss: torch.Tensor  # MoE balance loss, already weighted; mean over sequences
+    aux_sum: torch.Tensor  # MoE balance loss, weighted, summed over this rank's sequences
 
 
 def loss_targets(token_lens: torch.Tensor) -> torch.Tensor:
@@ -273,10 +343,18 @@ def loss_targets(token_lens: torch.Tensor) -> torch.Tensor:
     return (token_lens - 1).clamp(min=0).sum()
 
 
-def loss_for_backward(out: SALMOutput, global_tokens: torch.Tensor, dp_size: int) -> torch.Tensor:
-    """The local loss whose data-parallel gradient average is the gradient of the global-batch loss
-    (sum of token losses / all tokens + weighted aux loss), whatever the token count per rank."""
-    return out.nll_sum * dp_size / global_tokens + out.aux_loss
+def aux_weight(cfg: SALMConfig) -> float:
+    """Scale of one block's summed balance loss in the total: the coefficient over the blocks."""
+    return cfg.aux_loss_coef / cfg.n_layers
+
+
+def loss_for_backward(
+    out: SALMOutput, global_targets: torch.Tensor, global_sequences: torch.Tensor, dp_size: int
+) -> torch.Tensor:
+    """The local loss whose data-parallel gradient average is the gradient of the global-batch
+    loss: token losses over all targets plus the balance loss over all sequences, whatever the
+    counts per rank or per microbatch."""
+    return (out.nll_sum / global_targets + out.aux_sum / global_sequences) * dp_size
 
 
 class SALM(nn.Module):
@@ -285,50 +363,30 @@ class SALM(nn.Module):
     def __init__(self, cfg: SALMConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.encoder = AudioEncoder(cfg)
-        self.projector = nn.Sequential(
+        self.encoder: AudioEncoder | None = AudioEncoder(cfg)
+        self.projector: nn.Module | None = nn.Sequential(
             nn.Linear(cfg.enc_dim, cfg.d_model), nn.GELU(), nn.Linear(cfg.d_model, cfg.d_model)
         )
         self.llm = Decoder(cfg)
         self.seq_multiple = 8  # packed length is a multiple of this (parallelize adds tp)
 
     def forward(self, features, feature_lens, tokens, token_lens) -> SALMOutput:
-        audio, audio_lens = self.encoder(features, feature_lens)
-        audio = self.projector(audio)
-        text = self.llm.embed(tokens)
-        x, token_mask, labels = self.pack(audio, audio_lens, text, tokens, token_lens)
-        logits, aux = self.llm(x, token_mask)
-        nll_sum = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
+        seq_len = packed_length(encoder_lens(feature_lens), token_lens, self.seq_multiple)
+        batch = (features, feature_lens, tokens, token_lens)
+        x, layout = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
+        logits, aux = self.llm(x, layout.token_mask)
+        return SALMOutput(
+            next_token_loss(logits, layout.labels),
+            (layout.labels != IGNORE_INDEX).sum(),
+            aux_weight(self.cfg) * aux,
         )
-        num_tokens = (labels != IGNORE_INDEX).sum()
-        return SALMOutput(nll_sum, num_tokens, self.cfg.aux_loss_coef * aux)
 
-    def pack(self, audio, audio_lens, text, tokens, token_lens):
-        """One sequence per example: its audio frames, its text, then padding.
 
-        Returns embeddings (B, S, d), the mask of real positions, and the labels (the next text
-        token at each text position but the last; IGNORE_INDEX elsewhere).
-        """
-        total = audio_lens + token_lens
-        S = math.ceil(int(total.max()) / self.seq_multiple) * self.seq_multiple
-        pos = torch.arange(S, device=audio.device)[None, :]
-        is_audio = pos < audio_lens[:, None]
-        text_pos = pos - audio_lens[:, None]
-        is_text = (text_pos >= 0) & (text_pos < token_lens[:, None])
-        d = audio.shape[-1]
-        audio_idx = pos.clamp(max=audio.shape[1] - 1).expand(len(total), S)
-        text_idx = text_pos.clamp(0, tokens.shape[1] - 1)
-        from_audio = audio.gather(1, audio_idx[..., None].expand(-1, -1, d))
-        from_text = text.gather(1, text_idx[..., None].expand(-1, -1, d))
-        x = torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
-        has_next = is_text & (text_pos + 1 < token_lens[:, None])
-        next_tokens = tokens.gather(1, (text_idx + 1).clamp(max=tokens.shape[1] - 1))
-        labels = torch.where(has_next, next_tokens, IGNORE_INDEX)
-        return x, is_audio | is_text, labels
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the labelled positions, in fp32."""
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def count_params(model: nn.Module) -> int:

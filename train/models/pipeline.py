@@ -1,0 +1,311 @@
+"""Pipeline stages of the SALM, run by ``torch.distributed.pipelining`` schedules.
+
+Each stage is a `PipelinePart`: a copy of the whole model built on the meta device and pruned to
+the modules its stage runs, so its parameters keep the whole model's names (DCP reshards between
+any stage split, and ``init_weights`` gives every stage the single process's values). A rank
+builds the parts of its stages (see ``train.pipeline_plan``), parallelizes each like a whole
+model (TP, EP, AC, compile, FSDP2 per part), and a `PipelineRunner` feeds them microbatches.
+
+What travels between stages is the decoder's hidden state (microbatch, S / tp, d): under TP each
+rank sends its own sequence shard. The padding mask goes to every stage as a keyword input, the
+labels to the last stage as the schedule's target. Each stage's MoE balance loss joins the
+backward through `with_aux_gradient`, not through what it sends.
+
+Speech batches change shape every step (dynamic bucketing). A schedule's stages are built with
+static shape metadata for one shape, so the runner keeps one schedule per shape it has seen (a
+small LRU cache): a new shape costs building two small objects and one P2P warm-up, never a
+metadata-inference forward, and every rank of a pipeline agrees on shapes because PP peers read
+the same batches. Microbatches must share one shape, so a batch is padded with empty examples to
+a multiple of the microbatch count and packed to one sequence length; an empty example has no
+targets and no real positions, so it changes no loss and no gradient, only costs its compute.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from train.models.salm import (
+    PAD_ID,
+    SALM,
+    SALMConfig,
+    aux_weight,
+    embed_inputs,
+    encoder_lens,
+    next_token_loss,
+    packed_length,
+    sequence_layout,
+)
+from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan, plan_pipeline
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+SCHEDULES_CACHED = 8  # distinct batch shapes whose schedules are kept
+
+
+class _AuxGradient(torch.autograd.Function):
+    """Identity on ``x`` whose backward also gives ``aux`` a gradient of one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        return x.clone()  # not a view: FSDP hooks the stage's output for its backward
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def with_aux_gradient(x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged, with ``aux`` added to the loss the backward differentiates: a stage's
+    balance loss is part of the total without being sent to the next stage."""
+    return _AuxGradient.apply(x, aux)
+
+
+class PipelinePart(nn.Module):
+    """One pipeline stage of the SALM under the whole model's parameter names.
+
+    ``model`` must be a fresh copy (the part prunes its decoder in place). The first stage
+    takes the batch (features, feature lengths, tokens, token lengths) and builds the decoder's
+    input; the others take the previous stage's hidden state. The last returns the logits.
+    """
+
+    def __init__(self, model: SALM, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.seq_multiple = model.seq_multiple
+        self.encoder = model.encoder if first else None
+        self.projector = model.projector if first else None
+        llm = model.llm
+        if not first:
+            llm.embed = None
+        if not last:
+            llm.norm = None
+            llm.lm_head = None
+        for key in list(llm.layers):
+            if int(key) not in blocks:
+                del llm.layers[key]
+        self.llm = llm
+        # Set per step by the runner: dp_size / global sequences, for the balance loss.
+        self.aux_scale = 0.0
+        self.aux_total: torch.Tensor | None = None  # this step's weighted balance-loss sum
+
+    def forward(self, *inputs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+        if self.encoder is not None:
+            x, _ = embed_inputs(
+                self.encoder, self.projector, self.llm.embed, inputs, token_mask.shape[1]
+            )
+        else:
+            (x,) = inputs
+        out, aux = self.llm(x, token_mask)
+        if not self.cfg.n_experts:
+            return out
+        aux = aux_weight(self.cfg) * aux
+        detached = aux.detach()
+        self.aux_total = detached if self.aux_total is None else self.aux_total + detached
+        return with_aux_gradient(out, aux * self.aux_scale)
+
+
+def pipeline_plan(
+    cfg: SALMConfig,
+    pp: int,
+    schedule: str,
+    microbatches: int,
+    stages_per_rank: int,
+    split: Sequence[int],
+) -> PipelinePlan:
+    """The plan for ``cfg``'s model, its stages balanced by parameter count (counted on the meta
+    device); raises a one-line ValueError for settings that cannot run."""
+    with torch.device("meta"):
+        model = SALM(cfg)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.llm.layers.values()]
+    first = sum(
+        p.numel()
+        for module in (model.encoder, model.projector, model.llm.embed)
+        for p in module.parameters()
+    )
+    last = sum(p.numel() for m in (model.llm.norm, model.llm.lm_head) for p in m.parameters())
+    return plan_pipeline(pp, schedule, microbatches, stages_per_rank, split, blocks, first, last)
+
+
+def pipeline_parts(model_on_meta: SALM, plan: PipelinePlan, pp_rank: int) -> list[PipelinePart]:
+    """The parts of this rank's stages, each pruned from its own copy of the meta model."""
+    parts = []
+    for stage in plan.local_stages(pp_rank):
+        copy_on_meta = copy.deepcopy(model_on_meta)
+        first, last = stage == 0, stage == plan.num_stages - 1
+        parts.append(PipelinePart(copy_on_meta, plan.stage_blocks(stage), first, last))
+    return parts
+
+
+def pad_examples(batch: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Tensor, ...]:
+    """(features, feature_lens, tokens, token_lens) with empty examples appended up to a
+    multiple of ``multiple`` examples: no frames, no tokens, so no targets and no real
+    positions."""
+    features, feature_lens, tokens, token_lens = batch
+    missing = -len(tokens) % multiple
+    if not missing:
+        return batch
+    return (
+        torch.cat([features, features.new_zeros((missing, *features.shape[1:]))]),
+        torch.cat([feature_lens, feature_lens.new_zeros(missing)]),
+        torch.cat([tokens, tokens.new_full((missing, tokens.shape[1]), PAD_ID)]),
+        torch.cat([token_lens, token_lens.new_zeros(missing)]),
+    )
+
+
+class PipelineRunner:
+    """Runs one schedule step per batch over this rank's parts and keeps the loss sums."""
+
+    def __init__(
+        self,
+        parts: list[PipelinePart],
+        plan: PipelinePlan,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        hidden_dtype: torch.dtype,
+        tp: int,
+    ) -> None:
+        self.parts = parts
+        self.plan = plan
+        self.group = pp_group
+        self.device = device
+        self.hidden_dtype = hidden_dtype
+        self.tp = tp
+        self.pp_rank = dist.get_rank(pp_group)
+        self.stage_ids = plan.local_stages(self.pp_rank)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = plan.num_stages - 1 in self.stage_ids
+        self.schedules: OrderedDict[tuple, object] = OrderedDict()
+        self.loss_scale = torch.zeros((), device=device)
+        self.nll_total = torch.zeros((), device=device)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nll = next_token_loss(logits, labels)
+        self.nll_total = self.nll_total + nll.detach()
+        return nll * self.loss_scale
+
+    def _schedule(self, batch: tuple[torch.Tensor, ...], seq_len: int):
+        """The schedule for this batch shape, built with static stage metadata."""
+        features, _, tokens, _ = batch
+        micro = len(tokens) // self.plan.microbatches
+        key = (micro, features.shape[1], tokens.shape[1], seq_len)
+        if key in self.schedules:
+            self.schedules.move_to_end(key)
+            return self.schedules[key]
+        cfg = self.parts[0].cfg
+        hidden = torch.empty(
+            (micro, seq_len // self.tp, cfg.d_model),
+            dtype=self.hidden_dtype,
+            device="meta",
+            requires_grad=True,
+        )
+        first_inputs = tuple(
+            torch.empty((micro, *t.shape[1:]), dtype=t.dtype, device="meta") for t in batch
+        )
+        logits = torch.empty(
+            (micro, seq_len, cfg.vocab_size), dtype=self.hidden_dtype, device="meta"
+        )
+        stages = []
+        for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
+            last = stage_id == self.plan.num_stages - 1
+            stages.append(
+                PipelineStage(
+                    part,
+                    stage_id,
+                    self.plan.num_stages,
+                    self.device,
+                    input_args=first_inputs if stage_id == 0 else hidden,
+                    output_args=logits if last else hidden,
+                    group=self.group,
+                )
+            )
+        schedule_class = SCHEDULE_CLASSES[self.plan.schedule]
+        schedule = schedule_class(
+            stages if self.plan.schedule in MULTI_STAGE_SCHEDULES else stages[0],
+            n_microbatches=self.plan.microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
+        self.schedules[key] = schedule
+        if len(self.schedules) > SCHEDULES_CACHED:
+            self.schedules.popitem(last=False)
+        return schedule
+
+    def forward_backward(
+        self,
+        batches: list[tuple[torch.Tensor, ...]],
+        global_targets: torch.Tensor,
+        global_sequences: torch.Tensor,
+        dp_size: int,
+    ) -> torch.Tensor:
+        """One schedule step per batch (CPU tensors; accumulated gradients); returns
+        [next-token loss sum, weighted balance-loss sum] of this rank's stages over all of them
+        (the loss sum is zero but on the last stage's rank)."""
+        self.loss_scale = dp_size / global_targets
+        aux_scale = dp_size / global_sequences
+        sums = torch.zeros(2, device=self.device)
+        for batch in batches:
+            batch = pad_examples(batch, self.plan.microbatches)
+            audio_lens, token_lens = encoder_lens(batch[1]), batch[3]
+            seq_len = packed_length(audio_lens, token_lens, self.parts[0].seq_multiple)
+            schedule = self._schedule(batch, seq_len)
+            batch = to_device(batch, self.device)
+            layout = sequence_layout(encoder_lens(batch[1]), batch[2], batch[3], seq_len)
+            self.nll_total = torch.zeros((), device=self.device)
+            for part in self.parts:
+                part.aux_scale = aux_scale
+                part.aux_total = None
+            inputs = batch if self.has_first else ()
+            target = layout.labels if self.has_last else None
+            schedule.step(
+                *inputs, target=target, return_outputs=False, token_mask=layout.token_mask
+            )
+            aux = sum(
+                (part.aux_total.float() for part in self.parts if part.aux_total is not None),
+                torch.zeros((), device=self.device),
+            )
+            sums += torch.stack([self.nll_total.float(), aux])
+        return sums
+
+
+def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
+    if device.type == "cpu":
+        return batch
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+
+
+def merged_view(parts: list[nn.Module]) -> nn.Module:
+    """One module over this rank's stages with the whole model's parameter names, for what
+    sees all of a rank's parameters at once: the optimizer, gradient clipping, checkpoints."""
+    if len(parts) == 1:
+        return parts[0]
+    view, llm = nn.Module(), nn.Module()
+    llm.layers = nn.ModuleDict()
+    for part in parts:
+        for name in ("encoder", "projector"):
+            if getattr(part, name) is not None:
+                setattr(view, name, getattr(part, name))
+        for name in ("embed", "norm", "lm_head"):
+            if getattr(part.llm, name) is not None:
+                setattr(llm, name, getattr(part.llm, name))
+        for key, block in part.llm.layers.items():
+            llm.layers[key] = block
+    view.llm = llm
+    return view

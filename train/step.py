@@ -1,0 +1,58 @@
+"""The forward and backward of one optimizer step over a whole model (the pipeline's own runner
+is ``train.models.pipeline.PipelineRunner``; both take the same arguments).
+
+A step may take several batches (``train.grad_accum``): each is a microbatch whose loss is
+normalized by the target and sequence counts of the whole step, so the accumulated gradient is
+the gradient of one step over all of them together. Gradients are reduced over data-parallel
+ranks only on the last microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from train.models.pipeline import to_device
+from train.models.salm import SALM, loss_for_backward
+
+
+class WholeModelRunner:
+    """Runs every microbatch of a step through one (parallelized) model."""
+
+    def __init__(
+        self,
+        model: SALM,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.model = model
+        self.parts = [model]
+        self.device = device
+        self.autocast = autocast
+
+    def forward_backward(
+        self,
+        batches: list[tuple[torch.Tensor, ...]],
+        global_targets: torch.Tensor,
+        global_sequences: torch.Tensor,
+        dp_size: int,
+    ) -> torch.Tensor:
+        """Forward and backward of each batch (CPU tensors); returns [next-token loss sum,
+        weighted balance-loss sum] over all of them."""
+        sums = torch.zeros(2, device=self.device)
+        for index, batch in enumerate(batches):
+            set_gradient_sync(self.model, index == len(batches) - 1)
+            with self.autocast():
+                out = self.model(*to_device(batch, self.device))
+            loss_for_backward(out, global_targets, global_sequences, dp_size).backward()
+            sums += torch.stack([out.nll_sum.detach().float(), out.aux_sum.detach().float()])
+        return sums
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """Tell FSDP2 or DDP whether this backward reduces gradients (the last microbatch's does)."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(sync)
