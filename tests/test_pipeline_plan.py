@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
+from train.config import register
 from train.models.pipeline import pipeline_plan
 from train.models.presets import get_preset
 from train.pipeline_plan import balanced_split, plan_pipeline
+from train.trainer import parallel_dims, plan_for
 
 BLOCKS = [10] * 8
 
@@ -63,3 +67,20 @@ def test_the_model_plan_counts_parameters_on_meta():
     plan = pipeline_plan(get_preset("tiny_deep"), 2, "1f1b", 0, 0, [])
     # The tiny model's encoder outweighs two LLM blocks: stage 0 keeps a single block.
     assert plan.split == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("config", "world", "describe"),
+    [
+        ("tiny_pp", 2, "stage 1 on pp rank 1: blocks 1-1, norm+head+loss"),
+        ("gpu_llm_1b_pp", 16, "pipeline 1f1b, 8 microbatches"),
+    ],
+)
+def test_shipped_pipeline_configs_plan_at_their_size(config, world, describe):
+    """The recipes' configs compose and their layouts pass every check before queueing."""
+    register()
+    with initialize_config_module("recipes.conf", version_base=None):
+        cfg = OmegaConf.to_object(compose(config_name=config))
+    dims = parallel_dims(cfg, world)
+    assert dims.pp == 2
+    assert describe in plan_for(cfg, dims).describe()

@@ -86,6 +86,26 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
             "experts",
         ),
         (["parallel.cp=2"], {"WORLD_SIZE": "2"}, "cp"),
+        (["parallel.pp=4"], {"WORLD_SIZE": "4"}, "more pipeline stages than the model's 2"),
+        (["parallel.pp=2", "parallel.pp_microbatches=1"], {"WORLD_SIZE": "2"}, "fewer than pp"),
+        (
+            [
+                "model.preset=tiny_deep",
+                "parallel.pp=3",
+                "parallel.pp_schedule=interleaved_1f1b",
+                "parallel.pp_stages_per_rank=1",
+            ],
+            {"WORLD_SIZE": "3"},
+            "divide evenly",
+        ),
+        (
+            ["parallel.pp=2", "strategy=ddp", "parallel.dp_shard=1"],
+            {"WORLD_SIZE": "2"},
+            "pp=1",
+        ),
+        (["parallel.pp=2", "parallel.pp_schedule=pipedream"], {"WORLD_SIZE": "2"}, "unknown"),
+        (["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], {"WORLD_SIZE": "2"}, "zero_bubble"),
+        (["train.grad_accum=0"], {}, "grad_accum"),
         (["strategy=zero3"], {}, "strategy"),
         (["data.corpus=/nonexistent/corpus"], {}, "make_corpus"),
         (["train.max_steps=0"], {}, "max_steps"),
@@ -208,6 +228,57 @@ def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
     assert f"stopping at step {by_job[0][-1]}: SIGUSR1" in logs
     assert f"resumed from {run_dir}/checkpoints/step_{by_job[0][-1]}" in logs
     assert "training already finished at step 16" in logs
+
+
+@pytest.mark.slow
+def test_pipeline_stages_train_on_identical_batches(tmp_path, corpus):
+    """pp=2 with 2 accumulated batches per step: the startup line names each stage's blocks,
+    both stages read the same batches (hashes with their pp coordinate), the loss comes back
+    from the last stage, and a second job resumes the pipeline from its checkpoint."""
+    run_dir = tmp_path / "run"
+    common = ("seed=5", "train.max_steps=4", "train.grad_accum=2", "debug.batch_hashes=true")
+    first = train(run_dir, corpus, *common, "train.max_steps_per_run=2", nproc=2, config="tiny_pp")
+    assert "stage 0 on pp rank 0: encoder+projector+embeddings, blocks 0-0" in first.stderr
+    assert "stage 1 on pp rank 1: blocks 1-1, norm+head+loss" in first.stderr
+    second = train(run_dir, corpus, *common, nproc=2, config="tiny_pp")
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in second.stderr
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(row["loss"]) and 0 < row["loss"] < 20 for row in rows)
+    assert all(row["tokens_per_s"] > 0 for row in rows)
+    hashes = read_hashes(run_dir)
+    assert [row["coords"]["pp"] for row in (hashes[0][0], hashes[1][0])] == [0, 1]
+    assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
+    assert len({r["hash"] for r in hashes[0]}) == 4, "each step reads new batches"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
+    """3 jobs of pp=2 over the loopback cluster's two nodes, 2 steps each, resuming."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n3",
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_pp_2node.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "train.max_steps=6",
+        "train.max_steps_per_run=2",
+        "wandb.mode=offline",
+        cwd=REPO,
+    )
+    final = wait_chain(summary["chain_id"], timeout=400)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
+    assert final["jobs"][0]["nodes"] == "n[1-2]"
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    assert [row["job_index"] for row in rows] == [0, 0, 1, 1, 2, 2]
+    logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
+    assert "stage 1 on pp rank 1: blocks 1-1, norm+head+loss" in logs
+    assert f"resumed from {run_dir}/checkpoints/step_4 at step 4" in logs
 
 
 def metrics_or_empty(run_dir: Path) -> list[dict]:

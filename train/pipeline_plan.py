@@ -115,6 +115,12 @@ def plan_pipeline(
         raise ValueError(
             f"parallel.pp_schedule={schedule!r} is unknown: choose one of {', '.join(PP_SCHEDULES)}"
         )
+    if schedule == "zero_bubble":
+        raise ValueError(
+            "parallel.pp_schedule=zero_bubble is not supported by this torch: its separate "
+            "weight-gradient pass does not reach FSDP2-sharded parameters, and every pipeline "
+            "stage here is FSDP2; use interleaved_1f1b"
+        )
     multi = schedule in MULTI_STAGE_SCHEDULES
     stages_per_rank = stages_per_rank or (2 if multi else 1)
     microbatches = microbatches or 2 * pp
@@ -145,12 +151,6 @@ def plan_pipeline(
                 f"parallel.pp_microbatches={microbatches} does not suit {schedule} at pp={pp}: "
                 "it needs at least pp microbatches, in whole rounds of pp; use a multiple of pp"
             )
-    if schedule == "zero_bubble":
-        raise ValueError(
-            "parallel.pp_schedule=zero_bubble is not supported by this torch: its separate "
-            "weight-gradient pass does not reach FSDP2-sharded parameters, and every pipeline "
-            "stage here is FSDP2; use interleaved_1f1b"
-        )
     if split:
         sizes = tuple(int(size) for size in split)
         if len(sizes) != num_stages or min(sizes) < 1 or sum(sizes) != n_blocks:
