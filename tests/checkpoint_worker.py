@@ -9,7 +9,8 @@ same layout and records the same things from the loaded state.
     torchrun ... tests/checkpoint_worker.py load --dp-shard 4 --run-dir RUN --out loaded.pt
     python tests/checkpoint_worker.py load --run-dir RUN --out loaded.pt   (one plain process)
 load the newest checkpoint into a fresh model and record the same things. Rank 0 writes --out.
-With ``--pp 2`` the model runs as two pipeline stages (1f1b), through the trainer's runner.
+With ``--pp 2`` the model runs as two pipeline stages (1f1b), through the trainer's runner;
+``--cp 2`` splits each sequence over two context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, model_seed: int) -> None:
         dp_rank, dp_size, self.dp_group, self.pp_group, meshes = 0, 1, None, None, None
+        self.gradient_ranks = 1
         cfg, cpu = get_preset("tiny"), torch.device("cpu")
         if dist.is_initialized():
             dims = ParallelDims(
-                dist.get_world_size(), dp_shard=args.dp_shard, tp=args.tp, pp=args.pp
+                dist.get_world_size(), dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, cp=args.cp
             )
             meshes = build_meshes(dims, "cpu")
             coords = dims.coordinates(dist.get_rank())
             dp_rank, dp_size, self.dp_group = coords.dp_rank, coords.dp_size, meshes.dp.get_group()
+            self.gradient_ranks = dims.gradient_ranks
         if args.pp > 1:
             plan = pipeline_plan(cfg, args.pp, "1f1b", 0, 0, [])
             parts = build_pipeline(cfg, cpu, model_seed, meshes, ParallelizeOptions(), plan)
@@ -66,7 +69,6 @@ class Run:
         else:
             self.model = build_model(cfg, cpu, model_seed, meshes)
             self.runner = WholeModelRunner(self.model, cpu)
-        self.dp_size = dp_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / 10)
@@ -78,7 +80,7 @@ class Run:
         counts = torch.tensor([float(loss_targets(self.batch[3])), float(len(self.batch[3]))])
         if self.dp_group is not None:
             dist.all_reduce(counts, group=self.dp_group)
-        self.runner.forward_backward([tuple(self.batch)], counts[0], counts[1], self.dp_size)
+        self.runner.forward_backward([tuple(self.batch)], counts[0], counts[1], self.gradient_ranks)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--dp-shard", type=int, default=-1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=0)
@@ -87,7 +88,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     cfg = get_preset(args.preset)
     distributed = "WORLD_SIZE" in os.environ
-    dp_rank, dp_size, dp_group, pp_group = 0, 1, None, None
+    dp_rank, dp_size, dp_group, pp_group, cp_group, gradient_ranks = 0, 1, None, None, None, 1
     device = torch.device("cpu")
     if distributed:
         dist.init_process_group("gloo")
@@ -97,6 +98,7 @@ def main() -> None:
             dp_shard=args.dp_shard,
             tp=args.tp,
             ep=args.ep,
+            cp=args.cp,
             pp=args.pp,
         )
         dims.validate(cfg, args.strategy)
@@ -108,6 +110,9 @@ def main() -> None:
         mesh_coords = [m.get_local_rank() for m in (meshes.dp, meshes.tp, meshes.ep, meshes.pp)]
         assert mesh_coords == [coords.dp_rank, coords.tp, coords.ep, coords.pp], mesh_coords
         dp_rank, dp_size, dp_group = coords.dp_rank, coords.dp_size, meshes.dp.get_group()
+        gradient_ranks = dims.gradient_ranks
+        if dims.cp_enabled:
+            cp_group = meshes.cp.get_group()
         if dims.pp_enabled:
             plan = pipeline_plan(
                 cfg, dims.pp, args.pp_schedule, args.microbatches, args.stages_per_rank, []
@@ -135,9 +140,11 @@ def main() -> None:
         counts = torch.tensor([float(loss_targets(batch[3])), float(len(batch[3]))])
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)
-        sums = runner.forward_backward(batches, counts[0], counts[1], dp_size)
+        sums = runner.forward_backward(batches, counts[0], counts[1], gradient_ranks)
         if dp_group is not None:
             dist.all_reduce(sums, group=dp_group)
+        if cp_group is not None:  # token losses are per position, balance losses per sequence
+            dist.all_reduce(sums[:1], group=cp_group)
         if pp_group is not None:
             dist.all_reduce(sums, group=pp_group)
         nll, aux = sums.tolist()

@@ -145,6 +145,25 @@ def test_a_data_parallel_checkpoint_loads_into_pipeline_stages(saved, tmp_path):
     _assert_loaded(want, torch.load(out), same_layout=False)
 
 
+@pytest.fixture(scope="module")
+def saved_cp(tmp_path_factory) -> tuple[Path, dict]:
+    """A context-parallel run (cp 2 x dp_shard 2) saved once for the module."""
+    return _save_run(tmp_path_factory, "saved_cp", "--cp", "2", "--dp-shard", "2", world=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layout", "args", "world"), [("dp4", ["--dp-shard", "4"], 4), ("one_process", [], 1)]
+)
+def test_context_parallel_checkpoint_reshards(saved_cp, layout, args, world, tmp_path):
+    """CP holds no parameters of its own: its checkpoint loads anywhere, steps continuing."""
+    run_dir, want = saved_cp
+    _assert_loaded(want, want["reloaded"], same_layout=True)
+    out = tmp_path / "loaded.pt"
+    _worker("load", *args, "--run-dir", str(run_dir), "--out", str(out), world=world)
+    _assert_loaded(want, torch.load(out), same_layout=False)
+
+
 @pytest.fixture(params=["no_group", "group_of_one"])
 def world_of_one(request):
     """Runs a test as a plain process, or inside a gloo process group of one rank."""

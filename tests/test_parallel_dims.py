@@ -24,9 +24,13 @@ def test_dp_shard_takes_the_rest_of_the_world():
     [
         (ParallelDims(world_size=4, dp_shard=0), TINY, "dp_shard=0 must be a positive integer"),
         (ParallelDims(world_size=4, tp=0), TINY, "tp=0 must be a positive integer"),
-        (ParallelDims(world_size=4, cp=2), TINY, "context parallelism (cp=2) is not supported"),
+        (ParallelDims(world_size=4, cp=2, dp_shard=1), TINY, "= 2 but the world has 4 ranks"),
         (ParallelDims(world_size=4, pp=4), TINY, "pp=4 is more pipeline stages than the model's 2"),
-        (ParallelDims(world_size=4, pp=2, dp_shard=1), TINY, "pp*dp_replicate*dp_shard*tp = 2*1"),
+        (
+            ParallelDims(world_size=4, pp=2, dp_shard=1),
+            TINY,
+            "pp*dp_replicate*dp_shard*cp*tp = 2*1",
+        ),
         (ParallelDims(world_size=4, dp_shard=2), TINY, "= 2 but the world has 4 ranks"),
         (ParallelDims(world_size=6, dp_replicate=4), TINY, "dp_shard=-1 cannot fill a world of 6"),
         (ParallelDims(world_size=8, tp=8), TINY, "tp=8 must divide the 4 attention heads"),
@@ -36,7 +40,7 @@ def test_dp_shard_takes_the_rest_of_the_world():
         (
             ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=4),
             TINY_MOE,
-            "ep=4 must divide dp_shard*tp = 2",
+            "ep=4 must divide dp_shard*cp*tp = 2",
         ),
     ],
 )
@@ -51,8 +55,10 @@ def test_strategy_is_checked_against_the_layout():
     ParallelDims(world_size=4, dp_replicate=4, dp_shard=1).validate(TINY, "ddp")
     with pytest.raises(ValueError, match="strategy ddp replicates whole models"):
         ParallelDims(world_size=4).validate(TINY, "ddp")
-    with pytest.raises(ValueError, match="it needs dp_shard=1, tp=1, ep=1, pp=1"):
+    with pytest.raises(ValueError, match="it needs dp_shard=1, tp=1, ep=1, pp=1, cp=1"):
         ParallelDims(world_size=2, pp=2).validate(TINY, "ddp")
+    with pytest.raises(ValueError, match="it needs dp_shard=1, tp=1, ep=1, pp=1, cp=1"):
+        ParallelDims(world_size=2, cp=2, dp_shard=1).validate(TINY, "ddp")
     with pytest.raises(ValueError, match="unknown data-parallel strategy 'zero3'"):
         ParallelDims(world_size=4).validate(TINY, "zero3")
 
@@ -98,5 +104,22 @@ def test_coordinates_put_pp_outermost():
     # PP peers (rank r and r + 4) share their data-parallel slot and TP coordinate.
     assert [c.dp_rank for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [c.tp for c in coords] == [0, 1] * 4
-    assert dims.dense_shape == (2, 1, 2, 2)
+    assert dims.dense_shape == (2, 1, 2, 1, 2)
     assert dims.sparse_shape == (2, 1, 4, 1)
+
+
+def test_cp_sits_between_dp_shard_and_tp():
+    """CP peers share the data-parallel slot; FSDP spans dp_shard x cp; experts all of it."""
+    dims = ParallelDims(world_size=8, dp_shard=2, cp=2, tp=2, ep=4)
+    dims.validate(TINY_MOE)
+    coords = [dims.coordinates(rank) for rank in range(8)]
+    assert [(c.dp_shard, c.cp, c.tp) for c in coords] == [
+        (s, c, t) for s in range(2) for c in range(2) for t in range(2)
+    ]
+    assert [c.dp_rank for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.fsdp_dims == ("dp_shard_cp",)
+    assert ParallelDims(world_size=8, dp_replicate=2, cp=2).fsdp_dims == (
+        "dp_replicate",
+        "dp_shard_cp",
+    )
+    assert (dims.expert_ranks, dims.efsdp, dims.gradient_ranks) == (8, 2, 4)

@@ -83,6 +83,13 @@ CASES.update(
         ),
         "compiled_pp2_selective": ("tiny", 2, ["--pp", "2", "--compile", "--ac", "selective"]),
         "accum4_moe": ("tiny_moe", 1, ["--grad-accum", "4"]),
+        # Context parallelism (the batch's examples have mixed lengths: padding is masked).
+        "cp2": ("tiny", 2, ["--cp", "2"]),
+        "cp2xfsdp2": ("tiny", 4, ["--cp", "2", "--dp-shard", "2"]),
+        "cp2xtp2": ("tiny", 4, ["--cp", "2", "--tp", "2"]),
+        "moe_cp2_ep2": ("tiny_moe", 4, ["--cp", "2", "--dp-shard", "2", "--ep", "2"]),
+        "cp2xpp2": ("tiny", 4, ["--cp", "2", "--pp", "2"]),
+        "compiled_cp2_selective": ("tiny", 2, ["--cp", "2", "--compile", "--ac", "selective"]),
         "pp2_accum2": ("tiny", 2, ["--pp", "2", "--microbatches", "2", "--grad-accum", "2"]),
     }
 )
@@ -98,6 +105,7 @@ SHARD_FRACTION = {
     "compiled_pp2_selective": 0.85,
     "pp2_accum2": 0.85,
     "pp2xtp2": 0.85,
+    "cp2xpp2": 0.55,
 }
 
 

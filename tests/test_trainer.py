@@ -85,7 +85,12 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
             {"WORLD_SIZE": "3"},
             "experts",
         ),
-        (["parallel.cp=2"], {"WORLD_SIZE": "2"}, "cp"),
+        (["parallel.cp=3"], {"WORLD_SIZE": "2"}, "dp_shard=-1 cannot fill a world of 2"),
+        (
+            ["parallel.cp=2", "strategy=ddp", "parallel.dp_replicate=1", "parallel.dp_shard=1"],
+            {"WORLD_SIZE": "2"},
+            "cp=1",
+        ),
         (["parallel.pp=4"], {"WORLD_SIZE": "4"}, "more pipeline stages than the model's 2"),
         (["parallel.pp=2", "parallel.pp_microbatches=1"], {"WORLD_SIZE": "2"}, "fewer than pp"),
         (

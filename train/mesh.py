@@ -1,8 +1,11 @@
 """Builds the DeviceMesh views that `ParallelDims` describes; the only place with mesh calls.
 
-One 1-D world mesh is unflattened into the dense view (pp, dp_replicate, dp_shard, tp) and the
-sparse view (pp, dp_replicate, efsdp, ep). Both share the world as root mesh, which FSDP needs to
-combine its sharding with the TP/EP placements of a parameter.
+One 1-D world mesh is unflattened into the dense view (pp, dp_replicate, dp_shard, cp, tp), the
+sparse view (pp, dp_replicate, efsdp, ep), and under CP two more views of the same ranks:
+(pp, dp_replicate, dp_shard_cp, tp), whose dp_shard_cp is what FSDP spans, and
+(pp, dp_replicate, dp_shard, cp_tp), whose cp_tp holds the shards of one sequence. All share the
+world as root mesh, which FSDP needs to combine its sharding with the TP/EP placements of a
+parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class Meshes:
     dense: DeviceMesh
     sparse: DeviceMesh
     dp: DeviceMesh
+    fsdp_view: DeviceMesh  # the dense view, or under CP the one with dp_shard_cp
+    sequence_view: DeviceMesh | None  # under CP and TP: the view with cp_tp
 
     @property
     def tp(self) -> DeviceMesh:
@@ -40,9 +45,23 @@ class Meshes:
         return self.dense["pp"]
 
     @property
+    def cp(self) -> DeviceMesh:
+        return self.dense["cp"]
+
+    @property
+    def sequence(self) -> DeviceMesh | None:
+        """The ranks that each hold part of one sequence (cp x tp), or None if none do."""
+        dims = self.dims
+        if self.sequence_view is not None:
+            return self.sequence_view["cp_tp"]
+        if dims.cp_enabled:
+            return self.cp
+        return self.tp if dims.tp_enabled else None
+
+    @property
     def fsdp(self) -> DeviceMesh:
         """Mesh for `fully_shard` of dense modules (2-D, i.e. HSDP, when replicas exist)."""
-        return self.dense[self.dims.fsdp_dims]
+        return self.fsdp_view[self.dims.fsdp_dims]
 
     @property
     def expert_fsdp(self) -> DeviceMesh:
@@ -61,6 +80,23 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     dense = world._unflatten(0, dims.dense_shape, DENSE_DIMS)
     sparse = world._unflatten(0, dims.sparse_shape, SPARSE_DIMS)
     dp = dense["dp_replicate", "dp_shard"]._flatten(DP_VIEW)
+    fsdp_view, sequence_view = dense, None
+    if dims.cp_enabled:
+        pp, replicas, shards, cp, tp = dims.dense_shape
+        fsdp_view = world._unflatten(
+            0, (pp, replicas, shards * cp, tp), ("pp", "dp_replicate", "dp_shard_cp", "tp")
+        )
+        if dims.tp_enabled:
+            sequence_view = world._unflatten(
+                0, (pp, replicas, shards, cp * tp), ("pp", "dp_replicate", "dp_shard", "cp_tp")
+            )
     if dist.get_rank() == 0:
         log.info("parallel layout: %s on %s", dims.describe(), device_type)
-    return Meshes(dims=dims, dense=dense, sparse=sparse, dp=dp)
+    return Meshes(
+        dims=dims,
+        dense=dense,
+        sparse=sparse,
+        dp=dp,
+        fsdp_view=fsdp_view,
+        sequence_view=sequence_view,
+    )

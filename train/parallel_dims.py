@@ -4,10 +4,12 @@
 row-major with tensor parallelism innermost, so TP peers sit on neighbouring ranks (one node),
 and pipeline parallelism outermost, so pipeline stages span nodes:
 
-    dense view  (pp, dp_replicate, dp_shard, tp)   attention, dense FFN, encoder, embeddings
-    sparse view (pp, dp_replicate, efsdp, ep)      MoE experts; ep * efsdp == dp_shard * tp
+    dense view  (pp, dp_replicate, dp_shard, cp, tp)   attention, dense FFN, encoder, embeddings
+    sparse view (pp, dp_replicate, efsdp, ep)          MoE experts; ep * efsdp == dp_shard*cp*tp
 
-Expert parallelism is carved out of the dp_shard x tp ranks (as in torchtitan with etp=1): ep
+Context parallelism splits each sequence over cp ranks that read the same batch; FSDP shards
+over dp_shard x cp (as in torchtitan), since CP ranks hold the same parameters. Expert
+parallelism is carved out of the dp_shard x cp x tp ranks (as in torchtitan with etp=1): ep
 ranks hold different experts, and FSDP shards each expert over the remaining efsdp ranks.
 Data loading only needs `coordinates(rank)`, so it never has to build a mesh.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SPARSE_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 DP_VIEW = "dp"
 STRATEGIES = ("ddp", "fsdp2")
@@ -39,6 +41,7 @@ class RankCoordinates:
     pp: int
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
     efsdp: int
     ep: int
@@ -75,14 +78,12 @@ class ParallelDims:
                 f"dp_shard=-1 cannot fill a world of {self.world_size} ranks: it is not a "
                 f"multiple of dp_replicate*tp*cp*pp = {others}"
             )
-        if self.cp != 1:
-            raise ValueError(f"context parallelism (cp={self.cp}) is not supported yet: use cp=1")
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"pp*dp_replicate*dp_shard*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*"
-                f"{self.tp} = {product} but the world has {self.world_size} ranks: make the "
-                "product match (or set dp_shard=-1)"
+                f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*"
+                f"{self.dp_shard}*{self.cp}*{self.tp} = {product} but the world has "
+                f"{self.world_size} ranks: make the product match (or set dp_shard=-1)"
             )
         if self.pp > model.n_layers:
             raise ValueError(
@@ -103,19 +104,19 @@ class ParallelDims:
             raise ValueError(
                 f"ep={self.ep} must divide the {model.n_experts} experts: pick another ep"
             )
-        if (self.dp_shard * self.tp) % self.ep:
+        if self.expert_ranks % self.ep:
             raise ValueError(
-                f"ep={self.ep} must divide dp_shard*tp = {self.dp_shard * self.tp}: "
+                f"ep={self.ep} must divide dp_shard*cp*tp = {self.expert_ranks}: "
                 "expert parallelism is carved out of those ranks"
             )
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown data-parallel strategy {strategy!r}: use one of {STRATEGIES}"
             )
-        if strategy == "ddp" and (self.dp_shard, self.tp, self.ep, self.pp) != (1, 1, 1, 1):
+        if strategy == "ddp" and (self.dp_shard, self.tp, self.ep, self.pp, self.cp) != (1,) * 5:
             raise ValueError(
-                "strategy ddp replicates whole models: it needs dp_shard=1, tp=1, ep=1, pp=1 "
-                "(use fsdp2 for sharded, TP, EP or pipeline layouts)"
+                "strategy ddp replicates whole models: it needs dp_shard=1, tp=1, ep=1, pp=1, "
+                "cp=1 (use fsdp2 for sharded, TP, EP, pipeline or context-parallel layouts)"
             )
 
     @property
@@ -124,13 +125,24 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def efsdp(self) -> int:
-        """How many ranks FSDP shards each expert over (dp_shard*tp split between ep and this)."""
-        return self.dp_shard * self.tp // self.ep
+    def expert_ranks(self) -> int:
+        """The ranks of one replica and stage that experts are spread over (ep x efsdp)."""
+        return self.dp_shard * self.cp * self.tp
 
     @property
-    def dense_shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def gradient_ranks(self) -> int:
+        """Ranks whose gradients FSDP averages (dp x cp): each rank's loss is scaled by this, so
+        that the average is the global batch's gradient."""
+        return self.dp * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """How many ranks FSDP shards each expert over (expert_ranks split between ep and this)."""
+        return self.expert_ranks // self.ep
+
+    @property
+    def dense_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def sparse_shape(self) -> tuple[int, int, int, int]:
@@ -157,9 +169,15 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def fsdp_dims(self) -> tuple[str, ...]:
-        """Dense-view dims FSDP spans: 2-D (HSDP) only when there is more than one replica."""
-        return ("dp_replicate", "dp_shard") if self.dp_replicate_enabled else ("dp_shard",)
+        """Dense-view dims FSDP spans (``dp_shard_cp``: dp_shard x cp flattened); 2-D (HSDP)
+        only when there is more than one replica."""
+        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
+        return ("dp_replicate", shard) if self.dp_replicate_enabled else (shard,)
 
     @property
     def expert_fsdp_dims(self) -> tuple[str, ...]:
@@ -171,13 +189,15 @@ class ParallelDims:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
         stage, in_stage = divmod(rank, self.world_size // self.pp)
-        replica, inner = divmod(in_stage, self.dp_shard * self.tp)
-        shard, tp = divmod(inner, self.tp)
+        replica, inner = divmod(in_stage, self.expert_ranks)
+        shard, in_shard = divmod(inner, self.cp * self.tp)
+        cp, tp = divmod(in_shard, self.tp)
         efsdp, ep = divmod(inner, self.ep)
         return RankCoordinates(
             pp=stage,
             dp_replicate=replica,
             dp_shard=shard,
+            cp=cp,
             tp=tp,
             efsdp=efsdp,
             ep=ep,
@@ -189,6 +209,6 @@ class ParallelDims:
         """One line for the logs."""
         return (
             f"world={self.world_size} pp={self.pp} dp_replicate={self.dp_replicate} "
-            f"dp_shard={self.dp_shard} tp={self.tp} ep={self.ep} (efsdp={self.efsdp}, "
+            f"dp_shard={self.dp_shard} cp={self.cp} tp={self.tp} ep={self.ep} (efsdp={self.efsdp}, "
             f"dp={self.dp})"
         )

@@ -37,7 +37,7 @@ class WholeModelRunner:
         batches: list[tuple[torch.Tensor, ...]],
         global_targets: torch.Tensor,
         global_sequences: torch.Tensor,
-        dp_size: int,
+        gradient_ranks: int,
     ) -> torch.Tensor:
         """Forward and backward of each batch (CPU tensors); returns [next-token loss sum,
         weighted balance-loss sum] over all of them."""
@@ -46,7 +46,7 @@ class WholeModelRunner:
             set_gradient_sync(self.model, index == len(batches) - 1)
             with self.autocast():
                 out = self.model(*to_device(batch, self.device))
-            loss_for_backward(out, global_targets, global_sequences, dp_size).backward()
+            loss_for_backward(out, global_targets, global_sequences, gradient_ranks).backward()
             sums += torch.stack([out.nll_sum.detach().float(), out.aux_sum.detach().float()])
         return sums
 

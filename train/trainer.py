@@ -188,6 +188,7 @@ def mesh_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
         "pp": coords.pp,
         "dp_replicate": coords.dp_replicate,
         "dp_shard": coords.dp_shard,
+        "cp": coords.cp,
         "tp": coords.tp,
         "ep": coords.ep,
         "dp_rank": coords.dp_rank,
@@ -375,7 +376,7 @@ class Trainer:
             [tuple(batch[key] for key in BATCH_KEYS) for batch in batches],
             global_targets,
             global_sequences,
-            self.dp_size,
+            self.dims.gradient_ranks,
         )
         if self.step + 1 in self.cfg.debug.inject_nonfinite_steps and self.rank == 0:
             grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
@@ -405,6 +406,8 @@ class Trainer:
             return {}
         loss_parts = self.last_step[:2].clone()
         dist.all_reduce(loss_parts, group=self.meshes.dp.get_group())
+        if self.dims.cp_enabled:  # each CP rank has its positions' token losses
+            dist.all_reduce(loss_parts[:1], group=self.meshes.cp.get_group())
         if self.pp_group is not None:  # the loss is on the last stage, balance losses on all
             dist.all_reduce(loss_parts, group=self.pp_group)
         flag = torch.tensor([stop_flag], device=self.device)
@@ -495,7 +498,7 @@ class Trainer:
         first_step = self.step
         batches = self.batches()
         self.since_log.update(time=time.perf_counter(), step=self.step)
-        has_peers = self.dims.tp_enabled or self.dims.pp_enabled
+        has_peers = self.dims.tp_enabled or self.dims.pp_enabled or self.dims.cp_enabled
         while self.step < cfg.train.max_steps:
             step_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             check = self.step == first_step and has_peers and cfg.debug.check_batches

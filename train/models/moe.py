@@ -160,6 +160,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden, n_experts)
         self.dispatcher = TokenDispatcher()
         self.tp_mesh: DeviceMesh | None = None  # set under TP: x is then a sequence shard
+        # Set under CP and/or TP: the ranks whose shards make up one sequence.
+        self.sequence_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` (B, S_local, d): the whole sequence, or this TP rank's shard of it; ``mask``
@@ -198,13 +200,13 @@ class MoE(nn.Module):
 
         Per sequence (not per batch), and summed, so that the trainer's division by the global
         number of sequences gives the same loss however the batch is split: over data-parallel
-        ranks, microbatches or accumulation steps (a padding sequence adds nothing). Under TP the
-        per-sequence sums add up the sequence shards.
+        ranks, microbatches or accumulation steps (a padding sequence adds nothing). Under CP and
+        TP the per-sequence sums add up the sequence shards.
         """
         m = mask.to(probs.dtype).unsqueeze(-1)  # (B, S, 1)
         picked = F.one_hot(top_e, self.n_experts).sum(2).to(probs.dtype)  # (B, S, E)
         sums = torch.cat([(picked * m).sum(1), (probs * m).sum(1), m.sum(1)], dim=-1)
-        sums = sum_over_mesh(sums, self.tp_mesh)
+        sums = sum_over_mesh(sums, self.sequence_mesh)
         E = self.n_experts
         tokens, prob_mass, n = sums[:, :E], sums[:, E : 2 * E], sums[:, 2 * E :].clamp(min=1)
         frac_tokens = tokens / (n * self.top_k)

@@ -103,6 +103,8 @@ def parallelize(
 ) -> SALM | PipelinePart:
     """Parallelize ``model`` in place (on the meta device, or initialized identically)."""
     dims = meshes.dims
+    if dims.cp_enabled:
+        apply_cp(model, meshes)
     if dims.tp_enabled:
         apply_tp(model, meshes)
     if model.cfg.n_experts:
@@ -120,6 +122,17 @@ def parallelize(
         apply_fsdp(model, meshes, options)
     # else one process in full precision: nothing to shard, and FSDP's hooks would only cost time.
     return model
+
+
+def apply_cp(model: SALM | PipelinePart, meshes: Meshes) -> None:
+    """Context parallelism on the LLM (``train.models.context``): the sequence is cut into
+    2 * cp chunks as it enters the LLM (then, under TP, each rank's part into tp shards), and
+    every attention gathers the keys and values of the whole sequence."""
+    cp_mesh = meshes.cp
+    model.seq_multiple = math.lcm(model.seq_multiple, 2 * meshes.dims.cp * meshes.dims.tp)
+    model.llm.cp_mesh = cp_mesh
+    for block in model.llm.layers.values():
+        block.attn.cp_mesh = cp_mesh
 
 
 def apply_tp(model: SALM | PipelinePart, meshes: Meshes) -> None:
@@ -203,6 +216,7 @@ def apply_moe_parallel(model: SALM | PipelinePart, meshes: Meshes) -> None:
     for moe in _moe_layers(model):
         if dims.tp_enabled:
             moe.tp_mesh = meshes.tp
+        moe.sequence_mesh = meshes.sequence
         if dims.ep_enabled:
             moe.dispatcher.ep_mesh = meshes.ep
             for name, param in list(moe.experts.named_parameters()):
@@ -314,8 +328,9 @@ def apply_fsdp(model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeO
 def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) -> None:
     """FSDP for the experts over the ranks that hold the same experts (the efsdp view).
 
-    Expert gradients arrive summed over the EP group (all-to-all) and over TP (each TP rank
-    computed its own tokens), so FSDP must divide by the data-parallel degree, not by its mesh.
+    Expert gradients arrive summed over the EP group (all-to-all) and over CP and TP (each rank
+    computed its own tokens), so FSDP must divide by the ranks every loss is scaled by (dp x cp),
+    not by its mesh.
     Dim 0 (experts) is sharded while every efsdp rank still gets whole experts; beyond that the
     hidden dim is. Replicas (HSDP) hold copies, so they do not count.
     """
@@ -328,8 +343,8 @@ def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) ->
         mp_policy=mp_policy,
         shard_placement_fn=lambda _param: placement,
     )
-    if mesh.size() != dims.dp:
-        experts.set_gradient_divide_factor(float(dims.dp))
+    if mesh.size() != dims.gradient_ranks:
+        experts.set_gradient_divide_factor(float(dims.gradient_ranks))
         if mesh.device_type != "cuda" and dims.efsdp > 1:
             # gloo has no PREMUL_SUM. Not with efsdp == 1: FSDP then divides while copying
             # instead of reduce-scattering, and forced sums would divide a second time.

@@ -36,6 +36,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from train.models.context import shard_sequence
 from train.models.salm import (
     PAD_ID,
     SALM,
@@ -107,9 +108,11 @@ class PipelinePart(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
         if self.encoder is not None:
+            cp = 1 if self.llm.cp_mesh is None else self.llm.cp_mesh.size()
             x, _ = embed_inputs(
-                self.encoder, self.projector, self.llm.embed, inputs, token_mask.shape[1]
+                self.encoder, self.projector, self.llm.embed, inputs, token_mask.shape[1] * cp
             )
+            (x,) = self.llm.enter(x)
         else:
             (x,) = inputs
         out, aux = self.llm(x, token_mask)
@@ -191,6 +194,8 @@ class PipelineRunner:
         self.stage_ids = plan.local_stages(self.pp_rank)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
+        self.cp_mesh = parts[0].llm.cp_mesh
+        self.cp = 1 if self.cp_mesh is None else self.cp_mesh.size()
         self.schedules: OrderedDict[tuple, object] = OrderedDict()
         self.loss_scale = torch.zeros((), device=device)
         self.nll_total = torch.zeros((), device=device)
@@ -210,7 +215,7 @@ class PipelineRunner:
             return self.schedules[key]
         cfg = self.parts[0].cfg
         hidden = torch.empty(
-            (micro, seq_len // self.tp, cfg.d_model),
+            (micro, seq_len // (self.cp * self.tp), cfg.d_model),
             dtype=self.hidden_dtype,
             device="meta",
             requires_grad=True,
@@ -219,7 +224,7 @@ class PipelineRunner:
             torch.empty((micro, *t.shape[1:]), dtype=t.dtype, device="meta") for t in batch
         )
         logits = torch.empty(
-            (micro, seq_len, cfg.vocab_size), dtype=self.hidden_dtype, device="meta"
+            (micro, seq_len // self.cp, cfg.vocab_size), dtype=self.hidden_dtype, device="meta"
         )
         stages = []
         for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
@@ -252,13 +257,13 @@ class PipelineRunner:
         batches: list[tuple[torch.Tensor, ...]],
         global_targets: torch.Tensor,
         global_sequences: torch.Tensor,
-        dp_size: int,
+        gradient_ranks: int,
     ) -> torch.Tensor:
         """One schedule step per batch (CPU tensors; accumulated gradients); returns
         [next-token loss sum, weighted balance-loss sum] of this rank's stages over all of them
         (the loss sum is zero but on the last stage's rank)."""
-        self.loss_scale = dp_size / global_targets
-        aux_scale = dp_size / global_sequences
+        self.loss_scale = gradient_ranks / global_targets
+        aux_scale = gradient_ranks / global_sequences
         sums = torch.zeros(2, device=self.device)
         for batch in batches:
             batch = pad_examples(batch, self.plan.microbatches)
@@ -267,15 +272,16 @@ class PipelineRunner:
             schedule = self._schedule(batch, seq_len)
             batch = to_device(batch, self.device)
             layout = sequence_layout(encoder_lens(batch[1]), batch[2], batch[3], seq_len)
+            token_mask, labels = layout.token_mask, layout.labels
+            if self.cp_mesh is not None:  # each rank's chunks of the sequence
+                token_mask, labels = (shard_sequence(t, self.cp_mesh) for t in (token_mask, labels))
             self.nll_total = torch.zeros((), device=self.device)
             for part in self.parts:
                 part.aux_scale = aux_scale
                 part.aux_total = None
             inputs = batch if self.has_first else ()
-            target = layout.labels if self.has_last else None
-            schedule.step(
-                *inputs, target=target, return_outputs=False, token_mask=layout.token_mask
-            )
+            target = labels if self.has_last else None
+            schedule.step(*inputs, target=target, return_outputs=False, token_mask=token_mask)
             aux = sum(
                 (part.aux_total.float() for part in self.parts if part.aux_total is not None),
                 torch.zeros((), device=self.device),

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from train.models.context import causal_mask, gather_sequence, local_positions, shard_sequence
 from train.models.moe import MoE
 
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
@@ -91,12 +93,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; heads are inferred from shapes, so TP-sharded heads just work."""
+    """Grouped-query attention; heads are inferred from shapes, so TP-sharded heads just work.
+
+    Under context parallelism (``cp_mesh`` set) ``x`` holds this rank's chunks of the sequence:
+    keys and values are gathered from the whole CP group and the causal mask follows the
+    queries' global positions.
+    """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, causal: bool) -> None:
         super().__init__()
         self.head_dim = dim // n_heads
         self.causal = causal
+        self.cp_mesh: DeviceMesh | None = None
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -109,12 +117,18 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
         attn_mask = None if key_mask is None else key_mask[:, None, None, :]
+        is_causal = self.causal
+        if self.cp_mesh is not None:
+            k, v = gather_sequence(k, self.cp_mesh), gather_sequence(v, self.cp_mesh)
+            cp = self.cp_mesh.size()
+            positions = local_positions(T * cp, cp, self.cp_mesh.get_local_rank(), x.device)
+            attn_mask, is_causal = causal_mask(positions, T * cp), False
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=attn_mask,
-            is_causal=self.causal,
+            is_causal=is_causal,
             enable_gqa=True,
         )
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -253,14 +267,23 @@ class Decoder(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope_theta = cfg.rope_theta
         self.head_dim = cfg.d_model // cfg.n_heads
+        self.cp_mesh: DeviceMesh | None = None  # set under CP: inputs are this rank's chunks
+
+    def enter(self, x: torch.Tensor, *per_position: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The decoder's input and per-position tensors as this rank holds them: whole, or under
+        CP its chunks of the sequence (TP then shards ``x`` further as it enters ``forward``)."""
+        if self.cp_mesh is None:
+            return (x, *per_position)
+        return tuple(shard_sequence(t, self.cp_mesh) for t in (x, *per_position))
 
     def forward(self, x, token_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` (B, S, d) (under TP: this rank's sequence shard), ``token_mask`` (B, S).
+        """``x`` (B, S, d) (under CP this rank's chunks, under TP its sequence shard of those),
+        ``token_mask`` (B, S) for the same positions as ``x`` before TP.
 
         Returns the logits (the hidden states if this part has no head) and the MoE balance
         losses of its blocks, summed over blocks and sequences.
         """
-        cos, sin = rope_tables(token_mask.shape[1], self.head_dim, self.rope_theta, x.device)
+        cos, sin = self.rope(token_mask.shape[1], x.device)
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers.values():
             x, layer_aux = layer(x, cos, sin, None, token_mask)
@@ -268,6 +291,15 @@ class Decoder(nn.Module):
         if self.lm_head is None:
             return x, aux
         return self.lm_head(self.norm(x)), aux
+
+    def rope(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables at the global positions of this rank's ``local_len`` positions."""
+        if self.cp_mesh is None:
+            return rope_tables(local_len, self.head_dim, self.rope_theta, device)
+        cp = self.cp_mesh.size()
+        cos, sin = rope_tables(local_len * cp, self.head_dim, self.rope_theta, device)
+        positions = local_positions(local_len * cp, cp, self.cp_mesh.get_local_rank(), device)
+        return cos[positions], sin[positions]
 
 
 @dataclass(frozen=True)
@@ -349,12 +381,16 @@ def aux_weight(cfg: SALMConfig) -> float:
 
 
 def loss_for_backward(
-    out: SALMOutput, global_targets: torch.Tensor, global_sequences: torch.Tensor, dp_size: int
+    out: SALMOutput,
+    global_targets: torch.Tensor,
+    global_sequences: torch.Tensor,
+    gradient_ranks: int,
 ) -> torch.Tensor:
-    """The local loss whose data-parallel gradient average is the gradient of the global-batch
-    loss: token losses over all targets plus the balance loss over all sequences, whatever the
-    counts per rank or per microbatch."""
-    return (out.nll_sum / global_targets + out.aux_sum / global_sequences) * dp_size
+    """The local loss whose gradient average over ``gradient_ranks`` (data-parallel x
+    context-parallel ranks) is the gradient of the global-batch loss: token losses over all
+    targets plus the balance loss over all sequences, whatever the counts per rank or per
+    microbatch."""
+    return (out.nll_sum / global_targets + out.aux_sum / global_sequences) * gradient_ranks
 
 
 class SALM(nn.Module):
@@ -374,10 +410,11 @@ class SALM(nn.Module):
         seq_len = packed_length(encoder_lens(feature_lens), token_lens, self.seq_multiple)
         batch = (features, feature_lens, tokens, token_lens)
         x, layout = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
-        logits, aux = self.llm(x, layout.token_mask)
+        x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
+        logits, aux = self.llm(x, token_mask)
         return SALMOutput(
-            next_token_loss(logits, layout.labels),
-            (layout.labels != IGNORE_INDEX).sum(),
+            next_token_loss(logits, labels),
+            (labels != IGNORE_INDEX).sum(),
             aux_weight(self.cfg) * aux,
         )
 
