@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge espeak-ng sox
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system setup-slurm corpus demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-system setup-slurm corpus corpus-long demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ CORPUS ?= data/corpus
 CORPUS_SIZE ?= 600
 corpus: setup setup-system
 	$(PY) recipes/make_corpus.py --out $(CORPUS) --num $(CORPUS_SIZE) --jobs 2
+
+# Long utterances for context parallelism: 8 consecutive cuts of the corpus joined into one.
+corpus-long: corpus
+	$(PY) recipes/make_long_corpus.py --corpus $(CORPUS) --out $(CORPUS)_long --join 8
 
 demo: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh

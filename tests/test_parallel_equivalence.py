@@ -12,7 +12,10 @@ reductions, which measured up to 8e-7 relative on losses and 3.4e-7 absolute on 
 measured up to 2.5e-7 relative on losses and 3.4e-7 absolute on parameters. That leaves ~10x
 headroom, while a wrong gradient scale or a missing reduction shows up as 1e-2 or more.
 Compiled cases also assert that compilation happened with no graph break (``fullgraph=True``
-would fail the run otherwise; the dynamo counters say so explicitly).
+would fail the run otherwise; the dynamo counters say so explicitly). Pipeline stages (every
+schedule, with FSDP, TP, EP, compile, CP), context parallelism (with FSDP, TP, EP, PP, compile)
+and gradient accumulation measured within the same bounds (worst 6.3e-7 relative on losses,
+5.4e-7 absolute on parameters).
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ CASES.update(
         ),
         "compiled_pp2_selective": ("tiny", 2, ["--pp", "2", "--compile", "--ac", "selective"]),
         "accum4_moe": ("tiny_moe", 1, ["--grad-accum", "4"]),
+        "fsdp2_accum2": ("tiny", 2, ["--dp-shard", "2", "--grad-accum", "2"]),
+        "ddp2_accum2": (
+            "tiny",
+            2,
+            ["--strategy", "ddp", "--dp-replicate", "2", "--dp-shard", "1", "--grad-accum", "2"],
+        ),
         # Context parallelism (the batch's examples have mixed lengths: padding is masked).
         "cp2": ("tiny", 2, ["--cp", "2"]),
         "cp2xfsdp2": ("tiny", 4, ["--cp", "2", "--dp-shard", "2"]),
@@ -97,6 +106,7 @@ CASES.update(
 # pipeline's first stage holds the encoder, which outweighs the tiny LLM's blocks.
 SHARD_FRACTION = {
     "ddp2": 1.0,
+    "ddp2_accum2": 1.0,
     "tp2": 1.0,
     "accum4_moe": 1.0,
     "pp2_1f1b": 0.85,

@@ -286,6 +286,39 @@ def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
     assert f"resumed from {run_dir}/checkpoints/step_4 at step 4" in logs
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_context_parallel_chain_resumes(slurm_cluster, tmp_path, corpus):
+    """2 jobs of the long-audio recipe's cp=2 layout (here on the short corpus, for time):
+    the second resumes the first; both CP ranks read the same batches, cut differently."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n2",
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_long_cp.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "train.max_steps=4",
+        "train.max_steps_per_run=2",
+        "debug.batch_hashes=true",
+        "wandb.mode=offline",
+        cwd=REPO,
+    )
+    final = wait_chain(summary["chain_id"], timeout=400)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 2, final
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(row["loss"]) for row in rows)
+    logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
+    assert "cp=2" in logs
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in logs
+    hashes = read_hashes(run_dir)
+    assert [hashes[rank][0]["coords"]["cp"] for rank in (0, 1)] == [0, 1]
+    assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
+
+
 def metrics_or_empty(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return metrics(run_dir) if path.exists() else []
