@@ -28,6 +28,20 @@ def run_tool(
     )
 
 
+def run_script(
+    script: Path, *args: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` from the repository root, as a user runs the repo's scripts."""
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=REPO,
+        timeout=timeout,
+    )
+
+
 def launch_json(*args: str, cwd: Path | None = None, env: dict | None = None) -> dict:
     """Run auto_launch --json and return its summary (its last line)."""
     completed = run_tool("auto_launch", "--json", *args, cwd=cwd, env=env)

@@ -1,15 +1,13 @@
 """The espeak-ng corpus recipe: real synthesis, real lhotse manifests, features and Shar shards."""
 
 import importlib.util
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from lhotse import CutSet, RecordingSet
 
+from tests.helpers import run_script
 from train.data import load_cuts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,17 +16,8 @@ TINY = ["--num", "16", "--jobs", "2", "--shard-size", "4"]
 
 
 def run_make_corpus(out: Path, *args: str, path_env: str | None = None):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    if path_env is not None:
-        env["PATH"] = path_env
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+    env = {} if path_env is None else {"PATH": path_env}
+    return run_script(SCRIPT, "--out", str(out), *args, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,14 @@
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from lhotse import CutSet
 
+from tests.helpers import run_script
 from train.data import build_dataloader, load_cuts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,15 +30,7 @@ recipe = load_recipe()
 
 
 def run_make_long_corpus(corpus: Path, out: Path, *args: str):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), "--corpus", str(corpus), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+    return run_script(SCRIPT, "--corpus", str(corpus), "--out", str(out), *args)
 
 
 @pytest.fixture(scope="module")
