@@ -118,10 +118,17 @@ def parallelize(
             apply_compile(layers)
     if options.strategy == "ddp":
         replicate(model, device_mesh=meshes.dp)
-    elif dims.world_size > 1 or fsdp_mixed_precision(meshes, options):
+    elif needs_fsdp(meshes, options):
         apply_fsdp(model, meshes, options)
-    # else one process in full precision: nothing to shard, and FSDP's hooks would only cost time.
     return model
+
+
+def needs_fsdp(meshes: Meshes, options: ParallelizeOptions) -> bool:
+    """Whether FSDP has work to do: shard over more than one rank, cast to bf16, or scale the
+    experts' gradients under EP. Otherwise (one process, or ranks that only split the model by
+    TP, CP or pipeline stages, in full precision) its hooks would only cost time."""
+    dims = meshes.dims
+    return meshes.fsdp.size() > 1 or dims.ep_enabled or fsdp_mixed_precision(meshes, options)
 
 
 def apply_cp(model: SALM | PipelinePart, meshes: Meshes) -> None:
@@ -311,16 +318,22 @@ def mixed_precision_policies(bf16: bool) -> tuple[MixedPrecisionPolicy, MixedPre
 
 
 def apply_fsdp(model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeOptions) -> None:
-    """fully_shard each block, the experts on their own mesh, then the root."""
+    """fully_shard each block, the experts on their own mesh, then the root.
+
+    A pipeline stage runs one forward per microbatch: it keeps its blocks' parameters gathered
+    from forward to backward instead of gathering them again for every microbatch (more memory
+    per stage, as in torchtitan under PP).
+    """
     root_policy, policy = mixed_precision_policies(fsdp_mixed_precision(meshes, options))
+    shard = partial(fully_shard, reshard_after_forward=not meshes.dims.pp_enabled)
     if model.encoder is not None:
         for block in model.encoder.layers:
-            fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
+            shard(block, mesh=meshes.fsdp, mp_policy=policy)
     for block in model.llm.layers.values():
         if block.moe is not None:
             _shard_experts(block.moe, meshes, policy)
-        fully_shard(block, mesh=meshes.fsdp, mp_policy=policy)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=root_policy)
+        shard(block, mesh=meshes.fsdp, mp_policy=policy)
+    shard(model, mesh=meshes.fsdp, mp_policy=root_policy)
     if meshes.dims.ep_enabled:
         _prefetch_explicitly(list(model.llm.layers.values()))
 
@@ -339,6 +352,7 @@ def _shard_experts(moe: MoE, meshes: Meshes, mp_policy: MixedPrecisionPolicy) ->
     placement = Shard(1) if dims.efsdp * dims.ep > moe.n_experts else Shard(0)
     experts = fully_shard(
         moe.experts,
+        reshard_after_forward=not dims.pp_enabled,
         mesh=mesh,
         mp_policy=mp_policy,
         shard_placement_fn=lambda _param: placement,
