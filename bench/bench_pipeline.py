@@ -8,8 +8,10 @@
    the timing). At pp=2 it runs under ``torchrun --standalone --nproc-per-node=2`` (this file in
    its worker mode: one stage per rank, built by ``build_pipeline`` and fed by the trainer's
    ``PipelineRunner``) for 1f1b and gpipe at m = 2, 4, 8 microbatches; the pp=1 baseline runs
-   the same batch through ``WholeModelRunner`` in one process of its own, in the same run. The
-   ideal pp=2 step is the pp=1 step / pp, the measured bubble is 1 - ideal / measured, printed
+   the same batch cut into the same m microbatches (gradient accumulation) through
+   ``WholeModelRunner`` in one process of its own, in the same run, so that CPU efficiency at a
+   microbatch's size is not counted as bubble either way. The ideal pp=2 step is that pp=1 step
+   / pp, the measured bubble is 1 - ideal / measured, printed
    next to the schedule's theoretical (p - 1) / (m + p - 1). A step time is the median of
    ``--steps`` steps after ``--warmup``; a pp=2 step starts from a barrier and takes the slower
    rank's time. Target: measured / theoretical <= 1.5 for 1f1b at m = 8. As in the trainer, the
@@ -87,10 +89,16 @@ def synthetic_batch() -> tuple[torch.Tensor, ...]:
 
 
 def step_times(
-    runner: WholeModelRunner | PipelineRunner, model: nn.Module, args: argparse.Namespace
+    runner: WholeModelRunner | PipelineRunner,
+    model: nn.Module,
+    args: argparse.Namespace,
+    accumulate: int = 1,
 ) -> list[float]:
-    """Seconds of each timed forward+backward step (a barrier first when distributed)."""
+    """Seconds of each timed forward+backward step (a barrier first when distributed); the
+    batch is cut into ``accumulate`` microbatches of one step (pp=1's share of the same work)."""
     batch = synthetic_batch()
+    size = BATCH // accumulate
+    batches = [tuple(t[i * size : (i + 1) * size] for t in batch) for i in range(accumulate)]
     targets = loss_targets(batch[3]).float()
     sequences = torch.tensor(float(BATCH))
     times = []
@@ -98,7 +106,7 @@ def step_times(
         if dist.is_initialized():
             dist.barrier()
         started = time.perf_counter()
-        runner.forward_backward([batch], targets, sequences, 1)
+        runner.forward_backward(batches, targets, sequences, 1)
         elapsed = time.perf_counter() - started
         model.zero_grad(set_to_none=True)
         if step >= args.warmup:
@@ -112,10 +120,15 @@ def param_bytes(module: nn.Module) -> int:
 
 
 def run_baseline(args: argparse.Namespace) -> dict:
-    """pp=1: the whole batch through one unparallelized model, as a one-process trainer runs."""
+    """pp=1: the batch through one unparallelized model, as a one-process trainer runs it, cut
+    into the same microbatches as each pipeline row (so microbatch size is not what differs)."""
     model = build_model(CONFIG, torch.device("cpu"), INIT_SEED)
     runner = WholeModelRunner(model, torch.device("cpu"))
-    return {"step_s": statistics.median(step_times(runner, model, args))}
+    return {
+        "step_s": {
+            str(m): statistics.median(step_times(runner, model, args, m)) for m in MICROBATCHES
+        }
+    }
 
 
 def run_pipeline(args: argparse.Namespace) -> dict | None:
@@ -195,8 +208,9 @@ def main() -> None:
             out,
         )
 
-    ideal = baseline["step_s"] / PP
-    print(f"\npp=1 step {baseline['step_s']:.3f} s, so the ideal pp={PP} step is {ideal:.3f} s\n")
+    ideals = {int(m): step / PP for m, step in baseline["step_s"].items()}
+    steps = ", ".join(f"m={m}: {step * PP:.3f} s" for m, step in ideals.items())
+    print(f"\npp=1 step over the same m microbatches ({steps}); ideal pp={PP} step = that / {PP}\n")
     print(
         "| schedule | m | measured step s | ideal s | measured bubble | theoretical bubble "
         "| ratio measured/theoretical |"
@@ -204,6 +218,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     ratios = {}
     for schedule, microbatches, measured in pipeline["rows"]:
+        ideal = ideals[microbatches]
         bubble = 1 - ideal / measured
         theoretical = (PP - 1) / (microbatches + PP - 1)
         ratios[schedule, microbatches] = bubble / theoretical

@@ -39,7 +39,7 @@ def shard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Ten
 def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
     """Every rank's chunks of ``x`` along ``dim``, in sequence order (differentiable)."""
     cp = mesh.size()
-    gathered = funcol.all_gather_tensor_autograd(x.movedim(dim, 0).contiguous(), 0, mesh)
+    gathered = funcol.all_gather_single_autograd(x.movedim(dim, 0).contiguous(), 0, mesh)
     local = x.shape[dim]
     order = torch.cat([local_positions(local * cp, cp, r, x.device) for r in range(cp)])
     whole = torch.empty_like(gathered).index_copy(0, order, gathered)
@@ -50,3 +50,11 @@ def causal_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
     """(queries, seq_len) true where a query may attend: keys at or before its position."""
     keys = torch.arange(seq_len, device=q_positions.device)
     return keys[None, :] <= q_positions[:, None]
+
+
+def causal_bias(q_positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """`causal_mask` as SDPA's additive bias in ``dtype`` (0 where allowed, -inf elsewhere), the
+    form attention keeps for its backward, so one tensor can serve every layer."""
+    allowed = causal_mask(q_positions, seq_len)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
+    return bias.masked_fill_(~allowed, float("-inf"))
