@@ -22,12 +22,10 @@ made with the same settings does nothing.
 """
 
 import argparse
-import json
 import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -48,10 +46,10 @@ from lhotse import (
 from lhotse.utils import fastcopy
 
 from orchestrator.errors import UsageError
+from recipes.corpus_dir import build_whole, completed
 
 SAMPLE_RATE = 16000
 NUM_MEL_BINS = 80
-MARKER = "COMPLETE.json"
 CHUNK_SIZE = 25  # utterances per pool task; progress is reported per finished chunk
 DEV_EVERY = 8  # every 8th utterance goes to the dev split
 VOICES = ("en-us", "en", "en+f3", "en+m3", "en-gb-x-rp", "en-us+f2")
@@ -239,45 +237,22 @@ def build_corpus(root: Path, utterances: list[Utterance], jobs: int, shard_size:
 def make_corpus(out: Path, num: int, seed: int, jobs: int, shard_size: int) -> dict:
     """Build the corpus at ``out`` unless a complete one with these settings is already there."""
     settings = {"num": num, "seed": seed, "shard_size": shard_size}
-    marker = out / MARKER
-    if marker.exists():
-        done = json.loads(marker.read_text())
-        if done["settings"] != settings:
-            raise UsageError(
-                f"{out} holds a corpus made with {done['settings']}, not {settings}: "
-                f"pass another --out or delete {out}"
-            )
+    done = completed(out, settings)
+    if done is not None:
         print(f"make_corpus: {out} is complete already ({done['num']} utterances)", flush=True)
         return done
-    if out.exists():
-        raise UsageError(
-            f"{out} exists but is not a complete corpus: delete it or pick another --out"
-        )
     check_tools()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the corpus is meant to be shared
-    try:
-        built = build_corpus(tmp, plan_utterances(num, seed), jobs, shard_size)
-        summary = {"settings": settings, **built}
-        (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        tmp.rename(out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not marker.exists():
-            raise
-        print(f"make_corpus: another run completed {out} first; keeping it", flush=True)
-        return json.loads(marker.read_text())
-    print(
-        f"make_corpus: wrote {summary['num']} utterances ({summary['train']} train, "
-        f"{summary['dev']} dev, {summary['hours'] * 60:.1f} min) to {out} "
-        f"in {summary['build_seconds']} s",
-        flush=True,
+    utterances = plan_utterances(num, seed)
+    summary, built_here = build_whole(
+        out, settings, lambda tmp: build_corpus(tmp, utterances, jobs, shard_size), "make_corpus"
     )
+    if built_here:
+        print(
+            f"make_corpus: wrote {summary['num']} utterances ({summary['train']} train, "
+            f"{summary['dev']} dev, {summary['hours'] * 60:.1f} min) to {out} "
+            f"in {summary['build_seconds']} s",
+            flush=True,
+        )
     return summary
 
 

@@ -32,9 +32,7 @@ made with the same settings does nothing.
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,9 +42,9 @@ from lhotse.cut import Cut
 from lhotse.utils import fastcopy
 
 from orchestrator.errors import UsageError
+from recipes.corpus_dir import MARKER, build_whole, completed
 from train.data import load_cuts
 
-MARKER = "COMPLETE.json"
 PROGRESS_EVERY = 16  # long cuts between progress lines
 
 
@@ -180,45 +178,21 @@ def make_long_corpus(corpus: Path, out: Path, join: int, splits: list[str]) -> d
         "join": join,
         "splits": splits,
     }
-    marker = out / MARKER
-    if marker.exists():
-        done = json.loads(marker.read_text())
-        if done["settings"] != settings:
-            raise UsageError(
-                f"{out} holds a corpus made with {done['settings']}, not {settings}: "
-                f"pass another --out or delete {out}"
-            )
+    done = completed(out, settings)
+    if done is not None:
         cuts = describe(done["cuts"])
         print(f"make_long_corpus: {out} is complete already ({cuts} cuts)", flush=True)
         return done
-    if out.exists():
-        raise UsageError(
-            f"{out} exists but is not a complete corpus: delete it or pick another --out"
-        )
     sources = {split: read_split(corpus, split, join) for split in splits}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the corpus is meant to be shared
-    try:
-        built = build_corpus(tmp, sources, join)
-        summary = {"settings": settings, **built}
-        (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        tmp.rename(out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not marker.exists():
-            raise
-        print(f"make_long_corpus: another run completed {out} first; keeping it", flush=True)
-        return json.loads(marker.read_text())
-    print(
-        f"make_long_corpus: wrote {describe(summary['cuts'])} long cuts "
-        f"({summary['hours'] * 60:.1f} min) to {out} in {summary['build_seconds']} s",
-        flush=True,
+    summary, built_here = build_whole(
+        out, settings, lambda tmp: build_corpus(tmp, sources, join), "make_long_corpus"
     )
+    if built_here:
+        print(
+            f"make_long_corpus: wrote {describe(summary['cuts'])} long cuts "
+            f"({summary['hours'] * 60:.1f} min) to {out} in {summary['build_seconds']} s",
+            flush=True,
+        )
     return summary
 
 

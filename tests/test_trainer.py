@@ -63,6 +63,22 @@ def train(
     return completed
 
 
+def launch_training(jobs: int, run_dir: Path, recipe: str, corpus: Path, *overrides: str) -> dict:
+    """Submit a chain of ``recipe`` on the test corpus (short batches, W&B offline)."""
+    return launch_json(
+        f"-n{jobs}",
+        "--run-dir",
+        str(run_dir),
+        recipe,
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        *overrides,
+        cwd=REPO,
+    )
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -200,18 +216,13 @@ def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
     """3 jobs of 2-node training: USR1 stops job 0 mid-run (as at its time limit), job 1 resumes
     from the checkpoint it saved on the way out, job 2 finds training finished and exits 0."""
     run_dir = tmp_path / "run"
-    summary = launch_json(
-        "-n3",
-        "--run-dir",
-        str(run_dir),
+    summary = launch_training(
+        3,
+        run_dir,
         "recipes/train_tiny_2node.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
+        corpus,
         "train.max_steps=16",
         "checkpoint.interval=4",
-        "wandb.mode=offline",
-        cwd=REPO,
     )
     first_job = summary["jobs"][0]["job_id"]
     deadline = time.monotonic() + 240
@@ -262,18 +273,13 @@ def test_pipeline_stages_train_on_identical_batches(tmp_path, corpus):
 def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
     """3 jobs of pp=2 over the loopback cluster's two nodes, 2 steps each, resuming."""
     run_dir = tmp_path / "run"
-    summary = launch_json(
-        "-n3",
-        "--run-dir",
-        str(run_dir),
+    summary = launch_training(
+        3,
+        run_dir,
         "recipes/train_tiny_pp_2node.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
+        corpus,
         "train.max_steps=6",
         "train.max_steps_per_run=2",
-        "wandb.mode=offline",
-        cwd=REPO,
     )
     final = wait_chain(summary["chain_id"], timeout=400)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
@@ -292,19 +298,14 @@ def test_context_parallel_chain_resumes(slurm_cluster, tmp_path, corpus):
     """2 jobs of the long-audio recipe's cp=2 layout (here on the short corpus, for time):
     the second resumes the first; both CP ranks read the same batches, cut differently."""
     run_dir = tmp_path / "run"
-    summary = launch_json(
-        "-n2",
-        "--run-dir",
-        str(run_dir),
+    summary = launch_training(
+        2,
+        run_dir,
         "recipes/train_tiny_long_cp.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
+        corpus,
         "train.max_steps=4",
         "train.max_steps_per_run=2",
         "debug.batch_hashes=true",
-        "wandb.mode=offline",
-        cwd=REPO,
     )
     final = wait_chain(summary["chain_id"], timeout=400)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 2, final

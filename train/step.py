@@ -14,8 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from train.models.pipeline import to_device
 from train.models.salm import SALM, loss_for_backward
+
+
+def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
+    if device.type == "cpu":
+        return batch
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
 
 
 class WholeModelRunner:

@@ -49,6 +49,7 @@ from train.models.salm import (
     sequence_layout,
 )
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan, plan_pipeline
+from train.step import to_device
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -288,13 +289,6 @@ class PipelineRunner:
             )
             sums += torch.stack([self.nll_total.float(), aux])
         return sums
-
-
-def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
-    if device.type == "cpu":
-        return batch
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
 
 
 def merged_view(parts: list[nn.Module]) -> nn.Module:
