@@ -28,8 +28,7 @@ leaves and peaks in forward and backward). Per rank, the busiest rank reported:
 - encoder held: what the encoder's forward leaves allocated for its backward, which stays
   resident through the whole LLM forward and backward;
 - attention held: the same over the LLM's attention modules (their saved tensors, including the
-  gathered K/V, plus their outputs); under CP the causal bias (S / cp x S, built once by the
-  decoder and shared by every layer) counts in the LLM's peak, not here;
+  gathered K/V, plus their outputs);
 - step peak: everything allocated at the step's highest point (parameters, gradients, optimizer
   state, activations, temporaries). Under CP, FSDP's gathered parameters count as activations
   (a few MiB at most for these presets).

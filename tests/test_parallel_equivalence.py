@@ -95,6 +95,7 @@ CASES.update(
         # Context parallelism (the batch's examples have mixed lengths: padding is masked).
         "cp2": ("tiny", 2, ["--cp", "2"]),
         "cp2xfsdp2": ("tiny", 4, ["--cp", "2", "--dp-shard", "2"]),
+        "hsdp2_cp2": ("tiny", 4, ["--dp-replicate", "2", "--cp", "2"]),
         "cp2xtp2": ("tiny", 4, ["--cp", "2", "--tp", "2"]),
         "moe_cp2_ep2": ("tiny_moe", 4, ["--cp", "2", "--dp-shard", "2", "--ep", "2"]),
         "cp2xpp2": ("tiny", 4, ["--cp", "2", "--pp", "2"]),

@@ -349,12 +349,13 @@ wait
 @pytest.mark.slurm
 def test_slurm_script_hears_its_batch_signal(slurm_cluster, tmp_path):
     # B: signals go to the batch shell only; the python running the script replaces that shell
-    # and forwards the signal. SLURM checks limits every ~30 s, so it arrives within that.
+    # and forwards the signal. The signal is due 20 s in (long after the trap is set: one due at
+    # start raced the script's start-up) and SLURM checks limits every ~30 s, so it comes by 50 s.
     script = write_sub(
-        tmp_path / "signal.sub", SLURM_SIGNAL_BODY, "#SBATCH --time=1 --signal=B:USR1@59"
+        tmp_path / "signal.sub", SLURM_SIGNAL_BODY, "#SBATCH --time=2 --signal=B:USR1@100"
     )
     backend = SubmititSlurmBackend(tmp_path / "submitit")
     job_id = backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=script))
-    [status] = wait_finished(backend, [job_id], timeout_s=70)
+    [status] = wait_finished(backend, [job_id], timeout_s=110)
     assert status.state == "COMPLETED"
     assert (tmp_path / "signal.log").read_text() == f"batch shell got USR1, seed {seed_of(0)}\n"

@@ -6,19 +6,22 @@ amount of causal attention work (early chunks attend to little, late chunks to m
 
 Keys and values travel by all-gather: each rank computes K and V of its own positions, gathers
 everyone's (an autograd all-gather whose backward reduce-scatters their gradients) and puts
-them back in sequence order; its queries then attend to the whole sequence under a causal mask
-built from the global positions. Memory per rank: the full K and V (2 x S x kv_width per
-layer, while attention runs), and the attention of S / cp queries; traffic per layer: one
-all-gather of K and V forward, one reduce-scatter of their gradients backward. A ring would
-hold only two chunks of K/V at a time at the same traffic, but costs cp - 1 sequential steps;
-at the CP degrees a speech LLM needs (2-8) the all-gather is simpler and no slower.
+them back in sequence order. Each of its two query chunks then attends to the keys up to its own
+end: the keys before the chunk without a mask, the chunk's own keys causally, the two results
+merged by their log-sum-exp, so no mask is ever built. Memory per rank: the full K and V
+(2 x S x kv_width per layer, while attention runs) and the attention of S / cp queries; traffic
+per layer: one all-gather of K and V forward, one reduce-scatter of their gradients backward. A
+ring would hold only two chunks of K/V at a time at the same traffic, but costs cp - 1
+sequential steps; at the CP degrees a speech LLM needs (2-8) the all-gather is simpler.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -46,15 +49,74 @@ def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Te
     return whole.movedim(0, dim)
 
 
-def causal_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(queries, seq_len) true where a query may attend: keys at or before its position."""
-    keys = torch.arange(seq_len, device=q_positions.device)
-    return keys[None, :] <= q_positions[:, None]
+def context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int
+) -> torch.Tensor:
+    """Causal attention of rank ``rank``'s queries (B, H, 2c, D: its head chunk, then its tail
+    chunk) over the whole sequence's keys and values (B, H_kv, S, D, in sequence order)."""
+    chunk = q.shape[2] // 2
+    head = prefix_causal_attention(q[:, :, :chunk], k, v, rank * chunk)
+    tail = prefix_causal_attention(q[:, :, chunk:], k, v, (2 * cp - 1 - rank) * chunk)
+    return torch.cat([head, tail], dim=2)
 
 
-def causal_bias(q_positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """`causal_mask` as SDPA's additive bias in ``dtype`` (0 where allowed, -inf elsewhere), the
-    form attention keeps for its backward, so one tensor can serve every layer."""
-    allowed = causal_mask(q_positions, seq_len)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device)
-    return bias.masked_fill_(~allowed, float("-inf"))
+def prefix_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Causal attention of the queries at positions ``start .. start + L - 1`` over the keys at
+    positions ``0 .. start + L - 1``: lower-right aligned, which SDPA's ``is_causal`` is not."""
+    end = start + q.shape[2]
+    k, v = k[:, :, :end], v[:, :, :end]
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if q.device.type == "cpu":
+        return _PrefixCausalAttentionCPU.apply(q, k, v)
+    return lower_right_causal_attention(q, k, v)
+
+
+def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last ``L`` positions over all ``S`` keys by SDPA's lower-right
+    causal bias, which CUDA runs on its flash or memory-efficient kernel without a mask."""
+    bias = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _PrefixCausalAttentionCPU(torch.autograd.Function):
+    """`prefix_causal_attention` on CPU's flash kernel, with no mask: the keys before the
+    queries' chunk attended in full, the chunk's own keys causally (square, so ``is_causal`` is
+    right), the two outputs merged by their log-sum-exp. The backward runs each block's kernel
+    backward with the merged output and log-sum-exp, which gives each block's exact share of
+    the gradient (as ring attention does)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        past = k.shape[2] - q.shape[2]
+        out_past, lse_past = _flash_cpu(q, k[:, :, :past], v[:, :, :past], 0.0, False)
+        out_own, lse_own = _flash_cpu(q, k[:, :, past:], v[:, :, past:], 0.0, True)
+        lse = torch.logaddexp(lse_past, lse_own)
+        weight_past = (lse_past - lse).exp().unsqueeze(-1)
+        weight_own = (lse_own - lse).exp().unsqueeze(-1)
+        out = (out_past * weight_past + out_own * weight_own).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        past = k.shape[2] - q.shape[2]
+        grad_out = grad_out.contiguous()
+        dq_past, dk_past, dv_past = _flash_cpu_backward(
+            grad_out, q, k[:, :, :past], v[:, :, :past], out, lse, 0.0, False
+        )
+        dq_own, dk_own, dv_own = _flash_cpu_backward(
+            grad_out, q, k[:, :, past:], v[:, :, past:], out, lse, 0.0, True
+        )
+        return (
+            dq_past + dq_own,
+            torch.cat([dk_past, dk_own], dim=2),
+            torch.cat([dv_past, dv_own], dim=2),
+        )

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from train.models.context import causal_bias, gather_sequence, local_positions, shard_sequence
+from train.models.context import (
+    context_attention,
+    gather_sequence,
+    local_positions,
+    shard_sequence,
+)
 from train.models.moe import MoE
 
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
@@ -96,8 +101,8 @@ class Attention(nn.Module):
     """Grouped-query attention; heads are inferred from shapes, so TP-sharded heads just work.
 
     Under context parallelism (``cp_mesh`` set) ``x`` holds this rank's chunks of the sequence:
-    keys and values are gathered from the whole CP group, and the causal mask, which follows the
-    queries' global positions, comes from the decoder (one for all its layers).
+    keys and values are gathered from the whole CP group and each chunk of queries attends
+    causally to the keys up to its end (`context_attention`).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, causal: bool) -> None:
@@ -111,25 +116,25 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x, cos, sin, mask: torch.Tensor | None) -> torch.Tensor:
-        """``mask``: (B, T) keys that may be attended (encoder), or under CP the decoder's
-        (T, S) additive causal bias; None for plain causal attention."""
+        """``mask``: (B, T) keys that may be attended (encoder); None for causal attention."""
         B, T, _ = x.shape
         q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        attn_mask = None if mask is None else mask[:, None, None, :]
-        is_causal = self.causal
         if self.cp_mesh is not None:
             k, v = gather_sequence(k, self.cp_mesh), gather_sequence(v, self.cp_mesh)
-            attn_mask, is_causal = mask, False
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            enable_gqa=True,
-        )
+            cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
+            heads = (t.transpose(1, 2) for t in (q, k, v))
+            y = context_attention(*heads, cp, rank)
+        else:
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=None if mask is None else mask[:, None, None, :],
+                is_causal=self.causal,
+                enable_gqa=True,
+            )
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -283,24 +288,13 @@ class Decoder(nn.Module):
         losses of its blocks, summed over blocks and sequences.
         """
         cos, sin = self.rope(token_mask.shape[1], x.device)
-        mask = self.cp_causal_bias(token_mask.shape[1], x.dtype, x.device)
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers.values():
-            x, layer_aux = layer(x, cos, sin, mask, token_mask)
+            x, layer_aux = layer(x, cos, sin, None, token_mask)
             aux = aux + layer_aux
         if self.lm_head is None:
             return x, aux
         return self.lm_head(self.norm(x)), aux
-
-    def cp_causal_bias(self, local_len: int, dtype, device) -> torch.Tensor | None:
-        """Under CP, the additive causal bias of this rank's queries over the whole sequence,
-        built once per forward: every layer's attention keeps the same tensor for its backward
-        instead of a mask of its own."""
-        if self.cp_mesh is None:
-            return None
-        cp = self.cp_mesh.size()
-        positions = local_positions(local_len * cp, cp, self.cp_mesh.get_local_rank(), device)
-        return causal_bias(positions, local_len * cp, dtype)
 
     def rope(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables at the global positions of this rank's ``local_len`` positions."""
