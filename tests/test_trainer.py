@@ -130,6 +130,7 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
         (["strategy=zero3"], {}, "strategy"),
         (["data.corpus=/nonexistent/corpus"], {}, "make_corpus"),
         (["train.max_steps=0"], {}, "max_steps"),
+        (["eval.interval=5", "eval.split=heldout"], {}, "cuts_heldout.jsonl.gz does not exist"),
     ],
 )
 def test_bad_configs_stop_before_training(tmp_path, corpus, overrides, env, message):
@@ -148,25 +149,48 @@ def test_unknown_config_key_is_refused(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_resume_is_exact(tmp_path, corpus):
-    """10 steps in one job == 5 + 5 over two jobs, same seed: losses and weights, bitwise."""
+    """10 steps in one job == 5 + 5 over two jobs, same seed: losses and weights, bitwise, and
+    validation (on in the two jobs only) changes neither."""
     common = ("seed=7", "train.max_steps=10", "checkpoint.interval=100")
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(whole, corpus, *common, nproc=2)
-    first = train(split, corpus, *common, "train.max_steps_per_run=5", nproc=2)
+    validated = (*common, "eval.interval=3")
+    first = train(split, corpus, *validated, "train.max_steps_per_run=5", nproc=2)
     assert "stopping at step 5" in first.stderr
-    second = train(split, corpus, *common, nproc=2)
+    second = train(split, corpus, *validated, nproc=2)
     assert "resumed from" in second.stderr
-    third = train(split, corpus, *common, nproc=2)
+    third = train(split, corpus, *validated, nproc=2)
     assert "training already finished at step 10" in third.stderr
 
     whole_losses = [(m["step"], m["loss"]) for m in metrics(whole)]
-    split_losses = [(m["step"], m["loss"]) for m in metrics(split)]
+    split_losses = [(m["step"], m["loss"]) for m in metrics(split) if "loss" in m]
     assert [step for step, _ in split_losses] == list(range(1, 11))
     assert split_losses == whole_losses
+    # Every 3 steps and as each job ends (not the job that found training finished).
+    validation = [m for m in metrics(split) if "val_loss" in m]
+    assert [m["step"] for m in validation] == [3, 5, 6, 9, 10]
+    assert all(m["val_split"] == "dev" and m["val_tokens"] > 0 for m in validation)
+    assert validation[-1]["val_loss"] < validation[0]["val_loss"]
     a, b = final_weights(whole, 10, tmp_path), final_weights(split, 10, tmp_path)
     assert a.keys() == b.keys() and a
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize(
+    ("nproc", "config"), [(2, "tiny_fsdp2"), (2, "tiny_pp")], ids=["dp2", "pp2"]
+)
+def test_validation_loss_does_not_depend_on_the_layout(tmp_path, corpus, nproc, config):
+    """The same weights give the same val_loss at one process as sharded over data-parallel
+    ranks or pipeline stages (a learning rate of 1e-30 leaves the initial weights)."""
+    common = ("train.max_steps=1", "eval.interval=1", "optim.lr=1e-30", "data.max_duration=4")
+    alone = train(tmp_path / "one", corpus, *common)
+    layout = train(tmp_path / config, corpus, *common, nproc=nproc, config=config)
+    [one] = [m for m in metrics(tmp_path / "one") if "val_loss" in m]
+    [other] = [m for m in metrics(tmp_path / config) if "val_loss" in m]
+    assert one["val_tokens"] == other["val_tokens"]
+    assert other["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+    assert "validation at step 1" in alone.stderr and "validation at step 1" in layout.stderr
 
 
 def read_hashes(run_dir: Path) -> dict[int, list[dict]]:

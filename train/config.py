@@ -31,7 +31,7 @@ class ParallelConfig:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
-    cp: int = 1  # reserved: context parallelism does not exist yet
+    cp: int = 1  # context parallel: the decoder sequence split over cp ranks (same batch)
     pp: int = 1  # pipeline stages (ranks), outermost: stages span nodes
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (train/pipeline_plan.py)
     pp_microbatches: int = 0  # per batch; 0: 2 * pp
@@ -84,6 +84,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation in the training loop (train/validation.py)."""
+
+    interval: int = 0  # steps between validation passes, plus one as each job ends; 0: off
+    split: str = "dev"  # the loss over all of data.corpus's cuts_<split>.jsonl.gz
+    max_duration: float = 0.0  # seconds of audio per validation batch and rank; 0: data's
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = True
     project: str = "speechlm"
@@ -112,6 +121,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
@@ -151,6 +161,10 @@ def data_path(cfg: TrainConfig) -> Path:
     return corpus / f"cuts_{cfg.data.split}.jsonl.gz"
 
 
+def validation_path(cfg: TrainConfig) -> Path:
+    return Path(cfg.data.corpus) / f"cuts_{cfg.eval.split}.jsonl.gz"
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks no type can express; each failure is one ValueError line naming the key."""
     if cfg.strategy not in STRATEGIES:
@@ -178,6 +192,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"train.grad_accum={cfg.train.grad_accum}: must be at least 1")
     if cfg.train.max_steps_per_run < 0:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
+    if cfg.eval.interval < 0 or cfg.eval.max_duration < 0:
+        raise ValueError("eval.interval and eval.max_duration must be 0 (off / data's) or positive")
+    if cfg.eval.interval and not validation_path(cfg).exists():
+        raise ValueError(
+            f"eval.split={cfg.eval.split}: {validation_path(cfg)} does not exist; choose a split "
+            "the corpus has (dev, test) or set eval.interval=0"
+        )
     path = data_path(cfg)
     if not path.exists():
         raise ValueError(

@@ -56,6 +56,13 @@ class WholeModelRunner:
             sums += torch.stack([out.nll_sum.detach().float(), out.aux_sum.detach().float()])
         return sums
 
+    @torch.no_grad()
+    def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The next-token loss sum of one batch (CPU tensors), forward only (validation)."""
+        with self.autocast():
+            out = self.model(*to_device(batch, self.device))
+        return out.nll_sum.float()
+
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
     """Tell FSDP2 or DDP whether this backward reduces gradients (the last microbatch's does)."""

@@ -36,9 +36,14 @@ class StopRequest:
         """This rank's wish to stop, for a MAX all-reduce: 2 a signal, 1 the time budget, 0 none."""
         return 2.0 if self.signal_name else 1.0 if self.over_budget() else 0.0
 
+    @staticmethod
+    def signalled(agreed_flag: float) -> bool:
+        """Whether a signal on some rank, not a budget, is why they stop."""
+        return agreed_flag >= 2
+
     def reason(self, agreed_flag: float) -> str | None:
         """Why every rank stops, given the MAX of all ranks' ``local_flag``; None: go on."""
-        if agreed_flag >= 2:
+        if self.signalled(agreed_flag):
             return self.signal_name or "a stop signal on another rank"
         if agreed_flag >= 1:
             return "time budget (train.max_time_per_run)"

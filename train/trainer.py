@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager
-from train.config import TrainConfig, data_path, validate
+from train.config import TrainConfig, data_path, validate, validation_path
 from train.data import batches_forever, build_dataloader
 from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
 from train.mesh import build_meshes
@@ -40,6 +40,7 @@ from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
 from train.stop import StopRequest
+from train.validation import ValidationSet
 
 BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
@@ -236,6 +237,18 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
         coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
+        self.validation = None
+        if cfg.eval.interval:
+            self.validation = ValidationSet(
+                validation_path(cfg),
+                cfg.eval.max_duration or cfg.data.max_duration,
+                self.dp_rank,
+                self.dp_size,
+                ByteTokenizer().encode,
+                PAD_ID,
+            )
+        self.validated_step = -1
+        self.signalled = False  # a stop signal (not a budget) ended training
         self.coords = mesh_coordinates(dims, self.rank)
         self.step = 0
         self.tokens_seen = 0
@@ -444,6 +457,35 @@ class Trainer:
             "stop_flag": agreed,
         }
 
+    def validate(self, metrics: MetricsLogger) -> None:
+        """The loss over the whole validation split at the current weights, logged as
+        ``val_loss`` (next-token loss only, no balance loss) by rank 0."""
+        if self.validation is None or self.validated_step == self.step:
+            return
+        started = time.perf_counter()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch, counts in self.validation:
+            nll = self.runner.loss_sum(tuple(batch[key] for key in BATCH_KEYS))
+            if counts:
+                targets = float(loss_targets(batch["token_lens"]))
+                sums += torch.stack([nll.double(), nll.new_tensor(targets, dtype=torch.float64)])
+        dist.all_reduce(sums, group=self.meshes.dp.get_group())
+        if self.dims.cp_enabled:  # each CP rank has its positions' token losses
+            dist.all_reduce(sums[:1], group=self.meshes.cp.get_group())
+        if self.pp_group is not None:  # the loss is on the last stage
+            dist.all_reduce(sums[:1], group=self.pp_group)
+        nll, targets = sums.tolist()
+        self.validated_step = self.step
+        val_loss = nll / targets
+        split = self.cfg.eval.split
+        metrics.log(
+            self.step, {"val_loss": val_loss, "val_tokens": int(targets), "val_split": split}
+        )
+        say(
+            f"validation at step {self.step}: val_loss {val_loss:.4f} over {int(targets)} "
+            f"{split} targets ({time.perf_counter() - started:.1f} s)"
+        )
+
     def run(self) -> int:
         cfg = self.cfg
         self.restore()
@@ -478,6 +520,10 @@ class Trainer:
             say(f"last good checkpoint: {self.checkpoints.latest() or 'none'}")
             raise
         self.save()
+        if self.signalled:
+            say("no validation at the end of this job: a signal asked it to stop")
+        else:
+            self.validate(metrics)
         metrics.close({"final_step": self.step, "stop_reason": reason})
         say(f"{reason}; tokens seen {self.tokens_seen}")
         return 0
@@ -522,6 +568,7 @@ class Trainer:
             if log_now or self.step % cfg.train.sync_every == 0:
                 result = self.read_back(self.stop.local_flag())
                 why = self.stop.reason(result["stop_flag"])
+                self.signalled = self.stop.signalled(result["stop_flag"])
                 if log_now:
                     metrics.log(self.step, self.log_record(result, lr, peak))
             per_run = cfg.train.max_steps_per_run
@@ -531,6 +578,8 @@ class Trainer:
                 return f"stopping at step {self.step}: {why}"
             if self.step % cfg.checkpoint.interval == 0 and not last:
                 self.save()
+            if cfg.eval.interval and self.step % cfg.eval.interval == 0 and not last:
+                self.validate(metrics)
         return "max_steps reached"
 
     def log_record(

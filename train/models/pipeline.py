@@ -267,28 +267,41 @@ class PipelineRunner:
         aux_scale = gradient_ranks / global_sequences
         sums = torch.zeros(2, device=self.device)
         for batch in batches:
-            batch = pad_examples(batch, self.plan.microbatches)
-            audio_lens, token_lens = encoder_lens(batch[1]), batch[3]
-            seq_len = packed_length(audio_lens, token_lens, self.parts[0].seq_multiple)
-            schedule = self._schedule(batch, seq_len)
-            batch = to_device(batch, self.device)
-            layout = sequence_layout(encoder_lens(batch[1]), batch[2], batch[3], seq_len)
-            token_mask, labels = layout.token_mask, layout.labels
-            if self.cp_mesh is not None:  # each rank's chunks of the sequence
-                token_mask, labels = (shard_sequence(t, self.cp_mesh) for t in (token_mask, labels))
-            self.nll_total = torch.zeros((), device=self.device)
-            for part in self.parts:
-                part.aux_scale = aux_scale
-                part.aux_total = None
-            inputs = batch if self.has_first else ()
-            target = labels if self.has_last else None
-            schedule.step(*inputs, target=target, return_outputs=False, token_mask=token_mask)
+            schedule, inputs, kwargs = self._prepare(batch, aux_scale)
+            schedule.step(*inputs, return_outputs=False, **kwargs)
             aux = sum(
                 (part.aux_total.float() for part in self.parts if part.aux_total is not None),
                 torch.zeros((), device=self.device),
             )
             sums += torch.stack([self.nll_total.float(), aux])
         return sums
+
+    @torch.no_grad()
+    def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The next-token loss sum of one batch, forward only (validation): zero but on the
+        last stage's rank."""
+        schedule, inputs, kwargs = self._prepare(batch, torch.zeros((), device=self.device))
+        schedule.eval(*inputs, **kwargs)
+        return self.nll_total.float()
+
+    def _prepare(self, batch: tuple[torch.Tensor, ...], aux_scale: torch.Tensor):
+        """The schedule for ``batch`` and the arguments of its step on this rank."""
+        batch = pad_examples(batch, self.plan.microbatches)
+        audio_lens, token_lens = encoder_lens(batch[1]), batch[3]
+        seq_len = packed_length(audio_lens, token_lens, self.parts[0].seq_multiple)
+        schedule = self._schedule(batch, seq_len)
+        batch = to_device(batch, self.device)
+        layout = sequence_layout(encoder_lens(batch[1]), batch[2], batch[3], seq_len)
+        token_mask, labels = layout.token_mask, layout.labels
+        if self.cp_mesh is not None:  # each rank's chunks of the sequence
+            token_mask, labels = (shard_sequence(t, self.cp_mesh) for t in (token_mask, labels))
+        self.nll_total = torch.zeros((), device=self.device)
+        for part in self.parts:
+            part.aux_scale = aux_scale
+            part.aux_total = None
+        inputs = batch if self.has_first else ()
+        kwargs = {"target": labels if self.has_last else None, "token_mask": token_mask}
+        return schedule, inputs, kwargs
 
 
 def merged_view(parts: list[nn.Module]) -> nn.Module:
