@@ -7,26 +7,41 @@ from --seed, spoken by one of a few espeak-ng voices at a varied speed, resample
 with sox. Fbank features (80 bins) are computed once here, because computing them per step
 would cost more than the tiny models that train on them.
 
+Three splits, decided from the plan before anything is synthesized:
+    test    held-out sentences: a sentence goes to test when a keyed BLAKE2b hash of its text
+            falls in the lowest TEST_FRACTION (about 10%) of the hash range, and so does every
+            utterance of it; no test text occurs in train or dev, in any corpus (--num, --seed)
+    dev     every 8th of the other utterances; it may share texts with train
+    train   the rest
+A --num and --seed that leave a split empty are refused (small corpora may hold no test
+sentence).
+
 Layout of --out (paths inside manifests are relative to it, so the corpus can be moved):
     wavs/utt-NNNNN.wav        16 kHz mono audio
     feats/                    float32 fbank features, one .npy per cut (lhotse NumpyFilesWriter;
                               lilcom and h5py, which the compressed writers need, are not installed)
     recordings.jsonl.gz, supervisions.jsonl.gz
-    cuts_train.jsonl.gz, cuts_dev.jsonl.gz
+    cuts_train.jsonl.gz, cuts_dev.jsonl.gz, cuts_test.jsonl.gz
     shar/train/               Lhotse Shar shards (cuts, recording, features) for streaming
     COMPLETE.json             written last; its presence is the only sign of a finished corpus
 
 The corpus is built in a temporary sibling directory and renamed into place, so an
 interrupted run never leaves output that looks complete; a rerun over a complete corpus
-made with the same settings does nothing.
+made with the same settings does nothing. A corpus made before the test split existed (its
+settings have no test_fraction) is refused with an error that says to delete it, rather than
+deleted here: a training run may still be reading it.
 """
 
 import argparse
+import hashlib
+import json
 import random
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +61,16 @@ from lhotse import (
 from lhotse.utils import fastcopy
 
 from orchestrator.errors import UsageError
-from recipes.corpus_dir import build_whole, completed
+from recipes.corpus_dir import MARKER, build_whole, completed
 
 SAMPLE_RATE = 16000
 NUM_MEL_BINS = 80
 CHUNK_SIZE = 25  # utterances per pool task; progress is reported per finished chunk
-DEV_EVERY = 8  # every 8th utterance goes to the dev split
+SPLITS = ("train", "dev", "test")
+DEV_EVERY = 8  # every 8th utterance not held out for test goes to the dev split
+TEST_FRACTION = 0.1  # share of the hash range whose sentences are held out for test
+# Keys the test-split hash: changing it moves sentences between splits in every corpus.
+TEST_HASH_KEY = b"test-split"
 VOICES = ("en-us", "en", "en+f3", "en+m3", "en-gb-x-rp", "en-us+f2")
 SPEEDS = (130, 190)
 REQUIRED_TOOLS = ("espeak-ng", "sox")
@@ -124,6 +143,53 @@ def plan_utterances(num: int, seed: int) -> list[Utterance]:
     ]
 
 
+def is_test_text(text: str) -> bool:
+    """Whether ``text`` is held out for the test split. Decided by the text alone, with a hash
+    that is the same in every process (Python's ``hash()`` of a str is salted per process), so
+    every utterance of a sentence is on the same side in any corpus."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, person=TEST_HASH_KEY).digest()
+    return int.from_bytes(digest, "big") < TEST_FRACTION * 2**64
+
+
+def assign_splits(utterances: list[Utterance]) -> dict[str, str]:
+    """Each utterance's split: test for held-out texts, then every 8th of the others dev."""
+    splits = {}
+    kept = 0
+    for utt in utterances:
+        if is_test_text(utt.text):
+            splits[utt.utt_id] = "test"
+            continue
+        splits[utt.utt_id] = "dev" if kept % DEV_EVERY == DEV_EVERY - 1 else "train"
+        kept += 1
+    return splits
+
+
+def check_splits(splits: dict[str, str], num: int, seed: int) -> None:
+    """Refuse a plan with an empty split before anything is synthesized."""
+    empty = [split for split in SPLITS if split not in splits.values()]
+    if empty:
+        raise UsageError(
+            f"--num {num} --seed {seed} puts no utterance in {' or '.join(empty)} "
+            f"(about {TEST_FRACTION:.0%} of the sentences are held out for test, and every "
+            f"{DEV_EVERY}th other utterance goes to dev): pass a larger --num"
+        )
+
+
+def refuse_corpus_without_test_split(out: Path) -> None:
+    """A corpus made before the test split has a COMPLETE.json too: name why it is refused."""
+    marker = out / MARKER
+    if marker.exists() and "test_fraction" not in json.loads(marker.read_text())["settings"]:
+        raise UsageError(
+            f"{out} was made by an earlier make_corpus and has no test split "
+            f"(cuts_test.jsonl.gz): delete {out} and run again"
+        )
+
+
+def describe(counts: Mapping[str, int]) -> str:
+    """Split sizes (from a summary or a count of splits), e.g. ``470 train, 65 dev, 65 test``."""
+    return ", ".join(f"{counts[split]} {split}" for split in SPLITS)
+
+
 def check_tools() -> None:
     """Fail early, with the fix, when the speech tools are not installed."""
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
@@ -191,8 +257,11 @@ def build_chunk(root: Path, utterances: list[Utterance]) -> list[dict]:
     return cuts
 
 
-def build_corpus(root: Path, utterances: list[Utterance], jobs: int, shard_size: int) -> dict:
-    """Write the whole corpus into ``root`` (a fresh directory); returns the marker's content."""
+def build_corpus(
+    root: Path, utterances: list[Utterance], splits: dict[str, str], jobs: int, shard_size: int
+) -> dict:
+    """Write the whole corpus into ``root`` (a fresh directory), each cut into the manifest of
+    its split in ``splits``; returns the marker's content."""
     start = time.monotonic()
     (root / "wavs").mkdir()
     chunks = [utterances[i : i + CHUNK_SIZE] for i in range(0, len(utterances), CHUNK_SIZE)]
@@ -211,14 +280,15 @@ def build_corpus(root: Path, utterances: list[Utterance], jobs: int, shard_size:
     SupervisionSet.from_segments(s for c in cuts for s in c.supervisions).to_file(
         root / "supervisions.jsonl.gz"
     )
-    is_dev = {c.id: i % DEV_EVERY == DEV_EVERY - 1 for i, c in enumerate(cuts)}
-    train = cuts.filter(lambda c: not is_dev[c.id]).to_eager()
-    dev = cuts.filter(lambda c: is_dev[c.id]).to_eager()
-    train.to_file(root / "cuts_train.jsonl.gz")
-    dev.to_file(root / "cuts_dev.jsonl.gz")
+    by_split = {
+        split: CutSet.from_cuts(c for c in cuts if splits[c.id] == split) for split in SPLITS
+    }
+    for split, split_cuts in by_split.items():
+        split_cuts.to_file(root / f"cuts_{split}.jsonl.gz")
     print("make_corpus: writing Lhotse Shar shards", flush=True)
     shar_dir = root / "shar" / "train"
     shar_dir.mkdir(parents=True)
+    train = by_split["train"]
     absolute = train.with_recording_path_prefix(root).with_features_path_prefix(root)
     absolute.to_shar(
         shar_dir,
@@ -227,8 +297,7 @@ def build_corpus(root: Path, utterances: list[Utterance], jobs: int, shard_size:
     )
     return {
         "num": len(cuts),
-        "train": len(train),
-        "dev": len(dev),
+        **{split: len(split_cuts) for split, split_cuts in by_split.items()},
         "hours": round(sum(c.duration for c in cuts) / 3600, 4),
         "build_seconds": round(time.monotonic() - start, 1),
     }
@@ -236,21 +305,33 @@ def build_corpus(root: Path, utterances: list[Utterance], jobs: int, shard_size:
 
 def make_corpus(out: Path, num: int, seed: int, jobs: int, shard_size: int) -> dict:
     """Build the corpus at ``out`` unless a complete one with these settings is already there."""
-    settings = {"num": num, "seed": seed, "shard_size": shard_size}
+    settings = {"num": num, "seed": seed, "shard_size": shard_size, "test_fraction": TEST_FRACTION}
+    refuse_corpus_without_test_split(out)
     done = completed(out, settings)
     if done is not None:
-        print(f"make_corpus: {out} is complete already ({done['num']} utterances)", flush=True)
+        print(
+            f"make_corpus: {out} is complete already ({done['num']} utterances: {describe(done)})",
+            flush=True,
+        )
         return done
-    check_tools()
     utterances = plan_utterances(num, seed)
+    splits = assign_splits(utterances)
+    check_splits(splits, num, seed)
+    check_tools()
+    print(
+        f"make_corpus: {len(utterances)} utterances planned ({describe(Counter(splits.values()))})",
+        flush=True,
+    )
     summary, built_here = build_whole(
-        out, settings, lambda tmp: build_corpus(tmp, utterances, jobs, shard_size), "make_corpus"
+        out,
+        settings,
+        lambda tmp: build_corpus(tmp, utterances, splits, jobs, shard_size),
+        "make_corpus",
     )
     if built_here:
         print(
-            f"make_corpus: wrote {summary['num']} utterances ({summary['train']} train, "
-            f"{summary['dev']} dev, {summary['hours'] * 60:.1f} min) to {out} "
-            f"in {summary['build_seconds']} s",
+            f"make_corpus: wrote {summary['num']} utterances ({describe(summary)}, "
+            f"{summary['hours'] * 60:.1f} min) to {out} in {summary['build_seconds']} s",
             flush=True,
         )
     return summary
@@ -264,8 +345,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sentence plan")
     parser.add_argument("--shard-size", type=int, default=64, help="cuts per Shar shard")
     args = parser.parse_args(argv)
-    if args.num < DEV_EVERY:
-        parser.error(f"--num must be at least {DEV_EVERY} so that the dev split is not empty")
     if args.jobs < 1 or args.shard_size < 1:
         parser.error("--jobs and --shard-size must be positive")
     return args

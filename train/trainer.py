@@ -289,6 +289,9 @@ class Trainer:
             "nonfinite_steps": self.nonfinite_steps,
             "wandb_run_id": self.wandb_run_id,
             "data_position": dict(self.data_position),
+            # What train.evaluate needs to rebuild the model and find the corpus's test split.
+            "model_preset": self.cfg.model.preset,
+            "corpus": str(Path(self.cfg.data.corpus).resolve()),
         }
 
     def restore(self) -> Path | None:

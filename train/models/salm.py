@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from train.models.context import (
     shard_sequence,
 )
 from train.models.moe import MoE
+
+if TYPE_CHECKING:
+    from train.models.kv_cache import KVCache
 
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
 VOCAB_SIZE = 259
@@ -110,6 +114,7 @@ class Attention(nn.Module):
         self.head_dim = dim // n_heads
         self.causal = causal
         self.cp_mesh: DeviceMesh | None = None
+        self.kv_cache: KVCache | None = None  # set while decoding (train/decode.py)
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -121,11 +126,13 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.cp_mesh is not None:
+        if self.kv_cache is not None:
+            y = self.kv_cache.attend(q, k, v)
+        elif self.cp_mesh is not None:
             k, v = gather_sequence(k, self.cp_mesh), gather_sequence(v, self.cp_mesh)
             cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
             heads = (t.transpose(1, 2) for t in (q, k, v))
-            y = context_attention(*heads, cp, rank)
+            y = context_attention(*heads, cp, rank).transpose(1, 2)
         else:
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
@@ -134,8 +141,8 @@ class Attention(nn.Module):
                 attn_mask=None if mask is None else mask[:, None, None, :],
                 is_causal=self.causal,
                 enable_gqa=True,
-            )
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+            ).transpose(1, 2)
+        return self.wo(y.reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -280,14 +287,22 @@ class Decoder(nn.Module):
             return (x, *per_position)
         return tuple(shard_sequence(t, self.cp_mesh) for t in (x, *per_position))
 
-    def forward(self, x, token_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x, token_mask, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` (B, S, d) (under CP this rank's chunks, under TP its sequence shard of those),
-        ``token_mask`` (B, S) for the same positions as ``x`` before TP.
+        ``token_mask`` (B, S) for the same positions as ``x`` before TP; ``positions`` (S,)
+        the RoPE positions when they are not ``0 .. S - 1`` (decoding).
 
         Returns the logits (the hidden states if this part has no head) and the MoE balance
         losses of its blocks, summed over blocks and sequences.
         """
-        cos, sin = self.rope(token_mask.shape[1], x.device)
+        if positions is None:
+            cos, sin = self.rope(token_mask.shape[1], x.device)
+        else:
+            longest = int(positions.max()) + 1
+            cos, sin = rope_tables(longest, self.head_dim, self.rope_theta, x.device)
+            cos, sin = cos[positions], sin[positions]
         aux = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers.values():
             x, layer_aux = layer(x, cos, sin, None, token_mask)

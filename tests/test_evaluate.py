@@ -1,0 +1,134 @@
+"""train.evaluate: the same hypotheses at every layout, any manifest, clear refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lhotse import CutSet
+
+from train.data import load_cuts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_module(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run(
+        [*launcher, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+
+
+def evaluate(run_dir: Path, *overrides: str, nproc: int = 1) -> dict:
+    result = run_module(
+        "train.evaluate", f"run_dir={run_dir}", "max_new_tokens=24", *overrides, nproc=nproc
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    [summary] = list((run_dir / "eval").glob("step_*/summary.json"))
+    hypotheses = summary.parent / "hypotheses.jsonl"
+    return {
+        "summary": json.loads(summary.read_text()),
+        "hypotheses": [
+            json.loads(line)["hypothesis"] for line in hypotheses.read_text().splitlines()
+        ],
+    }
+
+
+def trained(tmp_path_factory, corpus: Path, name: str, *overrides: str, nproc: int) -> Path:
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    result = run_module(
+        "train",
+        f"run_dir={run_dir}",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=disabled",
+        "optim.warmup_steps=2",
+        *overrides,
+        nproc=nproc,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory, corpus) -> Path:
+    """A tiny model trained at fsdp2 over 2 ranks."""
+    return trained(tmp_path_factory, corpus, "dense", "train.max_steps=12", nproc=2)
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory, corpus) -> Path:
+    return trained(tmp_path_factory, corpus, "moe", "model=tiny_moe", "train.max_steps=6", nproc=1)
+
+
+@pytest.fixture(scope="module")
+def dense_alone(dense_run) -> dict:
+    return evaluate(dense_run)
+
+
+def test_one_process_writes_hypotheses_and_a_summary(dense_run, dense_alone, corpus):
+    summary = dense_alone["summary"]
+    test_cuts = list(load_cuts(corpus / "cuts_test.jsonl.gz"))
+    assert summary["step"] == 12 and summary["split"] == "test"
+    assert summary["num_utterances"] == len(test_cuts) == len(dense_alone["hypotheses"])
+    assert summary["wer"] >= 0 and summary["cer"] >= 0 and summary["utterances_per_s"] > 0
+    assert "world=1" in summary["layout"] and summary["kv_cache"] is True
+
+
+@pytest.mark.parametrize("overrides", [[], ["parallel.tp=2"]], ids=["dp2", "tp2"])
+def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides):
+    """Saved at fsdp2 x 2 ranks; decoded at 1 process, 2 data-parallel ranks and tp 2."""
+    other = evaluate(dense_run, *overrides, nproc=2)
+    assert other["hypotheses"] == dense_alone["hypotheses"]
+    assert other["summary"]["wer"] == dense_alone["summary"]["wer"]
+    assert "world=2" in other["summary"]["layout"]
+
+
+def test_the_moe_preset_decodes_the_same_at_ep2(moe_run):
+    alone = evaluate(moe_run)
+    experts = evaluate(moe_run, "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
+    assert experts["hypotheses"] == alone["hypotheses"]
+    assert "ep=2" in experts["summary"]["layout"]
+
+
+def test_an_external_manifest_with_audio_only(dense_run, corpus, tmp_path):
+    """A CutSet of our own: three dev cuts without their stored features (fbank computed)."""
+    cuts = CutSet.from_cuts(list(load_cuts(corpus / "cuts_dev.jsonl.gz"))[:3]).drop_features()
+    manifest = tmp_path / "cuts_mine.jsonl.gz"
+    cuts.to_file(manifest)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(dense_run / "checkpoints")
+    result = evaluate(run_dir, f"inputs={manifest}")
+    assert result["summary"]["split"] == "mine"
+    assert result["summary"]["num_utterances"] == 3
+
+
+def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
+    empty = tmp_path / "empty.jsonl.gz"
+    CutSet.from_cuts([]).to_file(empty)
+    unlabelled = tmp_path / "unlabelled.jsonl.gz"
+    cut = next(iter(load_cuts(corpus / "cuts_dev.jsonl.gz")))
+    CutSet.from_cuts([cut.drop_supervisions()]).to_file(unlabelled)
+    cases = [
+        ([f"run_dir={tmp_path / 'nothing'}"], "no complete checkpoint"),
+        ([f"run_dir={dense_run}", "step=7"], "not a complete checkpoint"),
+        ([f"run_dir={dense_run}", f"inputs={empty}"], "holds no cuts"),
+        ([f"run_dir={dense_run}", f"inputs={unlabelled}"], "has no supervision"),
+    ]
+    for args, message in cases:
+        result = run_module("train.evaluate", *args)
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (args, result.stderr[-2000:])

@@ -1,0 +1,330 @@
+"""``python -m train.evaluate run_dir=DIR [key=value ...]``: transcribe a cut manifest with a
+trained checkpoint and score it (WER, CER).
+
+Run alone or under torchrun at a data-parallel, tensor-parallel or expert-parallel layout
+(``parallel.*`` as for training), whatever layout the checkpoint was saved at: DCP reshards it
+on load. Utterances (sorted by duration, in batches of ``batch_size``) are dealt out to the
+data-parallel ranks; each decodes greedily with a KV cache (train/decode.py); rank 0 gathers the
+hypotheses and writes ``RUN_DIR/eval/step_<N>/hypotheses.jsonl`` and ``summary.json``. Scoring
+is train/wer.py's (normalized text, corpus-level rates).
+
+Inputs: ``inputs=`` any lhotse cut manifest whose cuts have supervisions and either features
+(80 fbank bins, as the corpus stores) or audio (features are then computed here); by default
+the test split of the corpus the run trained on. The checkpoint: the newest complete one in
+``run_dir``, or ``step=N``, or ``checkpoint=PATH``. Bad input stops every rank with one
+``error:`` line and exit code 2 before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.config_store import ConfigStore
+from lhotse import CutSet, Fbank, FbankConfig
+from lhotse.cut import Cut
+from omegaconf import MISSING, DictConfig, OmegaConf
+from torch.nn.utils.rnn import pad_sequence
+
+from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
+from train.checkpoint import MARKER, STATE_FILE, CheckpointError, CheckpointManager
+from train.config import ParallelConfig
+from train.data import load_cuts
+from train.decode import greedy_decode, initialize_sharding
+from train.mesh import build_meshes
+from train.models.build import build_model
+from train.models.parallelize import ParallelizeOptions
+from train.models.presets import get_preset
+from train.models.salm import ByteTokenizer
+from train.parallel_dims import ParallelDims
+from train.trainer import ConfigError, init_distributed, say
+from train.validation import rank_share
+from train.wer import ErrorCounts, normalize, score_pair
+
+NUM_MEL_BINS = 80  # the corpus's fbank features (recipes/make_corpus.py)
+
+
+@dataclass
+class EvaluateConfig:
+    run_dir: str = MISSING  # the training run: its checkpoints/, and eval/ for the results
+    checkpoint: str | None = None  # a step_<N> directory; default the newest complete one
+    step: int | None = None  # or the checkpoint of this step in run_dir
+    inputs: str | None = None  # a lhotse cut manifest; default the run's corpus test split
+    split: str | None = None  # its name in the summary; default "test", or the file's name
+    batch_size: int = 16  # utterances per batch and data-parallel rank
+    max_new_tokens: int = 128  # the longest transcript decoded, in tokens (bytes)
+    kv_cache: bool = True  # false recomputes every position at each step (a baseline)
+    strategy: str = "fsdp2"
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(dp_shard=1))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What preflight resolved: the checkpoint, its step and model, the inputs, the layout."""
+
+    checkpoint: Path
+    step: int
+    preset: str
+    inputs: Path
+    split: str
+    dims: ParallelDims
+
+
+def find_checkpoint(cfg: EvaluateConfig) -> Path:
+    run_dir = Path(cfg.run_dir)
+    if cfg.checkpoint:
+        path = Path(cfg.checkpoint)
+    elif cfg.step is not None:
+        path = run_dir / "checkpoints" / f"step_{cfg.step}"
+    else:
+        latest = CheckpointManager(run_dir).latest() if run_dir.is_dir() else None
+        if latest is None:
+            raise ConfigError(
+                f"run_dir={run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}; "
+                "train first, or pass checkpoint=PATH"
+            )
+        return latest
+    if not (path / MARKER).is_file():
+        raise ConfigError(
+            f"{path} is not a complete checkpoint (no {MARKER} marker); complete ones in "
+            f"{run_dir / 'checkpoints'}: {complete_steps(run_dir) or 'none'}"
+        )
+    return path
+
+
+def complete_steps(run_dir: Path) -> str:
+    found = sorted((run_dir / "checkpoints").glob(f"step_*/{MARKER}"))
+    return ", ".join(marker.parent.name for marker in found)
+
+
+def check_inputs(path: Path) -> int:
+    """The manifest's cut count, once every cut is shown to be usable."""
+    if not path.is_file():
+        raise ConfigError(f"inputs={path} does not exist; pass a lhotse cut manifest")
+    if ".jsonl" not in path.name:
+        raise ConfigError(f"inputs={path}: give a lhotse cut manifest in JSONL (*.jsonl[.gz])")
+    try:
+        cuts = list(CutSet.from_jsonl_lazy(path))
+    except Exception as error:
+        raise ConfigError(f"inputs={path} is not a lhotse cut manifest: {error}") from None
+    if not cuts:
+        raise ConfigError(f"inputs={path} holds no cuts")
+    for cut in cuts:
+        if not cut.supervisions:
+            raise ConfigError(
+                f"inputs={path}: cut {cut.id} has no supervision, so no reference transcript"
+            )
+        if not (cut.has_features or cut.has_recording):
+            raise ConfigError(f"inputs={path}: cut {cut.id} has neither features nor audio")
+    return len(cuts)
+
+
+def layout(cfg: EvaluateConfig, preset: str, world_size: int) -> ParallelDims:
+    p = cfg.parallel
+    if p.pp != 1 or p.cp != 1:
+        raise ConfigError(
+            "evaluation runs at data-, tensor- and expert-parallel layouts (parallel.pp=1, "
+            "parallel.cp=1); a checkpoint saved at any layout, pipelines included, loads at them"
+        )
+    dp_replicate = p.dp_replicate
+    if p.dp_shard == 1 and p.ep == 1 and dp_replicate in (1, -1):
+        dp_replicate = world_size // max(p.tp, 1)  # whole replicas: no sharding to wait on
+    try:
+        dims = ParallelDims(
+            world_size=world_size, dp_replicate=dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep
+        )
+        dims.validate(get_preset(preset), cfg.strategy)
+    except (ValueError, KeyError) as error:
+        raise ConfigError(str(error).strip("'\"")) from error
+    return dims
+
+
+def preflight(cfg: EvaluateConfig) -> Plan:
+    """Everything checkable before a process group exists."""
+    if cfg.batch_size < 1 or cfg.max_new_tokens < 1:
+        raise ConfigError("batch_size and max_new_tokens must be at least 1")
+    if not cfg.kv_cache and cfg.parallel.tp > 1:
+        raise ConfigError("kv_cache=false (the baseline without a cache) runs at parallel.tp=1")
+    checkpoint = find_checkpoint(cfg)
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    trainer_state = state.get("trainer_state", {})
+    preset = trainer_state.get("model_preset")
+    if preset is None:
+        raise ConfigError(f"{checkpoint} does not record its model (saved by an older trainer)")
+    if cfg.inputs:
+        inputs = Path(cfg.inputs)
+        split = cfg.split or inputs.name.split(".")[0].removeprefix("cuts_")
+    elif "corpus" in trainer_state:
+        inputs = Path(trainer_state["corpus"]) / "cuts_test.jsonl.gz"
+        split = cfg.split or "test"
+    else:
+        raise ConfigError(f"{checkpoint} does not record its corpus: pass inputs=MANIFEST")
+    check_inputs(inputs)
+    dims = layout(cfg, preset, int(os.environ.get("WORLD_SIZE", "1")))
+    return Plan(checkpoint, int(state["step"]), preset, inputs, split, dims)
+
+
+def features_of(cut: Cut) -> torch.Tensor:
+    if cut.has_features:
+        return torch.from_numpy(cut.load_features())
+    extractor = Fbank(FbankConfig(num_filters=NUM_MEL_BINS))
+    return torch.from_numpy(cut.compute_features(extractor))
+
+
+def transcript(cut: Cut) -> str:
+    return " ".join(s.text or "" for s in cut.supervisions)
+
+
+class Evaluation:
+    def __init__(self, cfg: EvaluateConfig, plan: Plan, device: torch.device) -> None:
+        self.cfg, self.plan, self.device = cfg, plan, device
+        self.rank = dist.get_rank()
+        meshes = build_meshes(plan.dims, device.type)
+        options = ParallelizeOptions(
+            strategy=cfg.strategy,
+            activation_checkpointing="none",
+            compile=False,
+            mixed_precision=False,
+        )
+        self.model = build_model(get_preset(plan.preset), device, 0, meshes, options)
+        self.model.eval()
+        CheckpointManager(Path(cfg.run_dir)).load(plan.checkpoint, self.model, None, None)
+        initialize_sharding(self.model)
+        coords = plan.dims.coordinates(self.rank)
+        self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
+
+    def batches(self) -> tuple[list[list[Cut]], int]:
+        """This rank's batches and how many every rank runs."""
+        cuts = sorted(load_cuts(self.plan.inputs), key=lambda cut: (cut.duration, cut.id))
+        size = self.cfg.batch_size
+        batches = [cuts[start : start + size] for start in range(0, len(cuts), size)]
+        indices, forwards = rank_share(len(batches), self.dp_rank, self.dp_size)
+        return [batches[index] for index in indices], forwards
+
+    def any_active(self, mine: bool) -> bool:
+        flag = torch.tensor([float(mine)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def decode(self, cuts: list[Cut]) -> list[str]:
+        features = [features_of(cut) for cut in cuts]
+        lens = torch.tensor([len(f) for f in features])
+        padded = pad_sequence(features, batch_first=True).to(self.device)
+        ids = greedy_decode(
+            self.model,
+            padded,
+            lens.to(self.device),
+            self.cfg.max_new_tokens,
+            self.any_active,
+            use_cache=self.cfg.kv_cache,
+            batch_multiple=self.plan.dims.tp,
+        )
+        tokenizer = ByteTokenizer()
+        return [tokenizer.decode(row) for row in ids]
+
+    def run(self) -> dict | None:
+        mine, forwards = self.batches()
+        started = time.perf_counter()
+        rows, audio_s = [], 0.0
+        for index in range(forwards):
+            counts = index < len(mine)
+            cuts = mine[index] if counts else (mine[0] if mine else self.first_batch())
+            hypotheses = self.decode(cuts)
+            if counts:
+                audio_s += sum(cut.duration for cut in cuts)
+                rows += [
+                    {"id": cut.id, "reference": transcript(cut), "hypothesis": hypothesis}
+                    for cut, hypothesis in zip(cuts, hypotheses, strict=True)
+                ]
+                if self.rank == 0:
+                    say(
+                        f"evaluate: batch {index + 1}/{forwards} on rank 0 ({len(rows)} utterances)"
+                    )
+        elapsed = time.perf_counter() - started
+        gathered: list = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object((rows, audio_s), gathered, dst=0)
+        if self.rank != 0:
+            return None
+        return self.write(gathered, elapsed)
+
+    def first_batch(self) -> list[Cut]:
+        """A filler for a rank with no batch of its own: the manifest's first cut."""
+        return [next(iter(load_cuts(self.plan.inputs)))]
+
+    def write(self, gathered: list, elapsed: float) -> dict:
+        by_id: dict[str, dict] = {}
+        audio_by_dp: dict[int, float] = {}
+        for rank, (rows, audio_s) in enumerate(gathered):
+            by_id.update({row["id"]: row for row in rows})  # TP/EP peers decode the same ones
+            audio_by_dp[self.plan.dims.coordinates(rank).dp_rank] = audio_s
+        rows = [by_id[key] for key in sorted(by_id)]
+        counts = ErrorCounts()
+        for row in rows:
+            scored = score_pair(row["reference"], row["hypothesis"])
+            row["normalized_reference"] = normalize(row["reference"])
+            row["normalized_hypothesis"] = normalize(row["hypothesis"])
+            counts += scored
+        out = Path(self.cfg.run_dir) / "eval" / f"step_{self.plan.step}"
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "hypotheses.jsonl").open("w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps(row) + "\n")
+        audio_s = sum(audio_by_dp.values())
+        summary = {
+            "step": self.plan.step,
+            "split": self.plan.split,
+            "inputs": str(self.plan.inputs),
+            "checkpoint": str(self.plan.checkpoint),
+            "num_utterances": len(rows),
+            "wer": counts.wer,
+            "cer": counts.cer,
+            "errors": asdict(counts),
+            "utterances_per_s": len(rows) / elapsed,
+            "real_time_factor": elapsed / audio_s if audio_s else None,
+            "decode_s": elapsed,
+            "layout": self.plan.dims.describe(),
+            "kv_cache": self.cfg.kv_cache,
+            "batch_size": self.cfg.batch_size,
+            "max_new_tokens": self.cfg.max_new_tokens,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        say(
+            f"evaluate: step {self.plan.step} {self.plan.split}: WER {100 * counts.wer:.2f}% "
+            f"CER {100 * counts.cer:.2f}% over {len(rows)} utterances "
+            f"({summary['utterances_per_s']:.1f} utt/s); hypotheses in {out / 'hypotheses.jsonl'}"
+        )
+        return summary
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="evaluate_schema", node=EvaluateConfig)
+
+
+register()
+
+
+@hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name="evaluate")
+def main(raw: DictConfig) -> None:
+    cfg: EvaluateConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
+    try:
+        plan = preflight(cfg)
+    except (ConfigError, CheckpointError) as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    device = init_distributed()
+    try:
+        Evaluation(cfg, plan, device).run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
