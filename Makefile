@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge espeak-ng sox
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-system setup-slurm corpus corpus-long demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-system setup-slurm corpus corpus-long corpus-asr demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,10 @@ corpus: setup setup-system
 # Long utterances for context parallelism: 8 consecutive cuts of the corpus joined into one.
 corpus-long: corpus
 	$(PY) recipes/make_long_corpus.py --corpus $(CORPUS) --out $(CORPUS)_long --join 8
+
+# A larger corpus for a model that learns (recipes/train_asr.yaml): 4,000 utterances, ~2 h.
+corpus-asr: setup setup-system
+	$(PY) recipes/make_corpus.py --out $(CORPUS)_asr --num 4000 --jobs 2
 
 demo: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh
