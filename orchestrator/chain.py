@@ -1,4 +1,5 @@
-"""A chain: N jobs of one recipe, each depending on the one before, each with its own seed.
+"""A chain: N jobs of one recipe, each depending on the one before, each with its own seed, and
+optionally one job of another recipe after the last (``auto_launch --then``), e.g. an evaluation.
 
 Submission is all or nothing. The manifest is saved after every accepted job, so an interrupted
 launch never leaves a queued job unrecorded; if any submission fails (or the user interrupts),
@@ -12,16 +13,65 @@ import secrets
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
-from orchestrator.manifest import JobRecord, Manifest, orch_home, register_chain
-from orchestrator.preflight import check_dependency, check_num_jobs, check_run_dir
+from orchestrator.manifest import JobRecord, Manifest, ThenRecord, orch_home, register_chain
+from orchestrator.preflight import (
+    check_dependency,
+    check_fits,
+    check_job_name,
+    check_num_jobs,
+    check_run_dir,
+)
+from orchestrator.scripts import read_recipe
 from orchestrator.seeds import chain_seeds, validate_base_seed
+
+# The --then job waits for the chain's last job to end, however it ended: a chain that failed or
+# timed out still gets its final answer from what it saved.
+THEN_DEPENDENCY = "afterany"
+
+
+@dataclass(frozen=True)
+class ThenJob:
+    """The one job queued after the chain's last: another recipe, run in the chain's run dir as
+    job index ``num_jobs`` with the next seed of the chain's sequence."""
+
+    recipe: Path
+    script_text: str
+    directives: dict[str, str]
+    option: str  # how the user gave it (--then, hydra.launcher.then), to name it in errors
+
+    @property
+    def job_name(self) -> str:
+        return self.recipe.stem
+
+    @classmethod
+    def load(cls, given: str, option: str) -> ThenJob:
+        """Check the recipe as the chain's own is checked, before anything is queued."""
+        with cls._named(option):
+            recipe, prepared = read_recipe(given)
+            check_job_name(recipe.stem)
+        return cls(recipe, prepared.text, prepared.directives, option)
+
+    def check_fits(self, sinfo_table: str | None, runs_here: bool) -> None:
+        """Its resources must fit the chain's backend as the chain's own must."""
+        with self._named(self.option):
+            check_fits(self.directives, sinfo_table, runs_here)
+
+    @staticmethod
+    @contextmanager
+    def _named(option: str) -> Iterator[None]:
+        """A UsageError inside names the option the recipe came from."""
+        try:
+            yield
+        except UsageError as error:
+            raise UsageError(f"{option}: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -47,6 +97,7 @@ class ChainPlan:
     sweep_id: str | None = None
     function: Callable[..., Any] | None = None
     function_args: tuple[Any, ...] = ()
+    then: ThenJob | None = None
 
     @classmethod
     def create(
@@ -65,17 +116,18 @@ class ChainPlan:
         function: Callable[..., Any] | None = None,
         function_args: tuple[Any, ...] = (),
         workdir: Path | None = None,
+        then: ThenJob | None = None,
     ) -> ChainPlan:
         """The one way to plan a chain: every check made, the id, run dir and seeds decided.
 
         ``run_dir`` defaults to ``$ORCH_HOME/runs/<chain id>``, ``workdir`` to the current one.
+        A --then job takes the seed after the chain's last, derived the same way.
         """
         check_num_jobs(num_jobs)
         check_dependency(dependency_kind)
         if base_seed is not None:
             validate_base_seed(base_seed)
-        if not job_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise UsageError(f"job name {job_name!r}: use letters, digits, '-', '_' and '.' only")
+        check_job_name(job_name)
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
@@ -86,7 +138,7 @@ class ChainPlan:
             run_dir=resolved_run_dir,
             workdir=workdir or Path.cwd(),
             num_jobs=num_jobs,
-            seeds=tuple(chain_seeds(num_jobs, base_seed)),
+            seeds=tuple(chain_seeds(num_jobs + (then is not None), base_seed)),
             dependency_kind=dependency_kind,
             script_args=tuple(script_args),
             base_seed=base_seed,
@@ -94,6 +146,7 @@ class ChainPlan:
             sweep_id=sweep_id,
             function=function,
             function_args=tuple(function_args),
+            then=then,
         )
 
     @property
@@ -101,7 +154,43 @@ class ChainPlan:
         """The copy of the script that every job of the chain runs (immune to later edits)."""
         return self.run_dir / f"{self.job_name}.sub"
 
+    @property
+    def then_script_path(self) -> Path:
+        """The --then job's copy; prefixed, so a recipe of the chain's name cannot overwrite it."""
+        assert self.then is not None
+        return self.run_dir / f"then-{self.then.job_name}.sub"
+
+    @property
+    def total_jobs(self) -> int:
+        """The chain's jobs and its --then job."""
+        return self.num_jobs + (self.then is not None)
+
+    def script_copies(self) -> list[tuple[int, Path, str]]:
+        """(first job index that runs it, path in the run dir, text) of each batch script."""
+        copies: list[tuple[int, Path, str]] = []
+        if self.script_text is not None:
+            copies.append((0, self.script_path, self.script_text))
+        if self.then is not None:
+            copies.append((self.num_jobs, self.then_script_path, self.then.script_text))
+        return copies
+
+    def is_then(self, index: int) -> bool:
+        return self.then is not None and index == self.num_jobs
+
     def request(self, index: int, after: str | None) -> JobRequest:
+        """Job ``index``; the last index of a plan with a --then job is that job."""
+        if self.then is not None and index == self.num_jobs:
+            return JobRequest(
+                script=self.then_script_path,
+                script_args=(),
+                job_name=self.then.job_name,
+                log_pattern=self.run_dir / "logs" / f"{self.then.job_name}-%j.out",
+                env=contract_env(self, index),
+                dependency_kind=THEN_DEPENDENCY,
+                after=after,
+                workdir=self.workdir,
+                seed=self.seeds[index],
+            )
         return JobRequest(
             script=self.script_path if self.function is None else None,
             script_args=self.script_args,
@@ -118,7 +207,10 @@ class ChainPlan:
 
 
 def contract_env(plan: ChainPlan, index: int) -> dict[str, str]:
-    """The ORCH_* variables of the .sub contract for job ``index``."""
+    """The ORCH_* variables of the .sub contract for job ``index``.
+
+    ORCH_NUM_JOBS counts the chain's jobs without the --then job, whose index is that number.
+    """
     env = {
         "ORCH_CHAIN_ID": plan.chain_id,
         "ORCH_JOB_INDEX": str(index),
@@ -160,11 +252,22 @@ def callable_name(function: Callable[..., Any]) -> str:
     return f"python:{function.__module__}.{function.__qualname__}"
 
 
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
+    then = None
+    if plan.then is not None:
+        then = ThenRecord(
+            recipe=str(plan.then.recipe),
+            recipe_sha256=sha256_of(plan.then.recipe),
+            script=str(plan.then_script_path),
+        )
     return Manifest(
         chain_id=plan.chain_id,
         recipe=str(plan.recipe),
-        recipe_sha256=hashlib.sha256(plan.recipe.read_bytes()).hexdigest(),
+        recipe_sha256=sha256_of(plan.recipe),
         script=str(plan.script_path) if plan.function is None else callable_name(plan.function),
         run_dir=str(plan.run_dir),
         backend=backend_name,
@@ -176,6 +279,7 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         git_dirty=None,
         created=time.time(),
         sweep_id=plan.sweep_id,
+        then=then,
     )
 
 
@@ -187,9 +291,7 @@ def submit_chain(
     """Submit every job of the plan in order; roll back the chain if any submission fails."""
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     (plan.run_dir / "logs").mkdir(exist_ok=True)
-    if plan.script_text is not None:
-        plan.script_path.write_text(plan.script_text)
-        plan.script_path.chmod(0o755)
+    write_scripts(plan)
     manifest = new_manifest(plan, backend.label)
     manifest.save(durable=False)
     register_chain(manifest)
@@ -207,6 +309,13 @@ def submit_chain(
     return manifest
 
 
+def write_scripts(plan: ChainPlan) -> None:
+    """The copies of the scripts the jobs run, in the run dir."""
+    for _index, path, text in plan.script_copies():
+        path.write_text(text)
+        path.chmod(0o755)
+
+
 def _submit_jobs(
     plan: ChainPlan,
     backend: Backend,
@@ -215,15 +324,16 @@ def _submit_jobs(
 ) -> None:
     after: str | None = None
     try:
-        for index in range(plan.num_jobs):
-            job_id = backend.submit(plan.request(index, after))
-            dependency = dependency_spec(plan.dependency_kind, after)
+        for index in range(plan.total_jobs):
+            request = plan.request(index, after)
+            job_id = backend.submit(request)
             record = JobRecord(
                 index=index,
-                seed=plan.seeds[index],
+                seed=request.seed,
                 job_id=job_id,
-                dependency=dependency,
+                dependency=dependency_spec(request.dependency_kind, after),
                 submit_time=time.time(),
+                then=plan.is_then(index),
             )
             manifest.jobs.append(record)
             manifest.save(durable=False)
@@ -235,12 +345,18 @@ def _submit_jobs(
         raise
 
 
+def last_first(job_ids: list[str]) -> list[str]:
+    """A chain's jobs in the order to cancel them: a job waiting (afterany) on one being
+    cancelled must be gone before that one ends, or the scheduler may start it in between."""
+    return job_ids[::-1]
+
+
 def rollback(manifest: Manifest, backend: Backend, error: BaseException) -> None:
     """Cancel what this chain queued and record why; the chain is never left half-submitted."""
     queued = manifest.job_ids()
     cancel_error = ""
     try:
-        backend.cancel(queued)
+        backend.cancel(last_first(queued))
     except SchedulerError as failure:
         cancel_error = f"; cancelling {queued} also failed: {failure}"
     manifest.status = "rolled_back"

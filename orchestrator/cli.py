@@ -6,13 +6,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from orchestrator import __version__
 from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
-from orchestrator.chain import ChainPlan, submit_chain
+from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, write_scripts
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
     JobRecord,
@@ -21,11 +22,11 @@ from orchestrator.manifest import (
     list_chains,
     list_sweeps,
     orch_home,
-    sweep_index_path,
+    sweep_labels,
 )
 from orchestrator.preflight import check_fits
-from orchestrator.resources import locate_recipe
-from orchestrator.scripts import prepare_script
+from orchestrator.results import RunResults, format_wer, last_progress
+from orchestrator.scripts import read_recipe
 from orchestrator.slurm_commands import probe_partitions
 
 
@@ -78,6 +79,12 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         choices=registry.OPTIONS,
         help="auto (default): slurm when a controller answers, else local",
     )
+    parser.add_argument(
+        "--then",
+        metavar="RECIPE",
+        help="queue one more job of this recipe after the chain's last (afterany), in the same "
+        "run dir with the next job index and seed: e.g. an evaluation",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
     return parser
@@ -92,12 +99,8 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainPlan, dict]:
     """Validate the request (preflight, part one) and decide everything but the job ids."""
-    recipe = locate_recipe(args.recipe)
-    if not recipe.exists():
-        raise UsageError(f"recipe {args.recipe} does not exist")
-    if not recipe.is_file():
-        raise UsageError(f"recipe {args.recipe} is not a file")
-    prepared = prepare_script(recipe)
+    recipe, prepared = read_recipe(args.recipe)
+    then = ThenJob.load(args.then, "--then") if args.then else None
     plan = ChainPlan.create(
         job_name=args.name or recipe.stem,
         recipe=recipe,
@@ -107,6 +110,7 @@ def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainP
         dependency_kind=args.dependency,
         base_seed=args.seed,
         script_args=tuple(script_args),
+        then=then,
     )
     return plan, prepared.directives
 
@@ -114,30 +118,35 @@ def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainP
 def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
     import shlex
 
-    print(f"# chain {plan.chain_id}: {plan.num_jobs} job(s), backend {backend.label}, dry run")
+    then = " and a --then job" if plan.then else ""
+    print(
+        f"# chain {plan.chain_id}: {plan.num_jobs} job(s){then}, backend {backend.label}, dry run"
+    )
     print(f"# run dir: {plan.run_dir}")
     after: str | None = None
-    for index in range(plan.num_jobs):
+    for index in range(plan.total_jobs):
         request = plan.request(index, after)
-        print(f"# job {index}: seed {plan.seeds[index]}")
+        role = " (--then)" if plan.is_then(index) else ""
+        print(f"# job {index}{role}: seed {request.seed}")
         print(shlex.join(backend.command_line(request, after)))
         after = f"<job id of job {index}>"
-    print(f"# script {plan.script_path}:")
-    print(plan.script_text, end="" if plan.script_text.endswith("\n") else "\n")
-    verdict = test_only_in_scratch(plan, backend)
-    if verdict is not None:
-        print(f"# sbatch --test-only: {verdict}")
+    for index, path, text in plan.script_copies():
+        print(f"# script {path}:")
+        print(text, end="" if text.endswith("\n") else "\n")
+        verdict = test_only_in_scratch(plan, backend, index)
+        if verdict is not None:
+            print(f"# sbatch --test-only: {verdict}")
 
 
-def test_only_in_scratch(plan: ChainPlan, backend: Backend) -> str | None:
+def test_only_in_scratch(plan: ChainPlan, backend: Backend, index: int) -> str | None:
     """sbatch --test-only needs the script on disk; use a scratch copy, not the run dir."""
     import dataclasses
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="orch-dry-run-") as scratch:
         scratch_plan = dataclasses.replace(plan, run_dir=Path(scratch))
-        scratch_plan.script_path.write_text(plan.script_text)
-        return backend.test_only(scratch_plan.request(0, None))
+        write_scripts(scratch_plan)
+        return backend.test_only(scratch_plan.request(index, None))
 
 
 def summary(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
@@ -153,6 +162,7 @@ def summary(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
                 "seed": job.seed,
                 "dependency": job.dependency,
                 "state": statuses[job.job_id].state if job.job_id in statuses else None,
+                "then": job.then,
             }
             for job in manifest.jobs
         ],
@@ -169,11 +179,22 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
         )
 
 
+def index_label(job: JobRecord) -> str:
+    return f"{job.index} (then)" if job.then else str(job.index)
+
+
+def jobs_label(manifest: Manifest) -> str:
+    """The chain's length, ``3+then`` for a chain that ends with a --then job."""
+    return f"{manifest.num_jobs}+then" if manifest.then else str(manifest.num_jobs)
+
+
 def auto_launch(args: argparse.Namespace) -> int:
     plan, directives = build_plan(args, args.script_args)
     sinfo_table = probe_partitions()
     kind = registry.choose(args.backend, has_slurm=sinfo_table is not None)
     check_fits(directives, sinfo_table, kind.runs_here)
+    if plan.then is not None:
+        plan.then.check_fits(sinfo_table, kind.runs_here)
     backend = kind.for_run_dir(plan.run_dir)
     if args.dry_run:
         print_dry_run(plan, backend)
@@ -181,8 +202,9 @@ def auto_launch(args: argparse.Namespace) -> int:
 
     def announce(record: JobRecord) -> None:
         if not isinstance(backend, LocalBackend):  # it reports each job itself
+            which = "the --then job" if record.then else f"job {record.index + 1}/{plan.num_jobs}"
             say(
-                f"submitted job {record.index + 1}/{plan.num_jobs}: id {record.job_id}, "
+                f"submitted {which}: id {record.job_id}, "
                 f"seed {record.seed}, {record.dependency or 'no dependency'}"
             )
 
@@ -191,12 +213,12 @@ def auto_launch(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary(manifest, statuses)))
         return 0
-    print(f"chain {manifest.chain_id} ({backend.label}): {plan.num_jobs} job(s)")
+    print(f"chain {manifest.chain_id} ({backend.label}): {jobs_label(manifest)} job(s)")
     print(f"run dir  {manifest.run_dir}")
     print(f"manifest {manifest.path}")
     rows = [
         [
-            str(job.index),
+            index_label(job),
             str(job.job_id),
             str(job.seed),
             job.dependency or "-",
@@ -237,7 +259,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             [
                 manifest.chain_id,
                 manifest.backend,
-                str(manifest.num_jobs),
+                jobs_label(manifest),
                 manifest.status,
                 created,
                 manifest.run_dir,
@@ -259,22 +281,29 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     manifests = find_manifests(args.chain)
+    results = {manifest.chain_id: RunResults.of(manifest.run_dir) for manifest in manifests}
+    labels = sweep_labels(args.chain)
     payloads = []
     for manifest in manifests:
         statuses = backend_for(manifest).statuses(manifest.job_ids())
         if args.json:
-            payloads.append(status_payload(manifest, statuses))
+            payloads.append(status_payload(manifest, statuses, results[manifest.chain_id]))
         else:
-            print_status(manifest, statuses)
+            print_status(manifest, statuses, results[manifest.chain_id])
+    if labels is None:
+        if args.json:
+            print(json.dumps(payloads[0]))
+        return 0
+    ranked = sorted(manifests, key=lambda manifest: results[manifest.chain_id].rank_key())
     if args.json:
-        is_sweep = sweep_index_path(args.chain).is_file()
-        print(json.dumps({"sweep_id": args.chain, "chains": payloads} if is_sweep else payloads[0]))
+        best_first = [manifest.chain_id for manifest in ranked]
+        print(json.dumps({"sweep_id": args.chain, "chains": payloads, "best_first": best_first}))
+    else:
+        print_ranking(args.chain, ranked, results, labels)
     return 0
 
 
-def status_payload(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
-    from orchestrator.plot import last_progress
-
+def status_payload(manifest: Manifest, statuses: dict[str, JobStatus], results: RunResults) -> dict:
     payload = summary(manifest, statuses)
     progress = last_progress(manifest)
     for job in payload["jobs"]:
@@ -283,6 +312,8 @@ def status_payload(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
         job["reason"] = status.reason if status else ""
         job["exit_code"] = status.exit_code if status else None
         job["last_step"], job["last_loss"] = progress.get(job["index"], (None, None))
+    payload["validation"] = asdict(results.validation) if results.validation else None
+    payload["evaluation"] = asdict(results.evaluation) if results.evaluation else None
     return payload
 
 
@@ -290,12 +321,11 @@ def format_loss(loss: float | None) -> str:
     return "-" if loss is None else f"{loss:.4f}"
 
 
-def print_status(manifest: Manifest, statuses: dict[str, JobStatus]) -> None:
+def print_status(manifest: Manifest, statuses: dict[str, JobStatus], results: RunResults) -> None:
     print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
     if manifest.error:
         print(f"error: {manifest.error}")
-    from orchestrator.plot import last_progress
-
+    print(f"latest: {results.describe()}")
     progress = last_progress(manifest)
     rows = []
     for job in manifest.jobs:
@@ -303,7 +333,7 @@ def print_status(manifest: Manifest, statuses: dict[str, JobStatus]) -> None:
         last_step, last_loss = progress.get(job.index, (None, None))
         rows.append(
             [
-                str(job.index),
+                index_label(job),
                 str(job.job_id),
                 str(job.seed),
                 status.state if status else "?",
@@ -316,6 +346,34 @@ def print_status(manifest: Manifest, statuses: dict[str, JobStatus]) -> None:
     print_table(rows, ["index", "job_id", "seed", "state", "step", "loss", "nodes", "reason"])
 
 
+def print_ranking(
+    sweep_id: str,
+    ranked: list[Manifest],
+    results: dict[str, RunResults],
+    labels: dict[str, str],
+) -> None:
+    """The sweep's members best first (by WER, else val_loss), each with what set it apart."""
+    print(f"sweep {sweep_id}: {len(ranked)} member(s), best first")
+    rows = []
+    for rank, manifest in enumerate(ranked, start=1):
+        found = results[manifest.chain_id]
+        evaluation, validation = found.evaluation, found.validation
+        label = labels.get(manifest.chain_id, manifest.chain_id)
+        rows.append(
+            [
+                str(rank),
+                manifest.chain_id,
+                format_wer(evaluation.wer) if evaluation else "-",
+                str(evaluation.step) if evaluation else "-",
+                format_loss(validation.val_loss if validation else None),
+                str(validation.step) if validation else "-",
+                "" if label == manifest.chain_id else label,
+            ]
+        )
+    header = ["rank", "chain", "wer", "eval_step", "val_loss", "val_step", "overrides"]
+    print_table(rows, header)
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     for manifest in find_manifests(args.chain):
         backend = backend_for(manifest)
@@ -323,7 +381,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         live = [
             job_id for job_id, status in statuses.items() if status.state not in FINISHED_STATES
         ]
-        backend.cancel(live)
+        backend.cancel(last_first(live))
         print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
     return 0
 

@@ -57,6 +57,16 @@ class JobRecord:
     job_id: str | None = None
     dependency: str | None = None
     submit_time: float | None = None
+    then: bool = False  # the job auto_launch --then queued after the chain's last
+
+
+@dataclass
+class ThenRecord:
+    """What the --then job runs: its recipe, that file's hash, its script copy."""
+
+    recipe: str
+    recipe_sha256: str
+    script: str
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Manifest:
     status: str = "submitting"
     error: str | None = None
     sweep_id: str | None = None
+    then: ThenRecord | None = None
     jobs: list[JobRecord] = field(default_factory=list)
 
     @property
@@ -91,7 +102,9 @@ class Manifest:
         """Read a manifest; fields this version does not know (older or newer ones) are ignored."""
         data = json.loads(Path(path).read_text())
         jobs = [JobRecord(**known_fields(JobRecord, job)) for job in data.pop("jobs", [])]
-        return cls(**known_fields(cls, data), jobs=jobs)
+        then = data.pop("then", None)
+        then_record = ThenRecord(**known_fields(ThenRecord, then)) if then else None
+        return cls(**known_fields(cls, data), jobs=jobs, then=then_record)
 
     def job_ids(self) -> list[str]:
         return [job.job_id for job in self.jobs if job.job_id]
@@ -160,6 +173,21 @@ def find_manifests(name: str) -> list[Manifest]:
         members = json.loads(path.read_text())["members"]
         return [find_manifest(member["chain_id"]) for member in members]
     return [find_manifest(name)]
+
+
+def sweep_labels(name: str) -> dict[str, str] | None:
+    """Chain id -> the overrides that tell it from the other members (else its id) for a sweep;
+    None when ``name`` is no sweep. Overrides every member shares would only crowd a legend."""
+    path = sweep_index_path(name)
+    if not path.is_file():
+        return None
+    members = json.loads(path.read_text())["members"]
+    override_lists = [m.get("overrides") or [] for m in members]
+    shared = set.intersection(*map(set, override_lists)) if len(members) > 1 else set()
+    return {
+        m["chain_id"]: " ".join(o for o in overrides if o not in shared) or m["chain_id"]
+        for m, overrides in zip(members, override_lists, strict=True)
+    }
 
 
 def list_sweeps() -> list[dict[str, Any]]:

@@ -1,22 +1,35 @@
 """``orchestrator plot``: loss and throughput of a chain, or of a sweep's chains, as one PNG.
 
 Reading and drawing are split: ``plot_data`` turns the chains' ``metrics.jsonl`` into plain series
-(steps, losses, tokens/s, the jobs each series is made of), which tests check against the file;
-``draw`` only renders them. matplotlib is imported inside ``draw``, so the other commands never pay
-for it.
+(steps, losses, tokens/s, the jobs each series is made of, validation losses, the run's latest
+evaluation), which tests check against the files; ``draw`` only renders them. matplotlib is
+imported inside ``draw``, so the other commands never pay for it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import UsageError
-from orchestrator.manifest import METRICS_FILE, Manifest, find_manifests, sweep_index_path
+from orchestrator.manifest import (
+    METRICS_FILE,
+    Manifest,
+    find_manifests,
+    sweep_index_path,
+    sweep_labels,
+)
+from orchestrator.results import (
+    Evaluation,
+    chain_rows,
+    format_wer,
+    is_number,
+    is_training_row,
+    latest_evaluation,
+    validations,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,17 @@ class ChainSeries:
     losses: list[float]  # NaN where a step logged no (finite) loss
     tokens_per_s: list[float]
     jobs: list[JobSpan]
+    val_steps: list[int]
+    val_losses: list[float]
+    evaluation: Evaluation | None  # the run's latest
+
+    @property
+    def legend_label(self) -> str:
+        """The label, with the run's latest WER where it has one."""
+        if self.evaluation is None:
+            return self.label
+        wer = format_wer(self.evaluation.wer)
+        return f"{self.label}: WER {wer} (step {self.evaluation.step})"
 
     @property
     def boundaries(self) -> list[float]:
@@ -53,38 +77,8 @@ class PlotData:
     without_metrics: list[str]  # chain ids of sweep members that have logged nothing yet
 
 
-def iter_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The rows of ``run_dir/metrics.jsonl``; a last line still being written is left out."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if not line.endswith("\n"):
-                return
-            if line.strip():
-                yield json.loads(line)
-
-
-def chain_rows(manifest: Manifest) -> list[dict[str, Any]]:
-    """This chain's rows (a run dir continued by a later chain holds that chain's rows too)."""
-    return [
-        row
-        for row in iter_metrics(Path(manifest.run_dir))
-        if row.get("chain_id") in (manifest.chain_id, None)
-    ]
-
-
-def last_progress(manifest: Manifest) -> dict[int, tuple[int, float | None]]:
-    """Per job index: the last step the job logged and its loss."""
-    progress: dict[int, tuple[int, float | None]] = {}
-    for row in chain_rows(manifest):
-        progress[row.get("job_index", 0)] = (row["step"], row.get("loss"))
-    return progress
-
-
 def _number(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) else math.nan
+    return float(value) if is_number(value) else math.nan
 
 
 def job_spans(rows: list[dict[str, Any]]) -> list[JobSpan]:
@@ -100,33 +94,23 @@ def job_spans(rows: list[dict[str, Any]]) -> list[JobSpan]:
 
 
 def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
-    """The chain's series, or None when it has logged no step yet."""
+    """The chain's series, or None when it has logged no row yet."""
     rows = chain_rows(manifest)
     if not rows:
         return None
+    training = [row for row in rows if is_training_row(row)]
+    validated = validations(rows)
     return ChainSeries(
         label=label,
         chain_id=manifest.chain_id,
-        steps=[row["step"] for row in rows],
-        losses=[_number(row.get("loss")) for row in rows],
-        tokens_per_s=[_number(row.get("tokens_per_s")) for row in rows],
-        jobs=job_spans(rows),
+        steps=[row["step"] for row in training],
+        losses=[_number(row.get("loss")) for row in training],
+        tokens_per_s=[_number(row.get("tokens_per_s")) for row in training],
+        jobs=job_spans(training),
+        val_steps=[point.step for point in validated],
+        val_losses=[point.val_loss for point in validated],
+        evaluation=latest_evaluation(Path(manifest.run_dir)),
     )
-
-
-def sweep_labels(name: str) -> dict[str, str] | None:
-    """Chain id -> the overrides that tell it from the other members (else its id) for a sweep;
-    None when ``name`` is no sweep. Overrides every member shares would only crowd the legend."""
-    path = sweep_index_path(name)
-    if not path.is_file():
-        return None
-    members = json.loads(path.read_text())["members"]
-    override_lists = [m.get("overrides") or [] for m in members]
-    shared = set.intersection(*map(set, override_lists)) if len(members) > 1 else set()
-    return {
-        m["chain_id"]: " ".join(o for o in overrides if o not in shared) or m["chain_id"]
-        for m, overrides in zip(members, override_lists, strict=True)
-    }
 
 
 def plot_data(name: str) -> PlotData:
@@ -160,14 +144,25 @@ def default_output(name: str) -> Path:
 
 
 def draw(data: PlotData, out: Path) -> Path:
-    """Render loss and tokens/s against step, job boundaries dashed, each job's seed named."""
+    """Render loss and tokens/s against step, job boundaries dashed, each job's seed named;
+    validation losses as dotted points on the loss axes, the latest WER in the legend."""
     from matplotlib.figure import Figure  # the Agg canvas: no display, no pyplot state
 
     figure = Figure(figsize=(10, 7), layout="constrained")
     loss_axes, speed_axes = figure.subplots(2, 1, sharex=True)
     colors = [f"C{i % 10}" for i in range(len(data.series))]
     for row, (series, color) in enumerate(zip(data.series, colors, strict=True)):
-        loss_axes.plot(series.steps, series.losses, color=color, label=series.label)
+        loss_axes.plot(series.steps, series.losses, color=color, label=series.legend_label)
+        if series.val_steps:
+            loss_axes.plot(
+                series.val_steps,
+                series.val_losses,
+                color=color,
+                linestyle=":",
+                marker="o",
+                markersize=4,
+                label=f"{series.label} val_loss",
+            )
         speed_axes.plot(series.steps, series.tokens_per_s, color=color, label=series.label)
         for x in series.boundaries:
             for axes in (loss_axes, speed_axes):

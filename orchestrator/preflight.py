@@ -28,6 +28,12 @@ def check_dependency(kind: str) -> None:
         raise UsageError(f"--dependency {kind!r}: choose one of {', '.join(DEPENDENCY_KINDS)}")
 
 
+def check_job_name(name: str) -> None:
+    """SLURM job names, log and script file names are made from it: keep it plain."""
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"job name {name!r}: use letters, digits, '-', '_' and '.' only")
+
+
 def check_run_dir(run_dir: Path) -> None:
     """The run dir (or the nearest folder that exists above it) must be a writable directory."""
     if "," in str(run_dir):

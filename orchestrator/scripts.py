@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import UsageError
+from orchestrator.resources import locate_recipe
 from orchestrator.sbatch_directives import parse_sbatch_directives
 
 if TYPE_CHECKING:
@@ -31,6 +32,16 @@ class PreparedScript:
     directives: dict[str, str]
     source_kind: str  # "yaml" (rendered) or "sub" (read as it is)
     spec: Recipe | None = None  # the validated recipe, for YAML recipes
+
+
+def read_recipe(given: str) -> tuple[Path, PreparedScript]:
+    """The recipe a user names (a path, or the name of a shipped one), checked and prepared."""
+    recipe = locate_recipe(given)
+    if not recipe.exists():
+        raise UsageError(f"recipe {given} does not exist")
+    if not recipe.is_file():
+        raise UsageError(f"recipe {given} is not a file")
+    return recipe, prepare_script(recipe)
 
 
 def prepare_script(path: Path | str) -> PreparedScript:

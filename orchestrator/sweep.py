@@ -2,9 +2,11 @@
 
 Each member's recipe is the sweep's resources plus one command, the member's ``python -m train``
 with its overrides, ``seed=${SEED}`` and ``run_dir=${ORCH_RUN_DIR}``, so every job of the chain
-resumes the member's training. Every member is planned, rendered and preflighted before the first
-submission; if a submission fails, the chains already queued are cancelled. The sweep index
-(``register_sweep``) lets ``orchestrator status|cancel|logs SWEEP`` see all members at once.
+resumes the member's training; with a --then recipe (``hydra.launcher.then``) each member's chain
+ends with that job, in the member's run dir, given its seed alone. Every
+member is planned, rendered and preflighted before the first submission; if a submission fails,
+the chains already queued are cancelled. The sweep index (``register_sweep``) lets
+``orchestrator status|cancel|logs SWEEP`` see all members at once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import yaml
 
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
-from orchestrator.chain import ChainPlan, new_chain_id, rollback, submit_chain
+from orchestrator.chain import ChainPlan, ThenJob, new_chain_id, rollback, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import Manifest, register_sweep
 from orchestrator.preflight import check_fits
@@ -52,6 +54,7 @@ class SweepRequest:
     dependency: str
     backend: str  # slurm | local
     workdir: Path
+    then: ThenJob | None = None  # each member's chain ends with it
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
         chain_id=f"{request.sweep_id}-{member.index}",
         sweep_id=request.sweep_id,
         workdir=request.workdir,
+        then=request.then,
     )
     return PlannedMember(member, plan, fields, parse_sbatch_directives(text))
 
@@ -112,6 +116,8 @@ def preflight_sweep(
     kind = registry.choose(request.backend, has_slurm=sinfo_table is not None)
     for item in planned:
         check_fits(item.directives, sinfo_table, kind.runs_here)
+    if request.then is not None:
+        request.then.check_fits(sinfo_table, kind.runs_here)
     backend = kind.for_run_dir(planned[0].plan.run_dir)
     return planned, backend
 

@@ -2,7 +2,8 @@
 # `make demo`: a 3-job chain of real training (tiny SALM, 2 ranks, FSDP2) that resumes across
 # jobs, first on the local backend, then on a private 2-node SLURM cluster on loopback started
 # and stopped here. Each job trains 10 steps, saves a DCP checkpoint and exits; the next job
-# resumes it with its own seed. A summary per chain ends each part.
+# resumes it with its own seed. A summary per chain ends each part; the cluster's chain ends
+# with an evaluation job (--then recipes/evaluate.yaml) whose WER closes the demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +29,9 @@ manifest = json.loads((run_dir / "manifest.json").read_text())
 metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 print(f"\nchain {manifest['chain_id']} ({manifest['backend']}): {len(manifest['jobs'])} jobs")
 for job in manifest["jobs"]:
-    rows = [m for m in metrics if str(m.get("job_index")) == str(job["index"])]
+    if job.get("then"):
+        continue
+    rows = [m for m in metrics if str(m.get("job_index")) == str(job["index"]) and "loss" in m]
     if rows:
         print(f"  job {job['index']} (id {job['job_id']}, seed {job['seed']}): steps "
               f"{rows[0]['step']}..{rows[-1]['step']}, loss at its end {rows[-1]['loss']:.4f}, "
@@ -55,9 +58,22 @@ orchestrator cluster up --dir "$cluster_dir" --nodes 2 --cpus-per-node 2
 trap 'orchestrator cluster down --dir "$cluster_dir"' EXIT
 eval "$(orchestrator cluster env --dir "$cluster_dir")"
 slurm_run="$runs/demo-slurm-$stamp"
-chain=$(auto_launch -n3 --json --run-dir "$slurm_run" recipes/train_tiny_2node.yaml -- "${overrides[@]}" | chain_id)
+chain=$(auto_launch -n3 --json --run-dir "$slurm_run" --then recipes/evaluate.yaml recipes/train_tiny_2node.yaml -- "${overrides[@]}" | chain_id)
 orchestrator status "$chain"
 echo "-- following the chain's logs until its last job ends"
 orchestrator logs "$chain" --follow | grep -E "^\[(orch|train)\]|^==>|error" || true
 orchestrator status "$chain"
 summarise "$slurm_run"
+python - "$slurm_run" <<'PY'
+import json, sys
+from pathlib import Path
+run_dir = Path(sys.argv[1])
+summaries = sorted(run_dir.glob("eval/step_*/summary.json"), key=lambda p: int(p.parent.name[5:]))
+if not summaries:
+    sys.exit(f"error: the evaluation job wrote no summary in {run_dir / 'eval'}; see its log")
+summary = json.loads(summaries[-1].read_text())
+print(f"\nevaluation (--then recipes/evaluate.yaml): step {summary['step']}, {summary['split']} split, "
+      f"{summary['num_utterances']} utterances: WER {100 * summary['wer']:.1f}%, "
+      f"CER {100 * summary['cer']:.1f}% (a 30-step demo model; recipes/train_asr.yaml learns)")
+print(f"  hypotheses: {summaries[-1].parent / 'hypotheses.jsonl'}")
+PY

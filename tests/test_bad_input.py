@@ -76,6 +76,18 @@ CASES = {
     "malformed time": (lambda t: [sub(t, "#SBATCH --time=soon")], "soon"),
     "unknown signal": (lambda t: [sub(t, "#SBATCH --signal=B:USR9@60")], "USR9"),
     "nodes not a number": (lambda t: [sub(t, "#SBATCH --nodes=two")], "--nodes=two"),
+    "missing --then recipe": (
+        lambda t: ["--then", str(t / "eval.yaml"), sub(t, "#SBATCH --time=5")],
+        "error: --then: recipe",
+    ),
+    "invalid --then recipe": (
+        lambda t: ["--then", raw(t, "eval.yaml", "nodes: 1\n"), sub(t, "#SBATCH --time=5")],
+        "error: --then: recipe",
+    ),
+    "--then recipe too big": (
+        lambda t: ["--then", sub(t, "#SBATCH --nodes=5", "eval.sub"), sub(t, "#SBATCH --time=5")],
+        "error: --then: 5 nodes asked",
+    ),
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import launch_json, queue_ids, run_tool, wait_chain, wait_gone, write_sub
+from tests.test_then import check_then_job_records, recipes
 
 pytestmark = pytest.mark.slurm
 
@@ -98,6 +99,26 @@ def test_afterok_stops_the_rest_after_a_failure(slurm_cluster, tmp_path):
     wait_gone([job["job_id"] for job in summary["jobs"]])
 
 
+@pytest.mark.parametrize(("backend", "label"), [("slurm", "slurm"), ("submitit", "submitit:slurm")])
+def test_then_job_runs_after_the_chain(slurm_cluster, tmp_path, backend, label):
+    train, evaluate = recipes(tmp_path)
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n2", "--backend", backend, "--run-dir", str(run_dir), "--then", str(evaluate), str(train)
+    )
+    assert summary["backend"] == label
+    ids = [job["job_id"] for job in summary["jobs"]]
+    assert [job["then"] for job in summary["jobs"]] == [False, False, True]
+    assert summary["jobs"][2]["dependency"] == f"afterany:{ids[1]}"
+
+    final = wait_chain(summary["chain_id"])
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3
+    seeds = [job["seed"] for job in final["jobs"]]
+    check_then_job_records(run_dir, summary["chain_id"], seeds, args=[])
+    status = run_tool("orchestrator", "status", summary["chain_id"]).stdout.splitlines()
+    assert status[-1].split()[:5] == ["2", "(then)", ids[2], str(seeds[2]), "COMPLETED"]
+
+
 def test_seed_option_reproduces_seeds(slurm_cluster, tmp_path):
     recipe = write_sub(tmp_path / "quick.sub", "true\n")
     first = launch_json("-n2", "--seed", "42", "--run-dir", str(tmp_path / "a"), str(recipe))
@@ -136,9 +157,14 @@ def test_dry_run_submits_nothing(slurm_cluster, tmp_path):
     assert not run_dir.exists()
 
 
-def test_failed_submission_rolls_back_the_chain(slurm_cluster, tmp_path):
-    """sbatch accepts job 0 and 1, then refuses job 2: the two queued jobs must be cancelled."""
+@pytest.mark.parametrize("then", [False, True], ids=["chain", "then"])
+def test_failed_submission_rolls_back_the_chain(slurm_cluster, tmp_path, then):
+    """sbatch accepts job 0 and 1, then refuses job 2 (of the chain, or its --then job): the two
+    queued jobs must be cancelled."""
     recipe = write_sub(tmp_path / "slow.sub", "sleep 30\n")
+    options = ["-n4"]
+    if then:
+        options = ["-n2", "--then", str(write_sub(tmp_path / "evaluate.sub", "true\n"))]
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     real_sbatch = subprocess.run(["which", "sbatch"], capture_output=True, text=True).stdout.strip()
@@ -154,7 +180,7 @@ def test_failed_submission_rolls_back_the_chain(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     completed = run_tool(
         "auto_launch",
-        "-n4",
+        *options,
         "--run-dir",
         str(run_dir),
         str(recipe),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from lhotse import CutSet
 
+from tests.helpers import launch_json, run_tool, wait_chain
 from train.data import load_cuts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,3 +133,33 @@ def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
         assert result.returncode == 2, (args, result.stderr[-2000:])
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], (args, result.stderr[-2000:])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_chain_ends_with_its_evaluation(slurm_cluster, tmp_path, corpus):
+    """2 training jobs across the loopback cluster's nodes, then --then recipes/evaluate.yaml:
+    it runs after them, scores the newest checkpoint, and status shows the WER."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n2",
+        "--run-dir",
+        str(run_dir),
+        "--then",
+        "recipes/evaluate.yaml",
+        "recipes/train_tiny_2node.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        "train.max_steps=4",
+        "train.max_steps_per_run=2",
+        cwd=REPO,
+    )
+    final = wait_chain(summary["chain_id"], timeout=400)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
+    assert [job["then"] for job in final["jobs"]] == [False, False, True]
+    result = json.loads((run_dir / "eval" / "step_4" / "summary.json").read_text())
+    assert result["split"] == "test" and result["num_utterances"] > 0
+    status = run_tool("orchestrator", "status", summary["chain_id"])
+    assert f"WER {100 * result['wer']:.2f}% at step 4" in status.stdout, status.stdout

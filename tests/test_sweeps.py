@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, queue_ids, run_tool, wait_chain, wait_gone
+from tests.test_then import read_jsonl, recording_recipe
 
 # Few, short steps: each member trains in seconds on one shared core.
 TINY = (
@@ -121,13 +122,16 @@ def test_stock_submitit_slurm_launcher_gives_members_their_own_run_dir_and_seed(
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corpus, tmp_path):
-    """2 members x 2 chained jobs: the launcher returns with the jobs queued; job 1 resumes."""
+    """2 members x 2 chained jobs: the launcher returns with the jobs queued; job 1 resumes;
+    then each member's --then job runs in the member's run dir, given the member's overrides."""
     sweep_dir = tmp_path / "sweep"
+    evaluate = recording_recipe(tmp_path / "evaluate.sub")
     done = multirun(
         sweep_dir,
         corpus,
         "hydra/launcher=chain_loopback",
         "hydra.launcher.n=2",
+        f"hydra.launcher.then={evaluate}",
         "train.max_steps=4",
         "train.max_steps_per_run=2",
         "optim.lr=1e-3,3e-4",
@@ -138,17 +142,24 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
     assert status["sweep_id"] == sweep
     assert len(status["chains"]) == 2
     states = [job["state"] for chain in status["chains"] for job in chain["jobs"]]
-    assert len(states) == 4
+    assert len(states) == 6
     assert all(state in ("PENDING", "RUNNING") for state in states), states
 
-    for chain in status["chains"]:
+    for chain, lr in zip(status["chains"], ("0.001", "0.0003"), strict=True):
         finished = wait_chain(chain["chain_id"], timeout=240)
-        assert [job["state"] for job in finished["jobs"]] == ["COMPLETED", "COMPLETED"], finished
-        rows = metrics(Path(chain["run_dir"]))
+        assert [job["state"] for job in finished["jobs"]] == ["COMPLETED"] * 3, finished
+        run_dir = Path(chain["run_dir"])
+        rows = metrics(run_dir)
         assert [row["step"] for row in rows] == [1, 2, 3, 4]
         assert [row["job_index"] for row in rows] == [0, 0, 1, 1]
         seeds = [job["seed"] for job in chain["jobs"]]
         assert [row["seed"] for row in rows] == [seeds[0], seeds[0], seeds[1], seeds[1]]
+        (then,) = read_jsonl(run_dir / "jobs.jsonl")
+        assert then["argv"][0] == str(seeds[2])
+        assert {f"optim.lr={lr}", f"data.corpus={corpus}"} <= set(then["argv"][1:]), then
+        assert then["env"]["ORCH_RUN_DIR"] == str(run_dir)
+        assert then["env"]["ORCH_JOB_INDEX"] == "2"
+        assert then["env"]["ORCH_SWEEP_ID"] == sweep
     run_dirs = {Path(chain["run_dir"]) for chain in status["chains"]}
     assert run_dirs == {sweep_dir / "0", sweep_dir / "1"}
     script = (sweep_dir / "0" / "tiny_fsdp2.sub").read_text()
@@ -160,21 +171,32 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
 
 @pytest.mark.slurm
 def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
+    """Each member's chain ends with its own --then job; cancel stops all of them."""
+    sweep_dir = tmp_path / "sweep"
     done = multirun(
-        tmp_path / "sweep",
+        sweep_dir,
         corpus,
         "hydra/launcher=chain_loopback",
         "hydra.launcher.n=3",
+        f"hydra.launcher.then={recording_recipe(tmp_path / 'evaluate.sub')}",
         "train.max_steps=1000",
         "optim.lr=1e-3,3e-4",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = sweep_id(done.stdout)
-    job_ids = [job["job_id"] for chain in sweep_status(sweep)["chains"] for job in chain["jobs"]]
-    assert len(job_ids) == 6
+    chains = sweep_status(sweep)["chains"]
+    for member, chain in enumerate(chains):
+        jobs = chain["jobs"]
+        assert [job["then"] for job in jobs] == [False, False, False, True]
+        assert jobs[3]["dependency"] == f"afterany:{jobs[2]['job_id']}"
+        run_dir = sweep_dir / str(member)
+        then = json.loads((run_dir / "manifest.json").read_text())["then"]
+        assert then["script"] == str(run_dir / "then-evaluate.sub")
+    job_ids = [job["job_id"] for chain in chains for job in chain["jobs"]]
+    assert len(job_ids) == 8
     cancelled = run_tool("orchestrator", "cancel", sweep)
     assert cancelled.returncode == 0, cancelled.stderr
-    assert cancelled.stdout.count("cancelled 3 job(s)") == 2, cancelled.stdout
+    assert cancelled.stdout.count("cancelled 4 job(s)") == 2, cancelled.stdout
     wait_gone(job_ids)
 
 
@@ -198,8 +220,12 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
             ["hydra/launcher=chain_loopback", "hydra.launcher.cpus_per_task=9", "optim.lr=1,2"],
             ["error: 1 tasks x 9 CPUs per node asked"],
         ),
+        (
+            ["hydra/launcher=chain_loopback", "hydra.launcher.then=no/eval.yaml", "optim.lr=1,2"],
+            ["error: hydra.launcher.then: recipe no/eval.yaml does not exist"],
+        ),
     ],
-    ids=["zero-jobs", "bad-layout", "bad-value", "too-big"],
+    ids=["zero-jobs", "bad-layout", "bad-value", "too-big", "bad-then"],
 )
 def test_bad_settings_stop_before_anything_is_queued(
     empty_queue, corpus, tmp_path, overrides, fragments

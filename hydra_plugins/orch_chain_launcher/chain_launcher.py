@@ -3,8 +3,9 @@
 The launcher only turns Hydra's members into orchestrator.sweep's request: the trainer's argv,
 each member's overrides, run dir (``<sweep dir>/<job num>`` unless the member sets ``run_dir``)
 and base seed (the member's ``seed=S`` if it sets one, else one derived from the launcher's
-``base_seed``, else fresh seeds). The members are checked with the trainer's own validation for
-the recipe's rank count, then orchestrator.sweep preflights, submits and registers the sweep.
+``base_seed``, else fresh seeds), and the ``then`` recipe every member's chain ends with. The
+members are checked with the trainer's own validation for the recipe's rank count, then
+orchestrator.sweep preflights, submits and registers the sweep.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class ChainLauncher(Launcher):
     def _launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> list[JobReturn]:
+        from orchestrator.chain import ThenJob
         from orchestrator.recipe import explicit_settings, parse_settings
         from orchestrator.sweep import (
             SweepMember,
@@ -80,6 +82,7 @@ class ChainLauncher(Launcher):
         else:
             settings = {k: v for k, v in params.items() if k not in CHAIN_SETTINGS}
             resources = explicit_settings(settings)
+        then = ThenJob.load(str(params["then"]), "hydra.launcher.then") if params["then"] else None
         shape = parse_settings(resources, "hydra.launcher")
         world_size = shape.nodes * shape.tasks_per_node
         validate_members(
@@ -121,6 +124,7 @@ class ChainLauncher(Launcher):
             dependency=str(params["dependency"]),
             backend=str(params["backend"]),
             workdir=Path.cwd(),
+            then=then,
         )
         manifests = submit_sweep(request, members)
         print_sweep(request, manifests)

@@ -18,7 +18,8 @@ PACKAGE = "hydra_plugins.orch_chain_launcher"
 class ChainSettings:
     """The chained launcher's own settings: each sweep member becomes a chain of ``n`` jobs, as
     ``auto_launch -n N`` makes. ``recipe``: a YAML recipe whose settings are used as they are and
-    whose ``command`` is replaced by the member's."""
+    whose ``command`` is replaced by the member's. ``then``: a recipe each member's chain ends
+    with, as ``auto_launch --then`` (e.g. an evaluation of the member's run)."""
 
     _target_: str = f"{PACKAGE}.chain_launcher.ChainLauncher"
     backend: str = "slurm"  # slurm | local
@@ -27,6 +28,7 @@ class ChainSettings:
     # Reproducible seeds for every job of every member; None: fresh random seeds.
     base_seed: int | None = None
     recipe: str | None = None
+    then: str | None = None
 
 
 # The chain settings plus every recipe setting, with its default, from the one recipe schema
