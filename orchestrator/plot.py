@@ -24,10 +24,10 @@ from orchestrator.manifest import (
 from orchestrator.results import (
     Evaluation,
     chain_rows,
+    evaluations,
     format_wer,
     is_number,
     is_training_row,
-    latest_evaluation,
     validations,
 )
 
@@ -52,7 +52,12 @@ class ChainSeries:
     jobs: list[JobSpan]
     val_steps: list[int]
     val_losses: list[float]
-    evaluation: Evaluation | None  # the run's latest
+    evaluated: list[Evaluation]  # the run's evaluations, by step
+
+    @property
+    def evaluation(self) -> Evaluation | None:
+        """The run's latest."""
+        return self.evaluated[-1] if self.evaluated else None
 
     @property
     def legend_label(self) -> str:
@@ -109,7 +114,7 @@ def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
         jobs=job_spans(training),
         val_steps=[point.step for point in validated],
         val_losses=[point.val_loss for point in validated],
-        evaluation=latest_evaluation(Path(manifest.run_dir)),
+        evaluated=evaluations(Path(manifest.run_dir)),
     )
 
 
@@ -145,12 +150,17 @@ def default_output(name: str) -> Path:
 
 def draw(data: PlotData, out: Path) -> Path:
     """Render loss and tokens/s against step, job boundaries dashed, each job's seed named;
-    validation losses as dotted points on the loss axes, the latest WER in the legend."""
+    validation losses as dotted points on the loss axes, each evaluation's WER as a square on a
+    WER axis at the right, the latest WER in the legend. The loss axis is logarithmic."""
     from matplotlib.figure import Figure  # the Agg canvas: no display, no pyplot state
 
     figure = Figure(figsize=(10, 7), layout="constrained")
     loss_axes, speed_axes = figure.subplots(2, 1, sharex=True)
     colors = [f"C{i % 10}" for i in range(len(data.series))]
+    wer_axes = None
+    if any(series.evaluated for series in data.series):
+        wer_axes = loss_axes.twinx()
+        wer_axes.set_ylabel("WER % (squares)")
     for row, (series, color) in enumerate(zip(data.series, colors, strict=True)):
         loss_axes.plot(series.steps, series.losses, color=color, label=series.legend_label)
         if series.val_steps:
@@ -162,6 +172,15 @@ def draw(data: PlotData, out: Path) -> Path:
                 marker="o",
                 markersize=4,
                 label=f"{series.label} val_loss",
+            )
+        if wer_axes is not None and series.evaluated:
+            wer_axes.plot(
+                [evaluation.step for evaluation in series.evaluated],
+                [100 * evaluation.wer for evaluation in series.evaluated],
+                color=color,
+                linestyle="-.",
+                marker="s",
+                markersize=5,
             )
         speed_axes.plot(series.steps, series.tokens_per_s, color=color, label=series.label)
         for x in series.boundaries:
@@ -179,6 +198,7 @@ def draw(data: PlotData, out: Path) -> Path:
                 color=color,
             )
     loss_axes.set_ylabel("loss")
+    loss_axes.set_yscale("log")
     speed_axes.set_ylabel("tokens/s")
     speed_axes.set_xlabel("step")
     loss_axes.set_title(data.title)

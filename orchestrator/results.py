@@ -124,18 +124,22 @@ def read_evaluation(path: Path, step: int) -> Evaluation | None:
     )
 
 
-def latest_evaluation(run_dir: Path) -> Evaluation | None:
-    """The evaluation of the highest step whose summary parses (a newer one may be unfinished)."""
-    folders = []
+def evaluations(run_dir: Path) -> list[Evaluation]:
+    """Every evaluation whose summary parses, by step (one still being written is left out)."""
+    found = []
     for folder in (Path(run_dir) / EVAL_DIR).glob("step_*"):
         number = folder.name.removeprefix("step_")
         if number.isdigit():
-            folders.append((int(number), folder))
-    for step, folder in sorted(folders, reverse=True):
-        found = read_evaluation(folder / EVAL_SUMMARY, step)
-        if found is not None:
-            return found
-    return None
+            evaluation = read_evaluation(folder / EVAL_SUMMARY, int(number))
+            if evaluation is not None:
+                found.append(evaluation)
+    return sorted(found, key=lambda evaluation: evaluation.step)
+
+
+def latest_evaluation(run_dir: Path) -> Evaluation | None:
+    """The evaluation of the highest step whose summary parses (a newer one may be unfinished)."""
+    found = evaluations(run_dir)
+    return found[-1] if found else None
 
 
 @dataclass(frozen=True)

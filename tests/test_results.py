@@ -229,8 +229,10 @@ def test_status_of_a_sweep_ranks_its_members_best_first(tmp_path):
 
 def test_plot_draws_val_loss_and_names_the_latest_wer(tmp_path):
     run_dir = make_chain(tmp_path, "plot-val-chain", trained("plot-val-chain", (3.5, 2.75)))
+    write_eval(run_dir, 2, 0.5)
     write_eval(run_dir, 4, 0.153)
     (series,) = plot_data(str(run_dir)).series
+    assert [(e.step, e.wer) for e in series.evaluated] == [(2, 0.5), (4, 0.153)]
     assert series.steps == [1, 2, 3, 4]
     assert series.losses == [4.0, 3.0, 2.0, 1.0]
     assert [(job.job_index, job.first_step, job.last_step) for job in series.jobs] == [
