@@ -1,0 +1,91 @@
+"""WER against training time: evaluate every checkpoint a run kept and print the learning curve.
+
+    python bench/bench_learning.py --run-dir runs/asr          # after recipes/train_asr.yaml
+    python bench/bench_learning.py --run-dir runs/asr --nproc 2
+
+Each checkpoint without an evaluation gets one (``python -m train.evaluate step=N``, the run's
+test split, under ``torchrun --standalone`` when ``--nproc`` > 1); existing
+``eval/step_<N>/summary.json`` files are reused. Training time at step N is read from the run's
+``metrics.jsonl``: the sum of the logged mean step times (``step_time_s`` times the steps each row
+covers), so it leaves out start-up, checkpointing, validation and the gaps between jobs; wall
+time is the time of the row at step N since the run's first step began, and includes all of those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def training_seconds(metrics: list[dict]) -> dict[int, float]:
+    """Cumulative training time at each logged step (mean step time x steps per row)."""
+    elapsed, previous, at = 0.0, 0, {}
+    for row in metrics:
+        if "loss" not in row or row.get("step_time_s") is None:
+            continue
+        elapsed += row["step_time_s"] * (row["step"] - previous)
+        previous = row["step"]
+        at[row["step"]] = elapsed
+    return at
+
+
+def evaluate(run_dir: Path, step: int, nproc: int) -> dict:
+    summary = run_dir / "eval" / f"step_{step}" / "summary.json"
+    if not summary.is_file():
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        args = ["-m", "train.evaluate", f"run_dir={run_dir}", f"step={step}", "batch_size=32"]
+        done = subprocess.run([*launcher, *args], cwd=REPO, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"evaluation of step {step} failed:\n{done.stderr[-3000:]}")
+    return json.loads(summary.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--nproc", type=int, default=1)
+    args = parser.parse_args()
+    run_dir = args.run_dir.resolve()
+    steps = sorted(
+        int(marker.parent.name.removeprefix("step_"))
+        for marker in (run_dir / "checkpoints").glob("step_*/COMPLETE")
+    )
+    if not steps:
+        sys.exit(f"error: no complete checkpoint in {run_dir / 'checkpoints'}")
+    metrics = rows(run_dir)
+    trained = training_seconds(metrics)
+    first = next(row for row in metrics if "loss" in row)
+    start = first["time"] - trained[first["step"]]  # the first row's steps began before it
+    wall = {row["step"]: row["time"] - start for row in metrics if "loss" in row}
+    val = {row["step"]: row["val_loss"] for row in metrics if "val_loss" in row}
+    print("| step | training min | wall min | val_loss | WER % | CER % |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for step in steps:
+        summary = evaluate(run_dir, step, args.nproc)
+        known = [s for s in trained if s <= step]
+        minutes = trained[max(known)] / 60 if known else float("nan")
+        wall_min = wall[max(known)] / 60 if known else float("nan")
+        loss = f"{val[step]:.4f}" if step in val else "-"
+        print(
+            f"| {step} | {minutes:.1f} | {wall_min:.1f} | {loss} | {100 * summary['wer']:.1f} | "
+            f"{100 * summary['cer']:.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
