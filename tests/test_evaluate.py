@@ -127,6 +127,7 @@ def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
         ([f"run_dir={dense_run}", "step=7"], "not a complete checkpoint"),
         ([f"run_dir={dense_run}", f"inputs={empty}"], "holds no cuts"),
         ([f"run_dir={dense_run}", f"inputs={unlabelled}"], "has no supervision"),
+        ([f"run_dir={dense_run}", "parallel.pp=2"], "data-, tensor- and expert-parallel"),
     ]
     for args, message in cases:
         result = run_module("train.evaluate", *args)
