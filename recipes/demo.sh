@@ -27,7 +27,9 @@ from pathlib import Path
 run_dir = Path(sys.argv[1])
 manifest = json.loads((run_dir / "manifest.json").read_text())
 metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-print(f"\nchain {manifest['chain_id']} ({manifest['backend']}): {len(manifest['jobs'])} jobs")
+training = [job for job in manifest["jobs"] if not job.get("then")]
+then = " and an evaluation job" if len(training) < len(manifest["jobs"]) else ""
+print(f"\nchain {manifest['chain_id']} ({manifest['backend']}): {len(training)} training jobs{then}")
 for job in manifest["jobs"]:
     if job.get("then"):
         continue
