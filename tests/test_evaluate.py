@@ -87,9 +87,12 @@ def test_one_process_writes_hypotheses_and_a_summary(dense_run, dense_alone, cor
     assert "world=1" in summary["layout"] and summary["kv_cache"] is True
 
 
-@pytest.mark.parametrize("overrides", [[], ["parallel.tp=2"]], ids=["dp2", "tp2"])
+@pytest.mark.parametrize(
+    "overrides", [[], ["parallel.tp=2"], ["parallel.pp=2"]], ids=["dp2", "tp2", "pp2"]
+)
 def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides):
-    """Saved at fsdp2 x 2 ranks; decoded at 1 process, 2 data-parallel ranks and tp 2."""
+    """Saved at fsdp2 x 2 ranks; decoded at 1 process, 2 data-parallel ranks, tp 2 and in 2
+    pipeline stages."""
     other = evaluate(dense_run, *overrides, nproc=2)
     assert other["hypotheses"] == dense_alone["hypotheses"]
     assert other["summary"]["wer"] == dense_alone["summary"]["wer"]
@@ -127,7 +130,7 @@ def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
         ([f"run_dir={dense_run}", "step=7"], "not a complete checkpoint"),
         ([f"run_dir={dense_run}", f"inputs={empty}"], "holds no cuts"),
         ([f"run_dir={dense_run}", f"inputs={unlabelled}"], "has no supervision"),
-        ([f"run_dir={dense_run}", "parallel.pp=2"], "data-, tensor- and expert-parallel"),
+        ([f"run_dir={dense_run}", "parallel.cp=2"], "context parallelism has nothing to split"),
     ]
     for args, message in cases:
         result = run_module("train.evaluate", *args)

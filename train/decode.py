@@ -5,42 +5,75 @@ longest (rounded up to the model's sequence multiple, which includes the TP degr
 token per step for every sequence until all have produced EOS or ``max_new_tokens``. Sharded
 layers (FSDP, TP, EP) communicate in every forward, so the ranks decide together when to stop
 (``any_active``), and a rank whose batch is done keeps stepping with the others.
+
+Under pipeline parallelism each rank holds one stage (``Stages``): the first embeds and runs its
+blocks, each stage sends its hidden states to the next, the last computes the logits and
+broadcasts the chosen tokens back to every stage, whose KV caches then take the next step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from train.models.kv_cache import KVCache
-from train.models.salm import BOS_ID, EOS_ID, SALM
+from train.models.salm import BOS_ID, EOS_ID, SALM, encoder_lens, packed_length
+
+
+@dataclass(frozen=True)
+class Stages:
+    """This rank's place in a pipeline: its neighbours and the last stage, as global ranks."""
+
+    group: dist.ProcessGroup
+    previous: int | None
+    next: int | None
+    last: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> Stages:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        global_rank = lambda stage: dist.get_global_rank(group, stage)  # noqa: E731
+        return cls(
+            group,
+            global_rank(rank - 1) if rank > 0 else None,
+            global_rank(rank + 1) if rank < size - 1 else None,
+            global_rank(size - 1),
+        )
+
+
+def prompt_layout(feature_lens: torch.Tensor, multiple: int) -> tuple[int, torch.Tensor]:
+    """The prompt length (audio then BOS, rounded up to ``multiple``) and where each sequence's
+    first real position is: known from the lengths alone, on every pipeline stage."""
+    audio_lens = encoder_lens(feature_lens)
+    prompt = packed_length(audio_lens, torch.ones_like(audio_lens), multiple)
+    return prompt, prompt - 1 - audio_lens
 
 
 def prompt_embeddings(
-    model: SALM, features: torch.Tensor, feature_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompts (B, P, d): each sequence's audio then BOS; and where they start."""
+    model: nn.Module, features: torch.Tensor, feature_lens: torch.Tensor, prompt: int
+) -> torch.Tensor:
+    """Left-padded prompts (B, prompt, d): each sequence's audio then BOS."""
     audio, audio_lens = model.encoder(features, feature_lens)
     audio = model.projector(audio)
-    batch = len(audio_lens)
-    multiple = model.seq_multiple
-    prompt = -(-(int(audio_lens.max()) + 1) // multiple) * multiple
-    starts = prompt - 1 - audio_lens  # first real position of each sequence
+    starts = prompt - 1 - audio_lens
     columns = torch.arange(prompt, device=audio.device)[None, :]
     is_audio = (columns >= starts[:, None]) & (columns < prompt - 1)
     audio_index = (columns - starts[:, None]).clamp(0, audio.shape[1] - 1)
     from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, audio.shape[-1]))
-    bos = model.llm.embed(torch.full((batch, 1), BOS_ID, device=audio.device))
+    bos = model.llm.embed(torch.full((len(audio_lens), 1), BOS_ID, device=audio.device))
     x = torch.where(is_audio[..., None], from_audio, torch.zeros_like(from_audio))
-    return torch.cat([x[:, :-1], bos], dim=1), starts
+    return torch.cat([x[:, :-1], bos], dim=1)
 
 
 @contextmanager
-def kv_caches(model: SALM, key_valid: torch.Tensor):
-    """Every decoder attention layer caches its keys and values for this batch."""
+def kv_caches(model: nn.Module, key_valid: torch.Tensor):
+    """Every decoder attention layer (of this stage) caches its keys and values."""
     layers = [block.attn for block in model.llm.layers.values()]
     for attn in layers:
         attn.kv_cache = KVCache(key_valid)
@@ -52,17 +85,28 @@ def kv_caches(model: SALM, key_valid: torch.Tensor):
 
 
 @torch.no_grad()
-def initialize_sharding(model: SALM) -> None:
-    """Run one forward of the whole model on a dummy example (every rank, once): FSDP2 sets
+def initialize_sharding(model: nn.Module) -> None:
+    """Run one forward of the model (or stage) on a dummy example, every rank once: FSDP2 sets
     itself up in its root's first forward, which decoding does not call."""
     device = next(model.parameters()).device
-    features = torch.zeros((1, 16, model.cfg.n_mels), device=device)
+    lens = torch.tensor([16], device=device)
     tokens = torch.tensor([[BOS_ID, EOS_ID]], device=device)
-    model(features, torch.tensor([16], device=device), tokens, torch.tensor([2], device=device))
+    token_lens = torch.tensor([2], device=device)
+    if isinstance(model, SALM):
+        model(torch.zeros((1, 16, model.cfg.n_mels), device=device), lens, tokens, token_lens)
+        return
+    model.aux_scale = torch.zeros((), device=device)  # a pipeline stage (PipelinePart)
+    length = packed_length(encoder_lens(lens), token_lens, model.seq_multiple)
+    token_mask = torch.ones((1, length), dtype=torch.bool, device=device)
+    if model.encoder is not None:
+        features = torch.zeros((1, 16, model.cfg.n_mels), device=device)
+        model(features, lens, tokens, token_lens, token_mask=token_mask)
+    else:
+        model(torch.zeros((1, length, model.cfg.d_model), device=device), token_mask=token_mask)
 
 
 @contextmanager
-def gathered_root(model: SALM):
+def gathered_root(model: nn.Module):
     """Under FSDP2 the root's own parameters (encoder convolutions, projector, embeddings,
     head) are gathered by its forward, which decoding does not call: gather them for it (after
     `initialize_sharding`)."""
@@ -78,62 +122,102 @@ def gathered_root(model: SALM):
 
 @torch.no_grad()
 def greedy_decode(
-    model: SALM,
+    model: nn.Module,
     features: torch.Tensor,
     feature_lens: torch.Tensor,
     max_new_tokens: int,
     any_active: Callable[[bool], bool],
     use_cache: bool = True,
     batch_multiple: int = 1,
+    stages: Stages | None = None,
 ) -> list[list[int]]:
     """The generated token ids of each sequence (EOS excluded). ``any_active(mine)`` tells
     whether any rank still has a sequence to finish; ``use_cache=False`` recomputes the whole
-    sequence at each step (the baseline the cache is measured against). Under TP the batch,
-    which decoding steps lay out as the sequence, is padded to a multiple of the TP degree
-    (``batch_multiple``) with copies of its first sequence."""
+    sequence at each step (the baseline the cache is measured against; whole models only).
+    Under TP the batch, which decoding steps lay out as the sequence, is padded to a multiple of
+    the TP degree (``batch_multiple``) with copies of its first sequence. ``stages``: this
+    rank's pipeline stage, with ``model`` its part."""
     real = len(features)
     extra = -real % batch_multiple
     if extra:
         features = torch.cat([features, features[:1].expand(extra, -1, -1)])
         feature_lens = torch.cat([feature_lens, feature_lens[:1].expand(extra)])
+    batch, device = len(features), features.device
+    prompt, starts = prompt_layout(feature_lens, model.seq_multiple)
+    key_valid = torch.arange(prompt + max_new_tokens, device=device)[None, :] >= starts[:, None]
+    tokens = torch.full((batch, max_new_tokens), EOS_ID, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     with gathered_root(model):
-        x, starts = prompt_embeddings(model, features, feature_lens)
-        batch, prompt = x.shape[:2]
-        total = prompt + max_new_tokens
-        key_valid = torch.arange(total, device=x.device)[None, :] >= starts[:, None]
-        tokens = torch.full((batch, max_new_tokens), EOS_ID, device=x.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=x.device)
+        x = None
+        if model.encoder is not None:
+            x = prompt_embeddings(model, features, feature_lens, prompt)
         if use_cache:
             with kv_caches(model, key_valid):
-                next_token = _last_logits(model, x, key_valid[:, :prompt]).argmax(-1)
+                logits = _run_stage(model, x, (batch, prompt), key_valid[:, :prompt], None, stages)
+                next_token = _chosen(logits, batch, stages, device)
                 for step in range(max_new_tokens):
                     tokens[:, step] = torch.where(finished, EOS_ID, next_token)
                     finished |= next_token == EOS_ID
                     if step + 1 == max_new_tokens or not any_active(not bool(finished.all())):
                         break
-                    new = model.llm.embed(next_token)[None]  # (1, B, d): the batch as sequence
-                    positions = torch.full((batch,), prompt + step, device=x.device)
-                    ones = torch.ones((1, batch), dtype=torch.bool, device=x.device)
-                    logits, _ = model.llm(new, ones, positions=positions)
-                    next_token = logits[0].argmax(-1)
+                    # One new position per sequence, laid out (1, B): the batch as sequence.
+                    new = model.llm.embed(next_token)[None] if x is not None else None
+                    positions = torch.full((batch,), prompt + step, device=device)
+                    ones = torch.ones((1, batch), dtype=torch.bool, device=device)
+                    logits = _run_stage(model, new, (1, batch), ones, positions, stages)
+                    next_token = _chosen(logits, batch, stages, device, step_layout=True)
         else:
             sequence = x
             for step in range(max_new_tokens):
                 length = prompt + step
                 with kv_caches(model, key_valid[:, :length]):
-                    next_token = _last_logits(model, sequence, key_valid[:, :length]).argmax(-1)
+                    logits, _ = model.llm(sequence, key_valid[:, :length])
+                next_token = logits[:, -1].argmax(-1)
                 tokens[:, step] = torch.where(finished, EOS_ID, next_token)
                 finished |= next_token == EOS_ID
                 if step + 1 == max_new_tokens or not any_active(not bool(finished.all())):
                     break
-                new = model.llm.embed(next_token)[:, None]
-                sequence = torch.cat([sequence, new], dim=1)
+                sequence = torch.cat([sequence, model.llm.embed(next_token)[:, None]], dim=1)
     return [_until_eos(row) for row in tokens[:real].tolist()]
 
 
-def _last_logits(model: SALM, x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    logits, _ = model.llm(x, token_mask)
-    return logits[:, -1]
+def _run_stage(
+    model: nn.Module,
+    x: torch.Tensor | None,
+    shape: tuple[int, int],
+    token_mask: torch.Tensor,
+    positions: torch.Tensor | None,
+    stages: Stages | None,
+) -> torch.Tensor | None:
+    """This rank's blocks on ``x`` (received from the previous stage when None); the logits on
+    the last stage, None on the others (which send their output on)."""
+    if x is None:
+        assert stages is not None and stages.previous is not None
+        x = torch.empty((*shape, model.cfg.d_model), device=token_mask.device)
+        dist.recv(x, src=stages.previous, group=stages.group)
+    out, _ = model.llm(x, token_mask, positions=positions)
+    if stages is not None and stages.next is not None:
+        dist.send(out.contiguous(), dst=stages.next, group=stages.group)
+        return None
+    return out
+
+
+def _chosen(
+    logits: torch.Tensor | None,
+    batch: int,
+    stages: Stages | None,
+    device: torch.device,
+    step_layout: bool = False,
+) -> torch.Tensor:
+    """The greedy tokens of the last position (of each sequence, or of the step's (1, B)
+    layout), broadcast from the last pipeline stage to the others."""
+    if logits is not None:
+        chosen = (logits[0] if step_layout else logits[:, -1]).argmax(-1)
+    else:
+        chosen = torch.empty(batch, dtype=torch.long, device=device)
+    if stages is not None:
+        dist.broadcast(chosen, src=stages.last, group=stages.group)
+    return chosen
 
 
 def _until_eos(ids: list[int]) -> list[int]:

@@ -1,12 +1,13 @@
 """``python -m train.evaluate run_dir=DIR [key=value ...]``: transcribe a cut manifest with a
 trained checkpoint and score it (WER, CER).
 
-Run alone or under torchrun at a data-parallel, tensor-parallel or expert-parallel layout
-(``parallel.*`` as for training), whatever layout the checkpoint was saved at: DCP reshards it
-on load. Utterances (sorted by duration, in batches of ``batch_size``) are dealt out to the
-data-parallel ranks; each decodes greedily with a KV cache (train/decode.py); rank 0 gathers the
-hypotheses and writes ``RUN_DIR/eval/step_<N>/hypotheses.jsonl`` and ``summary.json``. Scoring
-is train/wer.py's (normalized text, corpus-level rates).
+Run alone or under torchrun at a data-, tensor-, expert-parallel or pipeline layout
+(``parallel.*`` as for training; pipeline stages without TP), whatever layout the checkpoint was
+saved at: DCP reshards it on load. Utterances (sorted by duration, in batches of
+``batch_size``) are dealt out to the data-parallel ranks; each decodes greedily with a KV cache
+(train/decode.py); rank 0 gathers the hypotheses and writes
+``RUN_DIR/eval/step_<N>/hypotheses.jsonl`` and ``summary.json``. Scoring is train/wer.py's
+(normalized text, corpus-level rates).
 
 Inputs: ``inputs=`` any lhotse cut manifest whose cuts have supervisions and either features
 (80 fbank bins, as the corpus stores) or audio (features are then computed here); by default
@@ -37,10 +38,11 @@ from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from train.checkpoint import MARKER, STATE_FILE, CheckpointError, CheckpointManager
 from train.config import ParallelConfig
 from train.data import load_cuts
-from train.decode import greedy_decode, initialize_sharding
+from train.decode import Stages, greedy_decode, initialize_sharding
 from train.mesh import build_meshes
-from train.models.build import build_model
+from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
+from train.models.pipeline import pipeline_plan
 from train.models.presets import get_preset
 from train.models.salm import ByteTokenizer
 from train.parallel_dims import ParallelDims
@@ -128,17 +130,27 @@ def check_inputs(path: Path) -> int:
 
 def layout(cfg: EvaluateConfig, preset: str, world_size: int) -> ParallelDims:
     p = cfg.parallel
-    if p.pp != 1 or p.cp != 1:
+    if p.cp != 1:
         raise ConfigError(
-            "evaluation runs at data-, tensor- and expert-parallel layouts (parallel.pp=1, "
-            "parallel.cp=1); a checkpoint saved at any layout, pipelines included, loads at them"
+            "parallel.cp=1 for evaluation: decoding keeps every position in its KV cache, so "
+            "context parallelism has nothing to split; a checkpoint saved at cp>1 loads at any "
+            "other layout"
+        )
+    if p.pp > 1 and (p.tp > 1 or not cfg.kv_cache):
+        raise ConfigError(
+            "evaluation in pipeline stages (parallel.pp>1) runs at parallel.tp=1, with the KV cache"
         )
     dp_replicate = p.dp_replicate
     if p.dp_shard == 1 and p.ep == 1 and dp_replicate in (1, -1):
-        dp_replicate = world_size // max(p.tp, 1)  # whole replicas: no sharding to wait on
+        dp_replicate = world_size // max(p.tp * p.pp, 1)  # whole replicas: nothing to wait on
     try:
         dims = ParallelDims(
-            world_size=world_size, dp_replicate=dp_replicate, dp_shard=p.dp_shard, tp=p.tp, ep=p.ep
+            world_size=world_size,
+            dp_replicate=dp_replicate,
+            dp_shard=p.dp_shard,
+            tp=p.tp,
+            ep=p.ep,
+            pp=p.pp,
         )
         dims.validate(get_preset(preset), cfg.strategy)
     except (ValueError, KeyError) as error:
@@ -193,7 +205,16 @@ class Evaluation:
             compile=False,
             mixed_precision=False,
         )
-        self.model = build_model(get_preset(plan.preset), device, 0, meshes, options)
+        model_cfg = get_preset(plan.preset)
+        self.stages = None
+        if plan.dims.pp_enabled:  # one stage per rank, split as training balances it
+            pipeline = pipeline_plan(model_cfg, plan.dims.pp, "1f1b", 0, 1, [])
+            [self.model] = build_pipeline(model_cfg, device, 0, meshes, options, pipeline)
+            self.stages = Stages.of(meshes.pp.get_group())
+            if self.rank == 0:  # the stage split (the schedule is training's business)
+                say("evaluate: " + pipeline.describe().split("; ", 1)[1])
+        else:
+            self.model = build_model(model_cfg, device, 0, meshes, options)
         self.model.eval()
         CheckpointManager(Path(cfg.run_dir)).load(plan.checkpoint, self.model, None, None)
         initialize_sharding(self.model)
@@ -225,6 +246,7 @@ class Evaluation:
             self.any_active,
             use_cache=self.cfg.kv_cache,
             batch_multiple=self.plan.dims.tp,
+            stages=self.stages,
         )
         tokenizer = ByteTokenizer()
         return [tokenizer.decode(row) for row in ids]
