@@ -123,7 +123,7 @@ def test_stock_submitit_slurm_launcher_gives_members_their_own_run_dir_and_seed(
 @pytest.mark.slow
 def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corpus, tmp_path):
     """2 members x 2 chained jobs: the launcher returns with the jobs queued; job 1 resumes;
-    then each member's --then job runs in the member's run dir, given the member's overrides."""
+    then each member's --then job runs in the member's run dir, given its seed alone."""
     sweep_dir = tmp_path / "sweep"
     evaluate = recording_recipe(tmp_path / "evaluate.sub")
     done = multirun(
@@ -145,7 +145,7 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
     assert len(states) == 6
     assert all(state in ("PENDING", "RUNNING") for state in states), states
 
-    for chain, lr in zip(status["chains"], ("0.001", "0.0003"), strict=True):
+    for chain in status["chains"]:
         finished = wait_chain(chain["chain_id"], timeout=240)
         assert [job["state"] for job in finished["jobs"]] == ["COMPLETED"] * 3, finished
         run_dir = Path(chain["run_dir"])
@@ -155,8 +155,7 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
         seeds = [job["seed"] for job in chain["jobs"]]
         assert [row["seed"] for row in rows] == [seeds[0], seeds[0], seeds[1], seeds[1]]
         (then,) = read_jsonl(run_dir / "jobs.jsonl")
-        assert then["argv"][0] == str(seeds[2])
-        assert {f"optim.lr={lr}", f"data.corpus={corpus}"} <= set(then["argv"][1:]), then
+        assert then["argv"] == [str(seeds[2])], then  # its seed alone, not the overrides
         assert then["env"]["ORCH_RUN_DIR"] == str(run_dir)
         assert then["env"]["ORCH_JOB_INDEX"] == "2"
         assert then["env"]["ORCH_SWEEP_ID"] == sweep

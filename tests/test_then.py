@@ -110,8 +110,9 @@ def test_then_job_follows_the_chain_with_the_contract(tmp_path, backend, label):
     assert status.returncode == 0, status.stderr
     last = status.stdout.strip().splitlines()[-1].split()
     assert last[:4] == ["2", "(then)", jobs[2]["job_id"], str(seeds[2])]
-    listing = run_tool("orchestrator", "list").stdout
-    assert f"{chain}  {label}" in listing and "2+then" in listing
+    listing = run_tool("orchestrator", "list").stdout.splitlines()
+    [row] = [line.split() for line in listing if line.startswith(f"{chain} ")]
+    assert row[1:3] == [label, "2+then"], row
 
 
 def test_then_job_runs_after_a_chain_that_failed(tmp_path):
