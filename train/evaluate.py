@@ -221,13 +221,15 @@ class Evaluation:
         coords = plan.dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
 
-    def batches(self) -> tuple[list[list[Cut]], int]:
-        """This rank's batches and how many every rank runs."""
+    def batches(self) -> tuple[list[list[Cut]], int, list[Cut]]:
+        """This rank's batches, how many every rank runs, and the filler a rank short of
+        batches decodes and discards (its own first batch, else the manifest's first)."""
         cuts = sorted(load_cuts(self.plan.inputs), key=lambda cut: (cut.duration, cut.id))
         size = self.cfg.batch_size
         batches = [cuts[start : start + size] for start in range(0, len(cuts), size)]
         indices, forwards = rank_share(len(batches), self.dp_rank, self.dp_size)
-        return [batches[index] for index in indices], forwards
+        mine = [batches[index] for index in indices]
+        return mine, forwards, (mine or batches)[0]
 
     def any_active(self, mine: bool) -> bool:
         flag = torch.tensor([float(mine)], device=self.device)
@@ -252,12 +254,12 @@ class Evaluation:
         return [tokenizer.decode(row) for row in ids]
 
     def run(self) -> dict | None:
-        mine, forwards = self.batches()
+        mine, forwards, filler = self.batches()
         started = time.perf_counter()
         rows, audio_s = [], 0.0
         for index in range(forwards):
             counts = index < len(mine)
-            cuts = mine[index] if counts else (mine[0] if mine else self.first_batch())
+            cuts = mine[index] if counts else filler
             hypotheses = self.decode(cuts)
             if counts:
                 audio_s += sum(cut.duration for cut in cuts)
@@ -275,10 +277,6 @@ class Evaluation:
         if self.rank != 0:
             return None
         return self.write(gathered, elapsed)
-
-    def first_batch(self) -> list[Cut]:
-        """A filler for a rank with no batch of its own: the manifest's first cut."""
-        return [next(iter(load_cuts(self.plan.inputs)))]
 
     def write(self, gathered: list, elapsed: float) -> dict:
         by_id: dict[str, dict] = {}
