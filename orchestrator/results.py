@@ -6,7 +6,9 @@ and never imports either (nor torch):
 - ``metrics.jsonl``: one JSON object per line. Training rows have ``loss``. Validation rows
   (rank 0) have ``val_loss``, ``val_tokens`` and ``val_split`` and no ``loss``. Both carry
   ``step``, ``time`` and the job's context (``job_index``, ``seed``, ``chain_id``,
-  ``slurm_job_id``). A row with neither loss counts as a training row, as rows always did.
+  ``slurm_job_id``). Each job's first step also writes one ``memory`` row (a list of every
+  rank's measured ``params_bytes``, ``grads_bytes`` and ``optimizer_bytes``). Any other row
+  with neither loss counts as a training row, as rows always did.
 - ``eval/step_<N>/summary.json`` (``hypotheses.jsonl`` beside it): at least ``step``, ``split``,
   ``num_utterances``, ``wer`` and ``cer`` (fractions: 0.153 is 15.3 %), ``utterances_per_s``,
   ``layout``. The latest evaluation is the highest N whose summary parses and has a ``wer``.
@@ -53,7 +55,7 @@ def chain_rows(manifest: Manifest) -> list[dict[str, Any]]:
 
 
 def is_training_row(row: dict[str, Any]) -> bool:
-    return "loss" in row or "val_loss" not in row
+    return "loss" in row or not ("val_loss" in row or "memory" in row)
 
 
 def is_number(value: Any) -> bool:

@@ -41,6 +41,8 @@ CASES = {
     "tp2": ("tiny", 2, ["--tp", "2"]),
     "fsdp2xtp2": ("tiny", 4, ["--dp-shard", "2", "--tp", "2"]),
     "ep2": ("tiny_moe", 2, ["--ep", "2"]),
+    # TP alone: FSDP over one shard still reduces the gradients TP leaves partial (experts too).
+    "moe_tp2": ("tiny_moe", 2, ["--tp", "2", "--dp-shard", "1"]),
     # MoE under TP with EP spanning a TP pair, and activation checkpointing on top.
     "fsdp2xtp2_ep2_ac": (
         "tiny_moe",
@@ -109,6 +111,7 @@ SHARD_FRACTION = {
     "ddp2": 1.0,
     "ddp2_accum2": 1.0,
     "tp2": 1.0,
+    "moe_tp2": 1.0,
     "accum4_moe": 1.0,
     "pp2_1f1b": 0.85,
     "pp2_gpipe_padded": 0.85,

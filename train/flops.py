@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from train.models.salm import SALMConfig, encoder_lens, subsampled_lens
+from train.models.shape import SALMConfig, encoder_lens, subsampled_lens
 
 PEAK_FLOPS_ENV = "ORCH_PEAK_FLOPS"
 # Dense bf16 FLOP/s (no sparsity), NVIDIA datasheets. Matched against the CUDA device name in

@@ -28,6 +28,7 @@ from train.checkpoint import CheckpointManager
 from train.config import TrainConfig, data_path, validate, validation_path
 from train.data import batches_forever, build_dataloader
 from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
+from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
 from train.models.build import build_model, build_pipeline
@@ -253,6 +254,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_steps = 0
+        self.state_memory: dict[str, int] | None = None  # measured at this job's first step
         self.wandb_run_id: str | None = None
         self.data_position = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
         # Device-side tallies, read back only at sync steps (see `read_back`).
@@ -401,8 +403,12 @@ class Trainer:
         # gradient is reduced over the ranks), so all ranks skip the same steps.
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip, self.pp_group)
         found_inf = (~torch.isfinite(grad_norm)).float()
+        measure = self.state_memory is None
+        grads = gradient_bytes(self.model) if measure else 0
         self.optimizer.found_inf = found_inf  # read by fused AdamW: the update is skipped
         self.optimizer.step()
+        if measure:
+            self.state_memory = state_bytes(self.model, self.optimizer, grads)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_run.add_(found_inf).mul_(found_inf)
@@ -565,6 +571,8 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]
             self.train_step(step_batches)
             self.step += 1
+            if self.step == first_step + 1:
+                self.log_state_memory(metrics)
             last = self.step == cfg.train.max_steps
             log_now = self.step % cfg.train.log_every == 0 or last
             why = None
@@ -584,6 +592,18 @@ class Trainer:
             if cfg.eval.interval and self.step % cfg.eval.interval == 0 and not last:
                 self.validate(metrics)
         return "max_steps reached"
+
+    def log_state_memory(self, metrics: MetricsLogger) -> None:
+        """Every rank's measured parameter, gradient and optimizer-state bytes: one ``memory``
+        record (what ``orchestrator plan`` predicts) and one startup line. Collective."""
+        gathered: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {"rank": self.rank, **(self.state_memory or {})})
+        metrics.log(self.step, {"memory": gathered})
+        busiest = max(gathered, key=lambda rank: sum(rank[kind] for kind in STATE_KINDS))
+        mib = ", ".join(
+            f"{kind.split('_')[0]} {busiest[kind] / 2**20:.2f} MiB" for kind in STATE_KINDS
+        )
+        say(f"state memory of the busiest rank ({busiest['rank']}): {mib}")
 
     def log_record(
         self, result: dict[str, float], lr: float, peak: float | None

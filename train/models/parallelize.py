@@ -124,11 +124,20 @@ def parallelize(
 
 
 def needs_fsdp(meshes: Meshes, options: ParallelizeOptions) -> bool:
-    """Whether FSDP has work to do: shard over more than one rank, cast to bf16, or scale the
-    experts' gradients under EP. Otherwise (one process, or ranks that only split the model by
-    TP, CP or pipeline stages, in full precision) its hooks would only cost time."""
+    """Whether FSDP has work to do: shard over more than one rank, cast to bf16, scale the
+    experts' gradients under EP, or follow TP. Under TP, FSDP (even over one shard) makes every
+    parameter a DTensor, which fused AdamW needs (it takes one kind of tensor), and reduces
+    over the TP ranks the gradients TP leaves partial: the replicated norms' and router's, and
+    the experts' (each TP rank runs its own tokens through whole experts). Otherwise (one
+    process, or ranks that only split the model by CP or pipeline stages, in full precision)
+    its hooks would only cost time."""
     dims = meshes.dims
-    return meshes.fsdp.size() > 1 or dims.ep_enabled or fsdp_mixed_precision(meshes, options)
+    return (
+        meshes.fsdp.size() > 1
+        or dims.ep_enabled
+        or dims.tp_enabled
+        or fsdp_mixed_precision(meshes, options)
+    )
 
 
 def apply_cp(model: SALM | PipelinePart, meshes: Meshes) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from train.models.salm import SALMConfig
+from train.models.shape import SALMConfig
 
 PRESETS: dict[str, SALMConfig] = {
     # CPU tests: a few seconds per step on one core.

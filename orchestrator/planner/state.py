@@ -1,0 +1,123 @@
+"""Bytes of parameters, gradients and optimizer states one rank holds under a layout.
+
+Exact, not estimated: it follows each tensor through TP, EP, PP and FSDP2 as the trainer places
+it (``orchestrator.planner.inventory``) and counts what the trainer allocates for it:
+
+- parameters: fp32 (FSDP2's mixed precision keeps fp32 shards and casts to bf16 per use); an
+  FSDP2 shard is allocated padded to ``ceil(n / shards)`` rows;
+- gradients: fp32, the shapes of the parameters (FSDP2 reduce-scatters into padded shards);
+- AdamW (fused): two fp32 moments per parameter in its unpadded local shape, and one fp32
+  step count per tensor.
+
+The trainer's ``memory`` record of metrics.jsonl measures the same three figures per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from orchestrator.planner.inventory import COLUMN, ROW, ParamTensor
+from train.parallel_dims import ParallelDims
+from train.pipeline_plan import PipelinePlan
+
+FP32 = 4
+ADAM_MOMENTS = 2
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def chunk_rows(n: int, parts: int, index: int) -> int:
+    """Rows of piece ``index`` when ``torch.chunk`` cuts ``n`` rows into ``parts``."""
+    size = math.ceil(n / parts)
+    return max(0, min(size, n - index * size))
+
+
+def uses_fsdp(dims: ParallelDims, strategy: str, bf16: bool) -> bool:
+    """Whether FSDP2 wraps the model (``parallelize.needs_fsdp``): it shards over more than one
+    rank (or replicas, HSDP), casts to bf16, or follows EP or TP."""
+    if strategy != "fsdp2":
+        return False
+    sharded = dims.dp_replicate * dims.dp_shard * dims.cp > 1
+    return sharded or dims.ep > 1 or dims.tp > 1 or bf16
+
+
+def held_tensors(
+    tensors: list[ParamTensor], plan: PipelinePlan | None, pp_rank: int
+) -> list[ParamTensor]:
+    """The tensors of pipeline rank ``pp_rank``'s stages (all of them without a pipeline)."""
+    if plan is None:
+        return tensors
+    stages = plan.local_stages(pp_rank)
+    blocks = {block for stage in stages for block in plan.stage_blocks(stage)}
+    has_first, has_last = 0 in stages, plan.num_stages - 1 in stages
+    return [
+        t
+        for t in tensors
+        if (t.section == "block" and t.block in blocks)
+        or (t.section == "first" and has_first)
+        or (t.section == "last" and has_last)
+    ]
+
+
+def local_shape(tensor: ParamTensor, dims: ParallelDims, tp_rank: int) -> list[int]:
+    """The tensor's shape on this rank after TP and EP (before FSDP)."""
+    shape = list(tensor.shape)
+    if tensor.expert:
+        shape[0] //= dims.ep
+    elif dims.tp > 1 and tensor.tp == COLUMN:
+        shape[0] = chunk_rows(shape[0], dims.tp, tp_rank)
+    elif dims.tp > 1 and tensor.tp == ROW:
+        shape[1] = chunk_rows(shape[1], dims.tp, tp_rank)
+    return shape
+
+
+def fsdp_shard(
+    tensor: ParamTensor, shape: list[int], dims: ParallelDims, n_experts: int
+) -> tuple[int, int]:
+    """(padded, unpadded) elements of this rank's FSDP2 shard of a tensor of local ``shape``."""
+    if tensor.expert:
+        shards = dims.efsdp
+        dim = 1 if dims.efsdp * dims.ep > n_experts else 0
+    else:
+        shards, dim = dims.dp_shard * dims.cp, 0
+    rest = math.prod(shape[:dim] + shape[dim + 1 :])
+    padded_rows = math.ceil(shape[dim] / shards)
+    # Shards of one size: FSDP2 gives rank r rows [r * padded, (r + 1) * padded) of the tensor,
+    # and the rows past its end are padding; the busiest (rank 0) holds a full shard.
+    return padded_rows * rest, min(padded_rows, shape[dim]) * rest
+
+
+def state_bytes(
+    tensors: list[ParamTensor],
+    dims: ParallelDims,
+    plan: PipelinePlan | None,
+    strategy: str,
+    bf16: bool,
+    n_experts: int,
+    pp_rank: int = 0,
+    tp_rank: int = 0,
+) -> StateBytes:
+    """One rank's parameter, gradient and optimizer-state bytes (rank 0 of its FSDP group: the
+    ranks of a group differ only in how much of their padded shard is real)."""
+    fsdp = uses_fsdp(dims, strategy, bf16)
+    params = grads = optimizer = 0
+    for tensor in held_tensors(tensors, plan, pp_rank):
+        shape = local_shape(tensor, dims, tp_rank)
+        if fsdp:
+            padded, real = fsdp_shard(tensor, shape, dims, n_experts)
+        else:
+            padded = real = math.prod(shape)
+        params += padded * FP32
+        grads += padded * FP32
+        optimizer += (ADAM_MOMENTS * real + 1) * FP32
+    return StateBytes(params, grads, optimizer)
