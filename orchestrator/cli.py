@@ -26,7 +26,7 @@ from orchestrator.manifest import (
 )
 from orchestrator.preflight import check_fits
 from orchestrator.results import RunResults, format_wer, last_progress
-from orchestrator.scripts import read_recipe
+from orchestrator.scripts import PreparedScript, read_recipe
 from orchestrator.slurm_commands import probe_partitions
 
 
@@ -87,6 +87,11 @@ def auto_launch_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
+    parser.add_argument(
+        "--no-plan-check",
+        action="store_true",
+        help="queue a training recipe even when the planner says its layout cannot fit",
+    )
     return parser
 
 
@@ -97,7 +102,9 @@ def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainPlan, dict]:
+def build_plan(
+    args: argparse.Namespace, script_args: list[str]
+) -> tuple[ChainPlan, PreparedScript]:
     """Validate the request (preflight, part one) and decide everything but the job ids."""
     recipe, prepared = read_recipe(args.recipe)
     then = ThenJob.load(args.then, "--then") if args.then else None
@@ -112,7 +119,23 @@ def build_plan(args: argparse.Namespace, script_args: list[str]) -> tuple[ChainP
         script_args=tuple(script_args),
         then=then,
     )
-    return plan, prepared.directives
+    return plan, prepared
+
+
+def plan_check(
+    prepared: PreparedScript, plan: ChainPlan, sinfo_table: str | None, runs_here: bool
+) -> None:
+    """Preflight, part three: a training recipe's layout must fit the memory it will get."""
+    if prepared.spec is None:
+        return
+    from orchestrator.planner.preflight import check_recipe, target_partition
+    from orchestrator.preflight import parse_partitions
+
+    partition = None
+    if sinfo_table is not None and not runs_here:
+        partition = target_partition(prepared.spec.partition, parse_partitions(sinfo_table))
+    command = [*prepared.spec.command, *plan.script_args]
+    check_recipe(prepared.spec, command, partition, str(plan.recipe))
 
 
 def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
@@ -189,10 +212,12 @@ def jobs_label(manifest: Manifest) -> str:
 
 
 def auto_launch(args: argparse.Namespace) -> int:
-    plan, directives = build_plan(args, args.script_args)
+    plan, prepared = build_plan(args, args.script_args)
     sinfo_table = probe_partitions()
     kind = registry.choose(args.backend, has_slurm=sinfo_table is not None)
-    check_fits(directives, sinfo_table, kind.runs_here)
+    check_fits(prepared.directives, sinfo_table, kind.runs_here)
+    if not args.no_plan_check:
+        plan_check(prepared, plan, sinfo_table, kind.runs_here)
     if plan.then is not None:
         plan.then.check_fits(sinfo_table, kind.runs_here)
     backend = kind.for_run_dir(plan.run_dir)
@@ -494,6 +519,10 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--name", help="workspace name (default: the spec's)")
     dashboard.add_argument("--spec", type=Path, help="dashboard spec (default: the shipped one)")
     dashboard.set_defaults(handler=cmd_dashboard)
+    from orchestrator.planner.cli import add_plan_parser, cmd_plan
+
+    add_plan_parser(commands)
+    commands.choices["plan"].set_defaults(handler=cmd_plan)
     from orchestrator import cluster
 
     cluster.add_cluster_parser(commands)

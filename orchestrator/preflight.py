@@ -58,6 +58,8 @@ class Partition:
     cpus_per_node: int
     gpus_per_node: int
     max_time_min: float | None
+    memory_mb: int = 0  # sinfo's %m: RealMemory per node (1: not configured)
+    gpu_type: str | None = None  # from the GRES, e.g. h100 in gpu:h100:8
 
     @property
     def available(self) -> bool:
@@ -74,11 +76,20 @@ def parse_gpus(gres: str) -> int:
     return total
 
 
+def parse_gpu_type(gres: str) -> str | None:
+    """The GPU type named in sinfo's %G (``gpu:h100:8`` -> h100), if any."""
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and len(parts) == 3:
+            return parts[1].lower()
+    return None
+
+
 def parse_partitions(output: str) -> list[Partition]:
     """Partitions from sinfo's table in slurm_commands.PARTITION_FORMAT."""
     partitions: dict[str, Partition] = {}
     for line in output.splitlines():
-        name, avail, nodes, cpus, gres, limit = line.split("|")
+        name, avail, nodes, cpus, gres, limit, memory = line.split("|")
         is_default = name.endswith("*")
         name = name.rstrip("*")
         previous = partitions.get(name)
@@ -91,6 +102,8 @@ def parse_partitions(output: str) -> list[Partition]:
             cpus_per_node=int(re.match(r"\d+", cpus).group()) if re.match(r"\d+", cpus) else 0,
             gpus_per_node=parse_gpus(gres),
             max_time_min=parse_time_minutes(limit) if limit not in ("", "n/a") else None,
+            memory_mb=int(re.match(r"\d+", memory).group()) if re.match(r"\d+", memory) else 0,
+            gpu_type=parse_gpu_type(gres),
         )
     return list(partitions.values())
 

@@ -16,6 +16,10 @@ The fields (any other key is an error):
 ``tasks_per_node``  processes (ranks) per node (default 1; ``single`` needs 1). For GPU training
                     set it to ``gpus_per_node``: one rank per GPU.
 ``gpus_per_node``   GPUs per node, rendered as ``--gres=gpu:N`` (default 0: none asked).
+``gpu``             optional: the GPU model (``h100``, ``h200``, ``a100``, ``b200``, ...; see
+                    ``orchestrator plan --help``). Not rendered: the plan check prices the
+                    training layout against this GPU's memory (else the partition's GPU type
+                    from sinfo).
 ``cpus_per_task``   CPUs per rank (default 1).
 ``time``            the time limit in SLURM's format: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S
                     (default ``"00:30:00"``). A chain's jobs need a limit, so UNLIMITED is refused.
@@ -72,6 +76,7 @@ from pydantic import (
 )
 
 from orchestrator.errors import UsageError
+from orchestrator.planner.cluster import GPU_KEYS
 from orchestrator.slurm_time import parse_time_minutes
 
 CONTRACT_VARIABLES = (
@@ -170,6 +175,7 @@ class RecipeSettings(BaseModel):
     nodes: int = Field(1, ge=1)
     tasks_per_node: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0)
+    gpu: Literal[GPU_KEYS] | None = Field(None, description="a GPU model the planner knows")
     cpus_per_task: int = Field(1, ge=1)
     time: TimeLimit = Field("00:30:00", description="a SLURM time limit such as 30 or 02:00:00")
     partition: SlurmName | None = Field(None, description="letters, digits and _ . , + @ - only")

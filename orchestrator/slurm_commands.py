@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from orchestrator.errors import SchedulerError, SchedulerTimeout
 from orchestrator.retry import ATTEMPTS, TRANSIENT_MARKERS, with_retries
 
-PARTITION_FORMAT = "%P|%a|%D|%c|%G|%l"
+PARTITION_FORMAT = "%P|%a|%D|%c|%G|%l|%m"
 
 
 def probe_partitions() -> str | None:

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from orchestrator.planner.inventory import inventory, stage_param_counts
-from orchestrator.planner.state import state_bytes
+from orchestrator.planner.state import group, state_bytes
 from tests.test_trainer import train
 from train.models.presets import get_preset
 from train.models.shape import SALMConfig
@@ -66,11 +66,11 @@ def test_planner_state_bytes_match_the_trainer(tmp_path, corpus, name):
     cfg = get_preset(preset)
     dims = ParallelDims(world_size=ranks, **parallel)
     plan = pipeline(cfg, dims)
-    tensors = inventory(cfg)
+    grouped = group(inventory(cfg))
     for measured in record:
         coords = dims.coordinates(measured["rank"])
         predicted = state_bytes(
-            tensors, dims, plan, strategy, False, cfg.n_experts, coords.pp, coords.tp
+            grouped, dims, plan, strategy, False, cfg.n_experts, coords.pp, coords.tp
         )
         for kind, value in (
             ("params_bytes", predicted.params),

@@ -7,7 +7,12 @@ import pytest
 from orchestrator.errors import UsageError
 from orchestrator.preflight import check_resources, parse_partitions
 
-TABLE = "debug*|up|2|4|(null)|infinite\nmaint|down|4|8|gpu:2|1-00:00:00\nold|drain|1|4|(null)|30\n"
+TABLE = (
+    "debug*|up|2|4|(null)|infinite|1\n"
+    "maint|down|4|8|gpu:2|1-00:00:00|64000\n"
+    "old|drain|1|4|(null)|30|1\n"
+    "hopper|up|2|64|gpu:h100:8(S:0-1)|2-00:00:00|2000000+\n"
+)
 
 
 @pytest.mark.parametrize("name", ["maint", "old"])
@@ -31,3 +36,12 @@ def test_a_partition_that_does_not_exist_is_an_error() -> None:
 def test_a_down_partition_is_still_checked_for_size() -> None:
     with pytest.raises(UsageError, match="3 GPUs per node asked"):
         check_resources({"partition": "maint", "gpus-per-node": "3"}, parse_partitions(TABLE))
+
+
+def test_sinfo_gives_node_memory_and_gpu_type() -> None:
+    partitions = {p.name: p for p in parse_partitions(TABLE)}
+    assert partitions["hopper"].gpu_type == "h100"
+    assert partitions["hopper"].gpus_per_node == 8
+    assert partitions["hopper"].memory_mb == 2_000_000
+    assert partitions["maint"].gpu_type is None
+    assert partitions["debug"].memory_mb == 1

@@ -10,31 +10,27 @@ position of a length-P sequence and layer, 12 * d * P for training: sequences co
 elementwise work are not counted. Activation recomputation is not counted either: MFU measures
 useful model work, so checkpointing lowers it.
 
-Peaks are dense bf16 tensor-core FLOP/s from NVIDIA's datasheets, looked up by the device name
-that CUDA reports; ``ORCH_PEAK_FLOPS`` overrides (for a GPU missing here, or to measure against
-a measured matmul ceiling instead of the datasheet).
+Peaks are dense bf16 tensor-core FLOP/s from NVIDIA's datasheets (the planner's GPU table,
+``orchestrator.planner.cluster``), looked up by the device name that CUDA reports;
+``ORCH_PEAK_FLOPS`` overrides (for a GPU missing here, or to measure against a measured matmul
+ceiling instead of the datasheet).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
-
+from orchestrator.planner.cluster import GPUS
 from train.models.shape import SALMConfig, encoder_lens, subsampled_lens
 
+if TYPE_CHECKING:
+    import torch
+
 PEAK_FLOPS_ENV = "ORCH_PEAK_FLOPS"
-# Dense bf16 FLOP/s (no sparsity), NVIDIA datasheets. Matched against the CUDA device name in
-# order, so the more specific names come first.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM5 (device name "NVIDIA H100 80GB HBM3")
-    ("H200", 989e12),
-    ("H20", 148e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
+# Dense bf16 FLOP/s by CUDA device name, more specific names first (the planner's GPU table).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = tuple(
+    (gpu.cuda_name, gpu.peak_bf16_flops) for gpu in GPUS
 )
 
 
@@ -64,10 +60,11 @@ def llm_weights_per_position(cfg: SALMConfig) -> int:
     return cfg.n_layers * block + cfg.d_model * cfg.vocab_size
 
 
-def step_flops(cfg: SALMConfig, feature_lens: torch.Tensor, token_lens: torch.Tensor) -> float:
-    """Training FLOPs (forward + backward) of one batch, from its CPU length tensors."""
-    half = subsampled_lens(feature_lens).double()  # after conv1
-    audio = encoder_lens(feature_lens).double()  # after conv2: the encoder's positions
+def sequence_flops(cfg: SALMConfig, frames, tokens):
+    """Training FLOPs (forward + backward) of sequences of ``frames`` fbank frames and ``tokens``
+    transcript tokens: numbers (the planner) or float64 tensors of lengths (one per example)."""
+    half = subsampled_lens(frames)  # after conv1
+    audio = encoder_lens(frames)  # after conv2: the encoder's positions
     mel_half, mel_quarter = subsampled_lens(cfg.n_mels), encoder_lens(cfg.n_mels)
     c = cfg.enc_dim
     conv = 9 * c * half * mel_half + 9 * c * c * audio * mel_quarter  # MACs per example
@@ -75,8 +72,12 @@ def step_flops(cfg: SALMConfig, feature_lens: torch.Tensor, token_lens: torch.Te
     enc_matmul = (c * mel_quarter * c + cfg.enc_layers * enc_block) * audio
     enc_attn = 2 * cfg.enc_layers * c * audio**2
     projector = (c * cfg.d_model + cfg.d_model**2) * audio
-    positions = audio + token_lens.double()
+    positions = audio + tokens
     llm_matmul = llm_weights_per_position(cfg) * positions
     llm_attn = 2 * cfg.n_layers * cfg.d_model * positions**2
-    macs = conv + enc_matmul + enc_attn + projector + llm_matmul + llm_attn
-    return float(6 * macs.sum())
+    return 6 * (conv + enc_matmul + enc_attn + projector + llm_matmul + llm_attn)
+
+
+def step_flops(cfg: SALMConfig, feature_lens: torch.Tensor, token_lens: torch.Tensor) -> float:
+    """Training FLOPs (forward + backward) of one batch, from its CPU length tensors."""
+    return float(sequence_flops(cfg, feature_lens.double(), token_lens.double()).sum())

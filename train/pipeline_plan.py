@@ -72,21 +72,20 @@ def balanced_split(
     for count in block_params:
         prefix.append(prefix[-1] + count)
 
-    def weight(stage: int, start: int, stop: int) -> int:
-        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
-        return prefix[stop] - prefix[start] + extra
-
     # best[s][i]: the smallest possible largest stage when stages 0..s-1 hold blocks 0..i-1.
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for stage in range(1, num_stages + 1):
+        extra = (first_extra if stage == 1 else 0) + (last_extra if stage == num_stages else 0)
+        previous, current, cuts = best[stage - 1], best[stage], cut[stage]
         for stop in range(stage, n - (num_stages - stage) + 1):
+            end = prefix[stop] + extra
             for start in range(stage - 1, stop):
-                cost = max(best[stage - 1][start], weight(stage - 1, start, stop))
-                if cost < best[stage][stop]:
-                    best[stage][stop], cut[stage][stop] = cost, start
+                cost = max(previous[start], end - prefix[start])
+                if cost < current[stop]:
+                    current[stop], cuts[stop] = cost, start
     sizes, stop = [], n
     for stage in range(num_stages, 0, -1):
         start = cut[stage][stop]

@@ -26,6 +26,7 @@ from hydra_plugins.orch_chain_launcher.members import (
     fail,
     member_seeds,
     override_value,
+    plan_check_members,
     validate_members,
 )
 from orchestrator.errors import UsageError
@@ -85,9 +86,11 @@ class ChainLauncher(Launcher):
         then = ThenJob.load(str(params["then"]), "hydra.launcher.then") if params["then"] else None
         shape = parse_settings(resources, "hydra.launcher")
         world_size = shape.nodes * shape.tasks_per_node
-        validate_members(
+        configs = validate_members(
             self.hydra_context, self.config, job_overrides, initial_job_idx, world_size
         )
+        if params["plan_check"]:
+            plan_check_members(configs, job_overrides, shape, str(params["backend"]))
         config_name = str(self.config.hydra.job.config_name)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         seeds = member_seeds(initial_job_idx + len(job_overrides), params["base_seed"])

@@ -60,11 +60,13 @@ def validate_members(
     job_overrides: Sequence[Sequence[str]],
     initial_job_idx: int,
     world_size: int,
-) -> None:
-    """Build each member's trainer config and run the trainer's checks for ``world_size`` ranks."""
+) -> list[Any]:
+    """Build each member's trainer config and run the trainer's checks for ``world_size`` ranks;
+    the configs (train.config.TrainConfig), in order."""
     from train.config import validate
     from train.trainer import ConfigError, parallel_dims
 
+    configs = []
     for offset, overrides in enumerate(job_overrides):
         label = f"sweep member #{initial_job_idx + offset} ({' '.join(overrides)})"
         try:
@@ -74,11 +76,48 @@ def validate_members(
             cfg = OmegaConf.to_object(member)
             validate(cfg)
             parallel_dims(cfg, world_size)
+            configs.append(cfg)
         except (ValueError, ConfigError) as error:
             raise UsageError(f"{label}: {error} (on {world_size} rank(s))") from error
         except Exception as error:  # Hydra's and OmegaConf's own config errors
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else error
             raise UsageError(f"{label}: {first_line}") from error
+    return configs
+
+
+def plan_check_members(
+    configs: Sequence[Any], job_overrides: Sequence[Sequence[str]], settings: Any, backend: str
+) -> None:
+    """Refuse the sweep if any member's layout cannot fit the memory its ranks get (the
+    planner's preflight, as auto_launch runs it for a recipe)."""
+    from orchestrator.planner.preflight import (
+        announce_skipped,
+        capacity_for,
+        check_training_fits,
+        target_partition,
+    )
+    from orchestrator.preflight import parse_partitions
+    from orchestrator.slurm_commands import probe_partitions
+
+    sinfo_table = probe_partitions() if backend == "slurm" else None
+    partitions = parse_partitions(sinfo_table) if sinfo_table else []
+    partition = target_partition(settings.partition, partitions)
+    capacity = capacity_for(
+        settings.gpus_per_node, settings.tasks_per_node, settings.gpu, partition
+    )
+    for cfg, overrides in zip(configs, job_overrides, strict=True):
+        label = f"sweep member ({' '.join(overrides) or 'no overrides'})"
+        if capacity is None:
+            announce_skipped(label)
+            return
+        check_training_fits(
+            cfg,
+            settings.nodes,
+            settings.tasks_per_node,
+            capacity,
+            label,
+            skip_hint="hydra.launcher.plan_check=false",
+        )
 
 
 def fail(error: UsageError) -> NoReturn:

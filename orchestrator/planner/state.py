@@ -51,22 +51,58 @@ def uses_fsdp(dims: ParallelDims, strategy: str, bf16: bool) -> bool:
     return sharded or dims.ep > 1 or dims.tp > 1 or bf16
 
 
-def held_tensors(
-    tensors: list[ParamTensor], plan: PipelinePlan | None, pp_rank: int
-) -> list[ParamTensor]:
-    """The tensors of pipeline rank ``pp_rank``'s stages (all of them without a pipeline)."""
+@dataclass(frozen=True)
+class GroupedInventory:
+    """The inventory as distinct tensors with their counts: the encoder and embeddings (stage
+    0), one LLM block (every block has the same tensors), the head (the last stage)."""
+
+    first: tuple[tuple[ParamTensor, int], ...]
+    block: tuple[tuple[ParamTensor, int], ...]
+    last: tuple[tuple[ParamTensor, int], ...]
+    n_blocks: int
+
+    @property
+    def block_numel(self) -> int:
+        return sum(t.numel * n for t, n in self.block)
+
+    @property
+    def numel(self) -> int:
+        parts = (self.first, self.last)
+        return (
+            sum(t.numel * n for part in parts for t, n in part) + self.n_blocks * self.block_numel
+        )
+
+
+def group(tensors: list[ParamTensor]) -> GroupedInventory:
+    def counted(section: str, block: int | None = None) -> tuple[tuple[ParamTensor, int], ...]:
+        counts: dict[tuple, list] = {}
+        for t in tensors:
+            if t.section == section and (block is None or t.block == block):
+                key = (t.shape, t.tp, t.expert)
+                counts.setdefault(key, [t, 0])[1] += 1
+        return tuple((t, n) for t, n in counts.values())
+
+    n_blocks = len({t.block for t in tensors if t.section == "block"})
+    return GroupedInventory(counted("first"), counted("block", 0), counted("last"), n_blocks)
+
+
+def held(
+    inventory: GroupedInventory, plan: PipelinePlan | None, pp_rank: int
+) -> list[tuple[ParamTensor, int]]:
+    """The distinct tensors pipeline rank ``pp_rank``'s stages hold (all without a pipeline),
+    with their counts."""
     if plan is None:
-        return tensors
-    stages = plan.local_stages(pp_rank)
-    blocks = {block for stage in stages for block in plan.stage_blocks(stage)}
-    has_first, has_last = 0 in stages, plan.num_stages - 1 in stages
-    return [
-        t
-        for t in tensors
-        if (t.section == "block" and t.block in blocks)
-        or (t.section == "first" and has_first)
-        or (t.section == "last" and has_last)
-    ]
+        blocks, has_first, has_last = inventory.n_blocks, True, True
+    else:
+        stages = plan.local_stages(pp_rank)
+        blocks = sum(plan.split[stage] for stage in stages)
+        has_first, has_last = 0 in stages, plan.num_stages - 1 in stages
+    tensors = [(t, n * blocks) for t, n in inventory.block]
+    if has_first:
+        tensors += inventory.first
+    if has_last:
+        tensors += inventory.last
+    return tensors
 
 
 def local_shape(tensor: ParamTensor, dims: ParallelDims, tp_rank: int) -> list[int]:
@@ -98,7 +134,7 @@ def fsdp_shard(
 
 
 def state_bytes(
-    tensors: list[ParamTensor],
+    inventory: GroupedInventory,
     dims: ParallelDims,
     plan: PipelinePlan | None,
     strategy: str,
@@ -111,13 +147,13 @@ def state_bytes(
     ranks of a group differ only in how much of their padded shard is real)."""
     fsdp = uses_fsdp(dims, strategy, bf16)
     params = grads = optimizer = 0
-    for tensor in held_tensors(tensors, plan, pp_rank):
+    for tensor, count in held(inventory, plan, pp_rank):
         shape = local_shape(tensor, dims, tp_rank)
         if fsdp:
             padded, real = fsdp_shard(tensor, shape, dims, n_experts)
         else:
             padded = real = math.prod(shape)
-        params += padded * FP32
-        grads += padded * FP32
-        optimizer += (ADAM_MOMENTS * real + 1) * FP32
+        params += count * padded * FP32
+        grads += count * padded * FP32
+        optimizer += count * (ADAM_MOMENTS * real + 1) * FP32
     return StateBytes(params, grads, optimizer)

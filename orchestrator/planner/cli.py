@@ -1,0 +1,219 @@
+"""``orchestrator plan``: the ranked layouts for a model, a batch and a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from orchestrator.errors import UsageError
+from orchestrator.planner.cluster import DEFAULT_INTER_NODE_GBPS, GIB, GPU_KEYS, Cluster, gpu_preset
+from orchestrator.planner.search import AC_MODES, Estimate, PlanRequest, PlanResult, plan
+from orchestrator.planner.shapes import model_names, model_preset, with_overrides
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
+SHAPE_FLAGS = {
+    # flag: SALMConfig field
+    "layers": "n_layers",
+    "hidden": "d_model",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "ffn": "ffn_hidden",
+    "vocab": "vocab_size",
+    "experts": "n_experts",
+    "top_k": "top_k",
+    "moe_hidden": "moe_hidden",
+    "enc_dim": "enc_dim",
+    "enc_layers": "enc_layers",
+    "enc_heads": "enc_heads",
+    "enc_ffn": "enc_ffn_hidden",
+}
+
+
+def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="rank the parallel layouts that fit a model, batch and cluster",
+        description="Price every layout (dp_replicate, dp_shard, tp, cp, pp, ep, microbatches, "
+        "activation checkpointing) for memory per GPU and step time, and rank those that fit. "
+        "docs/planner.md describes the model and its measured errors.",
+    )
+    parser.add_argument(
+        "--model", default="llm_1b", help=f"a named shape: {', '.join(model_names())}"
+    )
+    shape = parser.add_argument_group("model shape (overrides --model's)")
+    for flag in SHAPE_FLAGS:
+        shape.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag)
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("--seconds", type=float, help="audio seconds per sequence (default 30)")
+    batch.add_argument("--tokens", type=int, help="transcript tokens per sequence (default 256)")
+    batch.add_argument(
+        "--seq-len", type=int, help="decoder positions per sequence, text only (no audio)"
+    )
+    batch.add_argument("--global-batch", type=int, default=256, help="sequences per step")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--gpus", type=int, required=True)
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--gpu", default="h100", choices=GPU_KEYS, help="GPU model")
+    cluster.add_argument("--gpu-memory-gib", type=float, help="usable memory (default: the GPU's)")
+    cluster.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU (default: NVLink/2)")
+    cluster.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=DEFAULT_INTER_NODE_GBPS,
+        help="GB/s per GPU across nodes (default: one 400 Gb/s NIC per GPU)",
+    )
+    choices = parser.add_argument_group("what may be used")
+    choices.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
+    choices.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute")
+    output = parser.add_argument_group("output")
+    output.add_argument("--top", type=int, default=5, help="feasible layouts shown (default 5)")
+    output.add_argument("--all", action="store_true", help="also the layouts that do not fit")
+    output.add_argument("--json", action="store_true")
+
+
+def request_from(args: argparse.Namespace) -> PlanRequest:
+    try:
+        shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
+        model = with_overrides(model_preset(args.model), **shape)
+        gpu = gpu_preset(args.gpu)
+        cluster = Cluster(
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu=gpu,
+            memory_gib=args.gpu_memory_gib,
+            inter_node_gbps=args.inter_node_gbps,
+            intra_node_gbps=args.intra_node_gbps,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if args.seq_len is not None and (args.seconds is not None or args.tokens is not None):
+        raise UsageError("--seq-len is a text-only sequence: give it, or --seconds/--tokens")
+    seconds = 0.0 if args.seq_len is not None else (30.0 if args.seconds is None else args.seconds)
+    tokens = args.seq_len if args.seq_len is not None else (args.tokens or 256)
+    if seconds < 0 or tokens < 1 or args.global_batch < 1:
+        raise UsageError("--seconds must be >= 0, --tokens/--seq-len and --global-batch >= 1")
+    return PlanRequest(
+        model=model,
+        seconds=seconds,
+        tokens=tokens,
+        global_batch=args.global_batch,
+        cluster=cluster,
+        ac_modes=("none",) if args.no_ac else AC_MODES,
+        mixed_precision=not args.no_mixed_precision,
+    )
+
+
+def estimate_json(result: Estimate, seconds: float) -> dict:
+    layout = result.layout
+    return {
+        "layout": {
+            "dp_replicate": layout.dp_replicate,
+            "dp_shard": layout.dp_shard,
+            "tp": layout.tp,
+            "cp": layout.cp,
+            "pp": layout.pp,
+            "ep": layout.ep,
+            "microbatch": layout.microbatch,
+            "microbatches": layout.microbatches,
+            "ac": layout.ac,
+        },
+        "fits": result.fits,
+        "memory_gib": {kind: value / GIB for kind, value in result.memory.items()},
+        "step_time_s": result.step_time_s,
+        "exposed_comm_s": result.times.get("exposed_comm"),
+        "mfu": result.mfu,
+        "reasoning": result.reasoning,
+        "reason": result.reason or None,
+        "overrides": layout.overrides(seconds),
+    }
+
+
+def result_json(result: PlanResult, shown: list[Estimate], elapsed: float) -> dict:
+    request = result.request
+    best = result.best
+    return {
+        "parameters": result.params,
+        "gpus": request.cluster.gpus,
+        "gpu": request.cluster.gpu.key,
+        "memory_per_gpu_gib": request.cluster.memory_bytes / GIB,
+        "fits_one_gpu": result.fits_one_gpu,
+        "layouts_priced": len(result.estimates),
+        "feasible": len(result.feasible),
+        "best": None if best is None else estimate_json(best, request.seconds),
+        "layouts": [estimate_json(item, request.seconds) for item in shown],
+        "yaml": recipe_lines(request) if best else None,
+        "seconds": elapsed,
+    }
+
+
+def recipe_lines(request: PlanRequest) -> list[str]:
+    cluster = request.cluster
+    per_node = cluster.per_node
+    return [
+        "template: distributed",
+        f"nodes: {cluster.nodes}",
+        f"tasks_per_node: {per_node}",
+        f"gpus_per_node: {per_node}",
+        f"gpu: {cluster.gpu.key}",
+    ]
+
+
+def print_result(result: PlanResult, shown: list[Estimate], elapsed: float) -> None:
+    request = result.request
+    cluster = request.cluster
+    print(
+        f"{result.params / 1e9:.2f}B parameters; {cluster.gpus} x {cluster.gpu.key} "
+        f"({cluster.nodes} node(s) of {cluster.per_node}, {cluster.memory_bytes / GIB:.0f} GiB "
+        f"each); {request.global_batch} sequences of {request.seconds:g} s audio + "
+        f"{request.tokens} tokens per step"
+    )
+    print(
+        f"{len(result.estimates)} layouts priced in {elapsed * 1000:.0f} ms, "
+        f"{len(result.feasible)} fit"
+    )
+    header = ["#", "layout", "GiB/GPU", "params", "grads", "optim", "act", "comm", "step s", "MFU"]
+    rows = []
+    for rank, item in enumerate(shown, 1):
+        memory = item.memory
+        rows.append(
+            [
+                str(rank) if item.fits else "-",
+                item.layout.describe(),
+                f"{memory['total'] / GIB:.1f}",
+                *(f"{memory[kind] / GIB:.1f}" for kind in MEMORY_KINDS[:5]),
+                f"{item.step_time_s:.2f}",
+                f"{100 * item.mfu:.0f}%",
+            ]
+        )
+    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    for item in shown:
+        if not item.fits:
+            print(f"  does not fit: {item.layout.describe()}: {item.reason}")
+    best = result.best
+    if best is None:
+        print("no layout fits: more GPUs, a GPU with more memory, or a smaller batch")
+        return
+    print(f"best: {best.reasoning}")
+    print("as Hydra overrides:")
+    print("  " + " ".join(best.layout.overrides(request.seconds)))
+    print("as a YAML recipe:")
+    for line in recipe_lines(request):
+        print(f"  {line}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    request = request_from(args)
+    started = time.perf_counter()
+    result = plan(request)
+    elapsed = time.perf_counter() - started
+    shown = result.feasible[: max(0, args.top)]
+    if args.all:
+        shown += [item for item in result.estimates if not item.fits]
+    if args.json:
+        print(json.dumps(result_json(result, shown, elapsed)))
+    else:
+        print_result(result, shown, elapsed)
+    return 0 if result.best is not None else 1

@@ -1,0 +1,446 @@
+"""Choosing a parallel layout: every valid layout priced for memory and step time, then ranked.
+
+Memory per GPU (the busiest rank, pipeline stage 0 unless a later stage holds more):
+parameters, gradients and optimizer states exactly as the trainer allocates them
+(``planner.state``); activations by formula (``planner.activations``); communication buffers
+(FSDP2's gathered bf16 parameters of the two largest blocks, current and prefetched, and one
+block's fp32 gradients before their reduce-scatter; a pipeline stage keeps all its parameters
+gathered from forward to backward; DDP's gradient buckets); and an allowance for the framework
+(CUDA context, NCCL communicators, workspaces: 1.5 GiB) plus 5% of the rest for allocator
+fragmentation.
+
+Step time: the step's model FLOPs (``train.flops``), plus full checkpointing's recomputed
+forward (a third of the blocks' work; selective checkpointing's elementwise recompute is taken
+as 3%), at 60% of the GPU's peak, plus 30 us per block and microbatch for kernel launches and
+collective latency (what makes many small microbatches cost more than few large ones); times
+the pipeline bubble
+(1 + (pp - 1) / microbatches, over stages per rank for interleaved 1F1B); plus the
+communication that does not overlap compute. FSDP/HSDP/DDP traffic (all-gathers forward and
+backward, reduce-scatters, replica all-reduces) overlaps compute by prefetch, so only what
+exceeds it counts; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the
+critical path and count in full. A group of ranks inside one node talks at NVLink speed, a group
+spanning nodes at the network's. MFU is the model FLOPs over step time x GPUs x peak.
+
+Ranking follows the flowchart of the parallelism guide first, then the estimated step time: a
+model whose training state and one sequence's activations fit one GPU gets data parallelism
+only; one that does not gets TP inside the node first; PP goes across nodes once TP fills a node;
+CP comes in for long sequences (``LONG_SEQUENCE`` decoder positions or more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator.planner.activations import (
+    ActivationLayout,
+    Microbatch,
+    activation_bytes,
+)
+from orchestrator.planner.cluster import GIB, Cluster
+from orchestrator.planner.inventory import inventory, stage_param_counts
+from orchestrator.planner.state import GroupedInventory, group, held, state_bytes, uses_fsdp
+from train.flops import sequence_flops
+from train.models.shape import SALMConfig
+from train.parallel_dims import ParallelDims
+from train.pipeline_plan import PipelinePlan, plan_pipeline
+
+AC_MODES = ("none", "selective", "full")
+MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s the step's matmuls reach
+SELECTIVE_RECOMPUTE = 1.03  # selective checkpointing redoes the blocks' elementwise work
+BLOCK_LAUNCH_S = 30e-6  # per block and microbatch: kernel launches and collective latency
+FRAMEWORK_BYTES = 1.5 * GIB  # CUDA context, communicators, workspaces
+HOST_FRAMEWORK_BYTES = 0.5 * GIB  # a CPU rank's Python, torch and gloo
+FRAGMENTATION = 0.05  # of everything else, for the caching allocator
+LONG_SEQUENCE = 32768  # decoder positions from which CP is the flowchart's answer
+FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
+FULL_STATE_BYTES = 16  # fp32 weight + gradient + two Adam moments per parameter
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: SALMConfig
+    seconds: float  # audio per sequence
+    tokens: int  # transcript tokens per sequence
+    global_batch: int  # sequences per optimizer step
+    cluster: Cluster
+    ac_modes: tuple[str, ...] = AC_MODES
+    mixed_precision: bool = True  # bf16 compute (FSDP2's mixed precision)
+    on_gpu: bool = True  # False: a CPU recipe checked against host memory
+    strategy: str = "fsdp2"  # or ddp (whole replicas)
+
+    @property
+    def frames(self) -> int:
+        return max(0, round(self.seconds * FRAMES_PER_SECOND))
+
+    @property
+    def element_bytes(self) -> int:
+        return 2 if self.mixed_precision and self.on_gpu else 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    microbatch: int  # sequences per microbatch and data-parallel rank
+    microbatches: int  # per optimizer step: pipeline microbatches or gradient accumulation
+    ac: str
+    schedule: str = "1f1b"
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def dims(self, world: int) -> ParallelDims:
+        return ParallelDims(
+            world_size=world,
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            ep=self.ep,
+            cp=self.cp,
+            pp=self.pp,
+        )
+
+    def overrides(self, seconds: float) -> list[str]:
+        """Hydra overrides for the trainer (``data.max_duration`` is per microbatch)."""
+        lines = [
+            f"parallel.dp_replicate={self.dp_replicate}",
+            f"parallel.dp_shard={self.dp_shard}",
+            f"parallel.tp={self.tp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.ep={self.ep}",
+        ]
+        if self.pp > 1:
+            lines.append(f"parallel.pp_microbatches={self.microbatches}")
+            per_rank = seconds * self.microbatch * self.microbatches
+        else:
+            lines.append(f"train.grad_accum={self.microbatches}")
+            per_rank = seconds * self.microbatch
+        if per_rank > 0:  # the trainer's batches are seconds of audio per data-parallel rank
+            lines.append(f"data.max_duration={per_rank:g}")
+        lines.append(f"activation_checkpointing={self.ac}")
+        return lines
+
+    def describe(self) -> str:
+        return (
+            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
+            f"cp={self.cp} pp={self.pp} ep={self.ep} microbatches={self.microbatches} "
+            f"(of {self.microbatch} seq) ac={self.ac}"
+        )
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float]  # bytes per GPU by kind, and "total"
+    fits: bool
+    step_time_s: float
+    mfu: float
+    reasoning: str
+    penalty: int  # flowchart rules broken (0 for the flowchart's own answer)
+    reason: str = ""  # why it does not fit
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PlanResult:
+    request: PlanRequest
+    params: int
+    estimates: list[Estimate]  # feasible first (best first), then those that do not fit
+    fits_one_gpu: bool
+    one_gpu_bytes: float
+
+    @property
+    def feasible(self) -> list[Estimate]:
+        return [e for e in self.estimates if e.fits]
+
+    @property
+    def best(self) -> Estimate | None:
+        feasible = self.feasible
+        return feasible[0] if feasible else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(request: PlanRequest) -> list[Layout]:
+    """Every layout the trainer can run on the cluster, with TP inside a node and pipeline
+    stages of whole nodes."""
+    cfg, cluster = request.model, request.cluster
+    gpus, per_node = cluster.gpus, cluster.per_node
+    tps = [t for t in divisors(per_node) if cfg.n_heads % t == 0 and cfg.n_kv_heads % t == 0]
+    pps = [p for p in divisors(cluster.nodes) if p <= cfg.n_layers]
+    layouts = []
+    for tp in tps:
+        for pp in pps:
+            for cp in (c for c in (1, 2, 4, 8, 16) if gpus % (tp * pp * c) == 0):
+                dp = gpus // (tp * pp * cp)
+                if request.global_batch % dp:
+                    continue
+                per_rank = request.global_batch // dp
+                node_share = max(1, per_node // (tp * cp))
+                splits = {(1, dp)}
+                if dp % node_share == 0 and node_share < dp:
+                    splits.add((dp // node_share, node_share))  # HSDP: shard inside a node
+                for replicate, shard in sorted(splits):
+                    experts = cfg.n_experts or 1
+                    ranks = shard * cp * tp
+                    for ep in (e for e in divisors(experts) if ranks % e == 0):
+                        for microbatch in divisors(per_rank):
+                            m = per_rank // microbatch
+                            if pp > 1 and m < pp:
+                                continue
+                            for ac in request.ac_modes:
+                                layouts.append(
+                                    Layout(replicate, shard, tp, cp, pp, ep, microbatch, m, ac)
+                                )
+    return layouts
+
+
+def pipeline_for(counts: tuple, layout: Layout, cache: dict) -> PipelinePlan | None:
+    """The trainer's 1F1B plan for ``layout`` (its balanced split computed once per pp)."""
+    if layout.pp == 1:
+        return None
+    blocks, first, last, _ = counts
+    if ("split", layout.pp) not in cache:
+        cache[("split", layout.pp)] = plan_pipeline(
+            layout.pp, "1f1b", layout.pp, 0, [], blocks, first, last
+        ).split
+    split = cache[("split", layout.pp)]
+    return plan_pipeline(layout.pp, "1f1b", layout.microbatches, 0, split, blocks, first, last)
+
+
+def comm_buffer_bytes(
+    request: PlanRequest,
+    inventory: GroupedInventory,
+    layout: Layout,
+    plan: PipelinePlan | None,
+    fsdp: bool,
+) -> float:
+    """Gathered parameters and unreduced gradients FSDP2 (or DDP) keeps around compute."""
+    e = request.element_bytes
+    stage = sum(t.numel * n for t, n in held(inventory, plan, 0))
+    if not fsdp:
+        return stage * 4.0 if layout.dp > 1 else 0.0  # DDP's gradient buckets
+    block = inventory.block_numel / layout.tp
+    if request.model.n_experts and layout.ep > 1:
+        experts = sum(t.numel * n for t, n in inventory.block if t.expert) / layout.tp
+        block -= experts * (1 - 1 / layout.ep)
+    if plan is not None:  # a stage keeps its parameters gathered for all its microbatches
+        return stage / layout.tp * e + block * 4
+    return 2 * block * e + block * 4
+
+
+def estimate(
+    request: PlanRequest,
+    layout: Layout,
+    inventory: GroupedInventory,
+    counts: tuple,
+    state_cache: dict,
+) -> Estimate:
+    cfg, cluster = request.model, request.cluster
+    gpus = cluster.gpus
+    dims = layout.dims(gpus)
+    plan = pipeline_for(counts, layout, state_cache)
+    key = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, layout.ep)
+    bf16 = request.mixed_precision and request.on_gpu
+    fsdp = uses_fsdp(dims, request.strategy, bf16)
+    if key not in state_cache:
+        ranks = range(layout.pp)
+        states = [
+            state_bytes(inventory, dims, plan, request.strategy, bf16, cfg.n_experts, rank)
+            for rank in ranks
+        ]
+        state_cache[key] = (states, comm_buffer_bytes(request, inventory, layout, plan, fsdp))
+    states, comm = state_cache[key]
+    batch = Microbatch(layout.microbatch, request.frames, request.tokens)
+    act_layout = ActivationLayout(
+        tp=layout.tp,
+        cp=layout.cp,
+        pp=layout.pp,
+        schedule=layout.schedule,
+        microbatches=layout.microbatches,
+        ac=layout.ac,
+        element_bytes=request.element_bytes,
+    )
+    worst: dict[str, float] = {}
+    activations: dict[tuple, float] = {}
+    for rank, state in enumerate(states):
+        blocks = cfg.n_layers if plan is None else plan.split[rank]
+        part = (blocks, rank == 0, plan is None or rank == layout.pp - 1)
+        if part not in activations:
+            activations[part] = activation_bytes(cfg, batch, act_layout, *part).peak
+        act = activations[part]
+        memory = {
+            "params": state.params,
+            "grads": state.grads,
+            "optimizer": state.optimizer,
+            "activations": act,
+            "comm_buffers": comm,
+        }
+        subtotal = sum(memory.values())
+        memory["allowance"] = framework_bytes(request) + FRAGMENTATION * subtotal
+        memory["total"] = subtotal + memory["allowance"]
+        if memory["total"] > worst.get("total", -1):
+            worst = memory
+    fits = worst["total"] <= cluster.memory_bytes
+    times = step_time(request, layout, counts[3])
+    flops = request.global_batch * sequence_flops(cfg, request.frames, request.tokens)
+    mfu = flops / (times["step"] * gpus * cluster.gpu.peak_bf16_flops)
+    reason = ""
+    if not fits:
+        reason = (
+            f"needs {worst['total'] / GIB:.1f} GiB per GPU, more than "
+            f"{cluster.memory_bytes / GIB:.0f} GiB"
+        )
+    return Estimate(layout, worst, fits, times["step"], mfu, "", 0, reason, times)
+
+
+def framework_bytes(request: PlanRequest) -> float:
+    return FRAMEWORK_BYTES if request.on_gpu else HOST_FRAMEWORK_BYTES
+
+
+def _bandwidth(cluster: Cluster, span: int) -> float:
+    """Bytes/s for a group of ranks spread over ``span`` consecutive ranks."""
+    return cluster.nvlink_bytes_per_s if span <= cluster.per_node else cluster.network_bytes_per_s
+
+
+def step_time(request: PlanRequest, layout: Layout, total_params: int) -> dict[str, float]:
+    cfg, cluster = request.model, request.cluster
+    e = request.element_bytes
+    gpus = cluster.gpus
+    peak = cluster.gpu.peak_bf16_flops * MATMUL_EFFICIENCY
+    flops = request.global_batch * sequence_flops(cfg, request.frames, request.tokens)
+    recompute = {"full": 4 / 3, "selective": SELECTIVE_RECOMPUTE}.get(layout.ac, 1.0)
+    compute = flops * recompute / (gpus * peak)
+    compute += layout.microbatches * cfg.n_layers / layout.pp * BLOCK_LAUNCH_S
+    if layout.pp > 1:
+        compute *= 1 + (layout.pp - 1) / layout.microbatches
+    params = total_params / (layout.tp * layout.pp)
+    m = layout.microbatches
+    shards = layout.dp_shard * layout.cp
+    overlapped = 0.0
+    if shards > 1:
+        span = shards * layout.tp
+        gathers = 2 * m if layout.pp == 1 else 1
+        moved = (shards - 1) / shards * params * (gathers * e + 4 * m)
+        overlapped += moved / _bandwidth(cluster, span)
+    if layout.dp_replicate > 1:
+        r = layout.dp_replicate
+        moved = 2 * (r - 1) / r * params / shards * 4
+        overlapped += moved / _bandwidth(cluster, gpus // layout.pp)
+    positions = Microbatch(layout.microbatch, request.frames, request.tokens).decoder_positions()
+    activation = layout.microbatch * positions * cfg.d_model * e
+    exposed = 0.0
+    if layout.tp > 1:
+        per_block = 8 * (layout.tp - 1) / layout.tp * activation / layout.cp
+        exposed += m * cfg.n_layers / layout.pp * per_block / _bandwidth(cluster, layout.tp)
+    if layout.cp > 1:
+        kv = cfg.n_kv_heads * (cfg.d_model // cfg.n_heads)
+        per_block = 4 * (layout.cp - 1) / layout.cp * activation * kv / cfg.d_model / layout.tp
+        span = layout.cp * layout.tp
+        exposed += m * cfg.n_layers / layout.pp * per_block / _bandwidth(cluster, span)
+    if layout.ep > 1:
+        tokens = activation / layout.cp / layout.tp * cfg.top_k
+        per_layer = 4 * (layout.ep - 1) / layout.ep * tokens
+        exposed += m * cfg.n_layers / layout.pp * per_layer / _bandwidth(cluster, layout.ep)
+    if layout.pp > 1:
+        hop = 2 * activation / layout.cp / layout.tp
+        exposed += m * (layout.pp - 1) * hop / cluster.network_bytes_per_s
+    hidden = max(0.0, overlapped - compute)
+    return {
+        "step": compute + hidden + exposed,
+        "compute": compute,
+        "exposed_comm": hidden + exposed,
+    }
+
+
+def full_state_fits(request: PlanRequest, params: int) -> tuple[bool, float]:
+    """Whether the whole training state and one sequence's activations fit one GPU."""
+    one = Microbatch(1, request.frames, request.tokens)
+    ac = request.ac_modes[-1]
+    act = activation_bytes(
+        request.model, one, ActivationLayout(ac=ac, element_bytes=request.element_bytes)
+    ).peak
+    needed = FULL_STATE_BYTES * params + act
+    needed += framework_bytes(request) + FRAGMENTATION * needed
+    return needed <= request.cluster.memory_bytes, needed
+
+
+def flowchart(request: PlanRequest, layout: Layout, fits_one: bool, max_tp: int) -> int:
+    """How many of the guide's rules ``layout`` breaks."""
+    positions = Microbatch(1, request.frames, request.tokens).decoder_positions()
+    long = positions >= LONG_SEQUENCE
+    broken = 0
+    if fits_one:
+        broken += (layout.tp > 1) + (layout.pp > 1)
+    elif layout.tp == 1 and max_tp > 1:
+        broken += 1
+    if layout.pp > 1 and layout.tp < max_tp:
+        broken += 1
+    if layout.cp > 1 and not long:
+        broken += 1
+    return broken
+
+
+def reasoning(request: PlanRequest, layout: Layout, params: int, needed: float) -> str:
+    cluster = request.cluster
+    gib = cluster.memory_bytes / GIB
+    fits = needed <= cluster.memory_bytes
+    parts = [
+        f"model needs {needed / GIB:.0f} GiB for {params / 1e9:.2f}B parameters with fp32 "
+        f"gradients and Adam states and one sequence's activations: "
+        + ("fits one GPU" if fits else f"does not fit one GPU ({gib:.0f} GiB)")
+    ]
+    if layout.tp > 1:
+        parts.append(f"TP={layout.tp} inside the node")
+    if layout.pp > 1:
+        parts.append(
+            f"PP={layout.pp} across {cluster.nodes} nodes ({layout.microbatches} microbatches)"
+        )
+    if layout.cp > 1:
+        positions = Microbatch(1, request.frames, request.tokens).decoder_positions()
+        parts.append(f"CP={layout.cp} for {positions}-position sequences")
+    if layout.ep > 1:
+        parts.append(f"EP={layout.ep} for the {request.model.n_experts} experts")
+    dp = "HSDP" if layout.dp_replicate > 1 else "FSDP"
+    parts.append(f"{dp} over the remaining {layout.dp} data-parallel ranks")
+    if layout.ac != "none":
+        parts.append(f"{layout.ac} activation checkpointing")
+    return "; ".join(parts)
+
+
+def plan(request: PlanRequest) -> PlanResult:
+    """Every layout, priced; feasible ones first in the flowchart's order, then by step time."""
+    cfg = request.model
+    tensors = inventory(cfg)
+    grouped = group(tensors)
+    params = grouped.numel
+    counts = (*stage_param_counts(tensors, cfg.n_layers), params)
+    fits_one, needed = full_state_fits(request, params)
+    layouts = candidate_layouts(request)
+    max_tp = max((layout.tp for layout in layouts), default=1)
+    cache: dict = {}
+    estimates = []
+    for layout in layouts:
+        try:
+            layout.dims(request.cluster.gpus).validate(cfg)
+        except ValueError:
+            continue
+        result = estimate(request, layout, grouped, counts, cache)
+        result.penalty = flowchart(request, layout, fits_one, max_tp)
+        estimates.append(result)
+    estimates.sort(
+        key=lambda e: (
+            (not e.fits, e.penalty, e.step_time_s) if e.fits else (True, e.memory["total"])
+        )
+    )
+    for result in estimates:
+        result.reasoning = reasoning(request, result.layout, params, needed)
+    return PlanResult(request, params, estimates, fits_one, needed)

@@ -1,0 +1,155 @@
+"""The planner's search: the flowchart's choices, valid layouts only, exact overrides, speed.
+
+Pure functions and the CLI (no cluster); the memory model itself is checked against the trainer
+in tests/test_planner_memory.py (state) and tests/test_planner_activations.py (activations).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from orchestrator.planner.cluster import Cluster, gpu_preset
+from orchestrator.planner.search import LONG_SEQUENCE, PlanRequest, plan
+from orchestrator.planner.shapes import model_preset
+from tests.helpers import run_tool
+
+
+def request(model: str, gpus: int, **kw) -> PlanRequest:
+    cluster = Cluster(gpus=gpus, gpus_per_node=8, gpu=gpu_preset(kw.pop("gpu", "h100")))
+    return PlanRequest(
+        model=model_preset(model),
+        seconds=kw.pop("seconds", 30.0),
+        tokens=kw.pop("tokens", 256),
+        global_batch=kw.pop("global_batch", 256),
+        cluster=cluster,
+        **kw,
+    )
+
+
+def test_a_model_that_fits_one_gpu_gets_data_parallelism_only():
+    result = plan(request("llm_1b", 16))
+    assert result.fits_one_gpu
+    best = result.best.layout
+    assert (best.tp, best.pp, best.cp) == (1, 1, 1)
+    assert best.dp == 16
+    assert "fits one GPU" in result.best.reasoning
+
+
+def test_a_model_too_big_for_one_gpu_on_one_node_gets_tp_first():
+    result = plan(request("llama_8b", 8))
+    assert not result.fits_one_gpu
+    best = result.best.layout
+    assert best.tp > 1 and best.pp == 1 and best.cp == 1
+    assert "does not fit one GPU" in result.best.reasoning
+    assert f"TP={best.tp} inside the node" in result.best.reasoning
+
+
+def test_on_several_nodes_pp_goes_across_nodes_and_tp_stays_inside_one():
+    req = request("llama_70b", 32)
+    result = plan(req)
+    best = result.best.layout
+    assert best.tp == 8, result.best.reasoning  # TP fills a node before PP comes in
+    assert best.pp > 1
+    for item in result.estimates:
+        layout = item.layout
+        assert 8 % layout.tp == 0  # TP groups are neighbouring ranks of one node
+        ranks_per_stage = 32 // layout.pp
+        assert layout.pp == 1 or ranks_per_stage % 8 == 0  # stages are whole nodes
+
+
+def test_long_sequences_bring_context_parallelism_in():
+    req = request("llama_8b", 16, seconds=0.0, tokens=131072, global_batch=8)
+    result = plan(req)
+    assert result.best.layout.cp > 1
+    assert "CP=" in result.best.reasoning
+    short = plan(request("llama_8b", 16, seconds=0.0, tokens=LONG_SEQUENCE // 8, global_batch=8))
+    assert short.best.layout.cp == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus"), [("llama_70b", 64), ("moe_1b", 16), ("tiny_moe", 4), ("small", 8)]
+)
+def test_every_layout_uses_every_gpu_and_respects_divisibility(model, gpus):
+    cfg = model_preset(model)
+    result = plan(request(model, gpus, global_batch=64))
+    assert result.estimates
+    for item in result.estimates:
+        layout = item.layout
+        product = layout.dp_replicate * layout.dp_shard * layout.tp * layout.cp * layout.pp
+        assert product == gpus
+        assert cfg.n_heads % layout.tp == 0 and cfg.n_kv_heads % layout.tp == 0
+        assert (cfg.n_experts or 1) % layout.ep == 0
+        assert (layout.dp_shard * layout.cp * layout.tp) % layout.ep == 0
+        assert layout.pp <= cfg.n_layers
+        assert 64 % layout.dp == 0 and layout.microbatch * layout.microbatches * layout.dp == 64
+    feasible = result.feasible
+    assert all(item.memory["total"] <= 80 * 2**30 for item in feasible)
+    assert all(not item.fits and item.reason for item in result.estimates[len(feasible) :])
+
+
+def test_moe_layouts_use_expert_parallelism():
+    result = plan(request("moe_1b", 16, global_batch=64))
+    assert any(item.layout.ep > 1 for item in result.feasible)
+
+
+def test_plan_answers_in_under_a_second_for_256_gpus():
+    req = request("llama_70b", 256, global_batch=512)
+    fastest = min(_timed(req) for _ in range(3))  # the least disturbed of three
+    assert fastest < 1.0, f"{fastest:.2f} s"
+
+
+def _timed(req: PlanRequest) -> float:
+    started = time.perf_counter()
+    plan(req)
+    return time.perf_counter() - started
+
+
+def test_cli_prints_the_best_layout_as_overrides_and_recipe_lines():
+    done = run_tool(
+        "orchestrator", "plan", "--model", "llama_70b", "--gpus", "32", "--gpu", "h100", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    best = payload["best"]
+    overrides = dict(item.split("=", 1) for item in best["overrides"])
+    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"):
+        assert overrides[f"parallel.{key}"] == str(best["layout"][key])
+    assert overrides["activation_checkpointing"] == best["layout"]["ac"]
+    assert "nodes: 4" in payload["yaml"] and "tasks_per_node: 8" in payload["yaml"]
+    memory = best["memory_gib"]
+    parts = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
+    assert abs(sum(memory[kind] for kind in parts) - memory["total"]) < 1e-6
+    assert memory["total"] <= payload["memory_per_gpu_gib"]
+    assert 0 < best["mfu"] < 1
+
+
+def test_cli_lists_layouts_that_do_not_fit_with_the_reason():
+    done = run_tool("orchestrator", "plan", "--model", "llama_8b", "--gpus", "8", "--all")
+    assert done.returncode == 0, done.stderr
+    assert "does not fit: " in done.stdout and "more than 80 GiB" in done.stdout
+    assert "as Hydra overrides:" in done.stdout
+
+
+def test_cli_says_when_nothing_fits_and_exits_1():
+    done = run_tool("orchestrator", "plan", "--model", "llama_405b", "--gpus", "8")
+    assert done.returncode == 1
+    assert "no layout fits" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "gpt5"], "unknown model 'gpt5'"),
+        (["--gpus", "12", "--gpus-per-node", "8"], "not a whole number of nodes"),
+        (["--seq-len", "4096", "--seconds", "3"], "--seq-len is a text-only sequence"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_error(args, message):
+    done = run_tool(
+        "orchestrator", "plan", *(["--gpus", "8"] if "--gpus" not in args else []), *args
+    )
+    assert done.returncode == 2
+    assert message in done.stderr, done.stderr

@@ -1,0 +1,99 @@
+"""The planner as a preflight on the loopback cluster: a training layout that cannot fit is
+refused before anything is queued, and ``--no-plan-check`` lets it through."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.errors import UsageError
+from orchestrator.planner.cluster import GIB
+from orchestrator.planner.preflight import (
+    Capacity,
+    capacity_for,
+    check_training_fits,
+    compose_training_config,
+    train_arguments,
+)
+from orchestrator.preflight import parse_partitions
+from tests.helpers import REPO, queue_ids, run_tool, wait_gone
+
+# Too big for any host: an hour of audio per batch through the 1B-parameter LLM. The missing
+# corpus makes a job that gets through (--no-plan-check) fail at once, harmlessly.
+TOO_BIG = ("model.preset=llm_1b", "data.max_duration=3600", "data.corpus=/nonexistent/corpus")
+
+
+@pytest.mark.slurm
+def test_a_layout_that_cannot_fit_is_refused_with_nothing_queued(empty_queue, tmp_path):
+    done = run_tool(
+        "auto_launch",
+        "-n3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        *TOO_BIG,
+        cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr + done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert "error: plan check: " in errors[0]
+    assert "needs " in errors[0] and "GiB per rank" in errors[0]
+    assert "of host memory" in errors[0] and "--no-plan-check" in errors[0]
+    assert queue_ids() == []
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slurm
+def test_no_plan_check_lets_the_chain_through(empty_queue, tmp_path):
+    done = run_tool(
+        "auto_launch",
+        "-n2",
+        "--no-plan-check",
+        "--json",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        *TOO_BIG,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    jobs = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert jobs, done.stdout
+    run_tool("orchestrator", "cancel", str(tmp_path / "run"))
+    wait_gone(queue_ids())
+
+
+def test_a_gpu_recipe_is_checked_against_its_gpu():
+    cfg = compose_training_config(["--config-name", "gpu_llm_1b"])
+    h100 = capacity_for(8, 8, "h100", None)
+    assert h100 is not None and h100.bytes_per_rank == 80 * GIB
+    fits = check_training_fits(cfg, 1, 8, h100, "gpu_llm_1b")
+    assert fits.fits
+    tiny = Capacity(2 * GIB, "a 2 GiB GPU", h100.gpu)
+    with pytest.raises(UsageError, match=r"the best layout that fits: |no layout of 8"):
+        check_training_fits(cfg, 1, 8, tiny, "gpu_llm_1b")
+
+
+def test_gpu_memory_comes_from_the_partition_when_the_recipe_names_no_gpu():
+    (partition,) = parse_partitions("gpu*|up|4|64|gpu:a100:8|2-00:00:00|1000000\n")
+    capacity = capacity_for(8, 8, None, partition)
+    assert capacity.gpu.key == "a100" and "partition gpu" in capacity.where
+    (unknown,) = parse_partitions("gpu*|up|4|64|gpu:8|2-00:00:00|1000000\n")
+    assert capacity_for(8, 8, None, unknown) is None  # skipped, with a line saying so
+
+
+def test_cpu_ranks_share_the_node_memory():
+    (partition,) = parse_partitions("cpu*|up|4|64|(null)|infinite|64000\n")
+    capacity = capacity_for(0, 4, None, partition)
+    assert capacity.gpu is None
+    assert capacity.bytes_per_rank == 64000 * 2**20 / 4
+
+
+def test_only_the_trainer_command_is_checked():
+    assert train_arguments(["python", "-m", "train", "--config-name", "x"]) == [
+        "--config-name",
+        "x",
+    ]
+    assert train_arguments(["python", "recipes/smoke.py", "${SEED}"]) is None
