@@ -31,9 +31,14 @@ import psutil
 
 from orchestrator.errors import UsageError
 from orchestrator.planner.cluster import GIB, GPU, Cluster, gpu_preset
-from orchestrator.planner.inventory import inventory, stage_param_counts
-from orchestrator.planner.search import Estimate, Layout, PlanRequest, estimate, plan
-from orchestrator.planner.state import group
+from orchestrator.planner.search import (
+    Estimate,
+    Layout,
+    PlanRequest,
+    estimate,
+    plan,
+    priced_inventory,
+)
 from orchestrator.preflight import Partition
 from train.models.presets import get_preset
 
@@ -132,10 +137,7 @@ def request_and_layout(
 
 
 def price(request: PlanRequest, layout: Layout) -> Estimate:
-    cfg = request.model
-    tensors = inventory(cfg)
-    grouped = group(tensors)
-    counts = (*stage_param_counts(tensors, cfg.n_layers), grouped.numel)
+    grouped, counts = priced_inventory(request.model)
     return estimate(request, layout, grouped, counts, {})
 
 

@@ -409,20 +409,29 @@ def reasoning(request: PlanRequest, layout: Layout, params: int, needed: float) 
         parts.append(f"CP={layout.cp} for {positions}-position sequences")
     if layout.ep > 1:
         parts.append(f"EP={layout.ep} for the {request.model.n_experts} experts")
-    dp = "HSDP" if layout.dp_replicate > 1 else "FSDP"
-    parts.append(f"{dp} over the remaining {layout.dp} data-parallel ranks")
+    if layout.dp > 1:
+        dp = "HSDP" if layout.dp_replicate > 1 else "FSDP"
+        parts.append(f"{dp} over the remaining {layout.dp} data-parallel ranks")
+    else:
+        parts.append("no data parallelism left (dp=1)")
     if layout.ac != "none":
         parts.append(f"{layout.ac} activation checkpointing")
     return "; ".join(parts)
 
 
+def priced_inventory(cfg: SALMConfig) -> tuple[GroupedInventory, tuple]:
+    """The model's grouped parameters and what the pipeline split weighs (per-block counts,
+    the first and last stages' extras, the total)."""
+    tensors = inventory(cfg)
+    grouped = group(tensors)
+    return grouped, (*stage_param_counts(tensors, cfg.n_layers), grouped.numel)
+
+
 def plan(request: PlanRequest) -> PlanResult:
     """Every layout, priced; feasible ones first in the flowchart's order, then by step time."""
     cfg = request.model
-    tensors = inventory(cfg)
-    grouped = group(tensors)
+    grouped, counts = priced_inventory(cfg)
     params = grouped.numel
-    counts = (*stage_param_counts(tensors, cfg.n_layers), params)
     fits_one, needed = full_state_fits(request, params)
     layouts = candidate_layouts(request)
     max_tp = max((layout.tp for layout in layouts), default=1)
