@@ -4,7 +4,7 @@ VENV ?= .venv
 VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge espeak-ng sox
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox
 PYTEST_ARGS ?=
 
 .PHONY: setup setup-system setup-slurm corpus corpus-long corpus-asr demo test test-fast bench cluster-up cluster-down lint clean
@@ -20,10 +20,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
-# Debian packages: SLURM and munge for the loopback cluster, espeak-ng and sox for the corpus.
+# Debian packages: SLURM and munge for the loopback cluster, slurmdbd and MariaDB for its
+# accounting (`cluster up --accounting`, used by the tests), espeak-ng and sox for the corpus.
 setup-system:
 	@missing=""; \
-	for tool in slurmctld slurmd sbatch munged espeak-ng sox; do \
+	for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd mariadb-install-db espeak-ng sox; do \
 	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
 	done; \
 	if [ -n "$$missing" ]; then \

@@ -310,11 +310,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     labels = sweep_labels(args.chain)
     payloads = []
     for manifest in manifests:
-        statuses = backend_for(manifest).statuses(manifest.job_ids())
+        backend = backend_for(manifest)
+        statuses = backend.statuses(manifest.job_ids())
+        found = results[manifest.chain_id]
         if args.json:
-            payloads.append(status_payload(manifest, statuses, results[manifest.chain_id]))
+            payloads.append(status_payload(manifest, statuses, found, backend.unreachable))
         else:
-            print_status(manifest, statuses, results[manifest.chain_id])
+            print_status(manifest, statuses, found, backend.unreachable)
     if labels is None:
         if args.json:
             print(json.dumps(payloads[0]))
@@ -328,14 +330,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def status_payload(manifest: Manifest, statuses: dict[str, JobStatus], results: RunResults) -> dict:
+def status_payload(
+    manifest: Manifest,
+    statuses: dict[str, JobStatus],
+    results: RunResults,
+    unreachable: str | None = None,
+) -> dict:
     payload = summary(manifest, statuses)
+    payload["controller_unreachable"] = unreachable
     progress = last_progress(manifest)
     for job in payload["jobs"]:
         status = statuses.get(job["job_id"])
         job["nodes"] = status.nodes if status else ""
         job["reason"] = status.reason if status else ""
         job["exit_code"] = status.exit_code if status else None
+        job["elapsed"] = status.elapsed if status else ""
+        job["source"] = status.source if status else ""
         job["last_step"], job["last_loss"] = progress.get(job["index"], (None, None))
     payload["validation"] = asdict(results.validation) if results.validation else None
     payload["evaluation"] = asdict(results.evaluation) if results.evaluation else None
@@ -346,8 +356,22 @@ def format_loss(loss: float | None) -> str:
     return "-" if loss is None else f"{loss:.4f}"
 
 
-def print_status(manifest: Manifest, statuses: dict[str, JobStatus], results: RunResults) -> None:
+def unreachable_notice(unreachable: str) -> str:
+    return (
+        f"SLURM controller unreachable ({unreachable}): states below come from accounting "
+        "(sacct) where it answers, else from the manifest and the run dir (logs, metrics)"
+    )
+
+
+def print_status(
+    manifest: Manifest,
+    statuses: dict[str, JobStatus],
+    results: RunResults,
+    unreachable: str | None = None,
+) -> None:
     print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
+    if unreachable:
+        print(unreachable_notice(unreachable))
     if manifest.error:
         print(f"error: {manifest.error}")
     print(f"latest: {results.describe()}")
@@ -364,11 +388,14 @@ def print_status(manifest: Manifest, statuses: dict[str, JobStatus], results: Ru
                 status.state if status else "?",
                 "-" if last_step is None else str(last_step),
                 format_loss(last_loss),
+                "-" if status is None or status.exit_code is None else str(status.exit_code),
+                (status.elapsed if status else "") or "-",
                 status.nodes if status else "",
                 status.reason if status else "",
             ]
         )
-    print_table(rows, ["index", "job_id", "seed", "state", "step", "loss", "nodes", "reason"])
+    header = ["index", "job_id", "seed", "state", "step", "loss", "exit", "elapsed", "nodes"]
+    print_table(rows, [*header, "reason"])
 
 
 def print_ranking(
@@ -459,6 +486,9 @@ def follow(manifest: Manifest, job: JobRecord, backend: Backend, poll_s: float =
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
                 continue
+        if backend.unreachable:
+            say(f"stopped following: SLURM controller unreachable ({backend.unreachable})")
+            return
         if state in FINISHED_STATES or state == "UNKNOWN":
             return
         time.sleep(poll_s)

@@ -166,11 +166,37 @@ def register_sweep(sweep_id: str, members: list[dict[str, Any]]) -> Path:
     return path
 
 
+def sweep_members(name: str) -> list[dict[str, Any]] | None:
+    """The members of the sweep called ``name``, or None when ``name`` is no sweep id.
+
+    Only a bare name can be a sweep id: a path (a run dir, absolute or relative) is never
+    looked up, as joining it onto the sweeps folder would find ``<path>.json`` beside it.
+    """
+    from orchestrator.errors import UsageError
+
+    if not name or Path(name).name != name or name in (".", ".."):
+        return None
+    path = sweep_index_path(name)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:
+        raise UsageError(f"sweep index {path} is not JSON ({error}); remove or fix it") from None
+    members = data.get("members") if isinstance(data, dict) else None
+    if not isinstance(members, list) or not all(
+        isinstance(member, dict) and isinstance(member.get("chain_id"), str) for member in members
+    ):
+        raise UsageError(
+            f"sweep index {path} has no list of members with a chain_id each; remove or fix it"
+        )
+    return members
+
+
 def find_manifests(name: str) -> list[Manifest]:
     """The manifests a name stands for: every chain of a sweep, or the one chain."""
-    path = sweep_index_path(name)
-    if path.is_file():
-        members = json.loads(path.read_text())["members"]
+    members = sweep_members(name)
+    if members is not None:
         return [find_manifest(member["chain_id"]) for member in members]
     return [find_manifest(name)]
 
@@ -178,10 +204,9 @@ def find_manifests(name: str) -> list[Manifest]:
 def sweep_labels(name: str) -> dict[str, str] | None:
     """Chain id -> the overrides that tell it from the other members (else its id) for a sweep;
     None when ``name`` is no sweep. Overrides every member shares would only crowd a legend."""
-    path = sweep_index_path(name)
-    if not path.is_file():
+    members = sweep_members(name)
+    if members is None:
         return None
-    members = json.loads(path.read_text())["members"]
     override_lists = [m.get("overrides") or [] for m in members]
     shared = set.intersection(*map(set, override_lists)) if len(members) > 1 else set()
     return {

@@ -20,6 +20,7 @@ from orchestrator.manifest import (
     find_manifests,
     sweep_index_path,
     sweep_labels,
+    sweep_members,
 )
 from orchestrator.results import (
     Evaluation,
@@ -143,7 +144,7 @@ def plot_data(name: str) -> PlotData:
 
 def default_output(name: str) -> Path:
     """``$ORCH_HOME/sweeps/<id>.png`` for a sweep, ``<run dir>/plot.png`` for a chain."""
-    if sweep_index_path(name).is_file():
+    if sweep_members(name) is not None:
         return sweep_index_path(name).with_suffix(".png")
     return Path(find_manifests(name)[0].run_dir) / "plot.png"
 

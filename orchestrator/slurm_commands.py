@@ -14,6 +14,11 @@ from orchestrator.errors import SchedulerError, SchedulerTimeout
 from orchestrator.retry import ATTEMPTS, TRANSIENT_MARKERS, with_retries
 
 PARTITION_FORMAT = "%P|%a|%D|%c|%G|%l|%m"
+# Queries behind `orchestrator status`: it must answer within seconds even when the controller is
+# gone (squeue alone spends MessageTimeout retrying a dead one), so each query gets this long,
+# and one more try only after `scontrol ping` said the controller is up.
+QUERY_TIMEOUT_S = 5.0
+QUERY_ATTEMPTS = 2
 
 
 def probe_partitions() -> str | None:
@@ -75,3 +80,18 @@ def run_slurm_once(
         message = (completed.stderr or completed.stdout).strip() or f"exit {completed.returncode}"
         raise SchedulerError(f"{argv[0]} failed: {message}")
     return completed.stdout
+
+
+def controller_problem(env: dict[str, str] | None = None) -> str | None:
+    """None when slurmctld answers ``scontrol ping``; otherwise why not, in one line.
+
+    A dead controller is reported at once (its port refuses), so callers learn within
+    QUERY_TIMEOUT_S whether to ask the queue or fall back to accounting and the run dir.
+    """
+    try:
+        output = run_slurm_once(["scontrol", "ping"], timeout_s=QUERY_TIMEOUT_S, env=env)
+    except SchedulerError as error:
+        return str(error).splitlines()[0].removeprefix("scontrol failed: ")
+    if " is UP" in output:
+        return None
+    return (output.strip().splitlines() or ["scontrol ping gave no answer"])[0]

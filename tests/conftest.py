@@ -77,11 +77,14 @@ def down_clusters_of_dead_sessions() -> None:
 def slurm_cluster(
     tmp_path_factory: pytest.TempPathFactory, orch_home: Path
 ) -> Iterator[LoopbackCluster]:
-    """A 2-node cluster for the whole session; SLURM_CONF points every SLURM command at it."""
+    """A 2-node cluster with accounting (slurmdbd, MariaDB) for the whole session; SLURM_CONF
+    points every SLURM command at it."""
     down_clusters_of_dead_sessions()
     os.environ[SESSION_ENV] = str(os.getpid())
     directory = tmp_path_factory.mktemp("slurm")
-    started = cluster_cli("up", "--nodes", "2", "--cpus-per-node", "4", "--dir", str(directory))
+    started = cluster_cli(
+        "up", "--nodes", "2", "--cpus-per-node", "4", "--accounting", "--dir", str(directory)
+    )
     if started.returncode != 0:
         pytest.fail(
             f"the loopback SLURM cluster did not start (exit {started.returncode}):\n"

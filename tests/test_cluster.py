@@ -106,7 +106,8 @@ def test_status_shows_conf_daemons_pids_and_nodes(empty_queue: LoopbackCluster) 
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert f"conf:    {empty_queue.conf}" in lines
-    for daemon in ("slurmctld", "slurmd-n1", "slurmd-n2"):
+    assert any(line.startswith("accounting: slurmdbd on 127.0.0.1:") for line in lines)
+    for daemon in ("mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2"):
         pid = (empty_queue.directory / "pid" / f"{daemon}.pid").read_text().strip()
         assert any(line.split()[:4] == [daemon, "pid", pid, "alive"] for line in lines), daemon
     for node in ("n1", "n2"):
@@ -129,15 +130,17 @@ def test_up_down_cycle_leaves_nothing_behind(
     started = cluster_cli("up", "--nodes", "1", "--dir", str(directory))
     assert started.returncode == 0, started.stderr
 
-    # A controller that died leaves a stale cluster; `up` cleans it and starts a new one.
-    dead_pid = cluster.daemon_pids(directory)["slurmctld"]
-    assert dead_pid is not None
+    # A controller that died is restarted alone; the node daemon keeps running.
+    before = cluster.daemon_pids(directory)
+    dead_pid = before["slurmctld"]
+    assert dead_pid is not None and set(before) == {"slurmctld", "slurmd-n1"}
     os.kill(dead_pid, signal.SIGKILL)
     restarted = cluster_cli("up", "--nodes", "1", "--dir", str(directory))
     assert restarted.returncode == 0, restarted.stderr
-    assert "stale" in restarted.stderr
+    assert "restarting slurmctld;" in restarted.stderr
     daemons = cluster.daemon_pids(directory)
     assert None not in daemons.values() and dead_pid not in daemons.values()
+    assert daemons["slurmd-n1"] == before["slurmd-n1"]
 
     # A job still running at `down` time must go too (its script lives in the spool dir).
     env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -193,3 +196,17 @@ def test_env_on_a_dir_without_cluster_exits_2(tmp_path: Path) -> None:
     assert shown.stdout == ""
     assert f"no cluster in {tmp_path}" in shown.stderr
     assert "orchestrator cluster up" in shown.stderr
+
+
+def test_up_with_another_shape_refuses_and_names_the_queued_jobs(
+    empty_queue: LoopbackCluster,
+) -> None:
+    held = sbatch("--hold", "--output=/dev/null", "--wrap", "true")
+    try:
+        changed = cluster_cli("up", "--nodes", "3", "--dir", str(empty_queue.directory))
+        assert changed.returncode == 2, changed.stderr
+        assert f"{held} PENDING" in changed.stderr
+        assert f"orchestrator cluster down --dir {empty_queue.directory}" in changed.stderr
+        assert empty_queue.queue_job_ids() == [held]
+    finally:
+        subprocess.run(["scancel", held], timeout=30, check=True)

@@ -137,7 +137,9 @@ def of_type(records: list[dict], kind: str) -> list[dict]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    """The history rows (each job's ``memory`` row, which W&B never sees, left out)."""
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+    return [row for row in rows if "memory" not in row]
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ def multirun(sweep_dir: Path, corpus: Path, *overrides: str, timeout: float = 30
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's training and validation rows (each job's ``memory`` row left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "memory" not in row]
 
 
 def sweep_id(stdout: str) -> str:
@@ -223,8 +225,22 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
             ["hydra/launcher=chain_loopback", "hydra.launcher.then=no/eval.yaml", "optim.lr=1,2"],
             ["error: hydra.launcher.then: recipe no/eval.yaml does not exist"],
         ),
+        (
+            # An hour of audio per batch through the 1B LLM: no host holds its activations.
+            [
+                "hydra/launcher=chain_loopback",
+                "model.preset=llm_1b",
+                "data.max_duration=3600",
+                "optim.lr=1e-3,3e-4",
+            ],
+            [
+                "error: plan check: sweep member (",
+                "GiB per rank",
+                "hydra.launcher.plan_check=false",
+            ],
+        ),
     ],
-    ids=["zero-jobs", "bad-layout", "bad-value", "too-big", "bad-then"],
+    ids=["zero-jobs", "bad-layout", "bad-value", "too-big", "bad-then", "cannot-fit"],
 )
 def test_bad_settings_stop_before_anything_is_queued(
     empty_queue, corpus, tmp_path, overrides, fragments

@@ -80,7 +80,9 @@ def launch_training(jobs: int, run_dir: Path, recipe: str, corpus: Path, *overri
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's training and validation rows (each job's ``memory`` row left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "memory" not in row]
 
 
 def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:

@@ -224,14 +224,9 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float | int | str | None]) -> None:
         """Record one step: a metrics.jsonl line, a W&B history row, the progress line."""
-        if not self._active or self._file is None:
+        record = self.write(step, metrics)
+        if record is None:
             return
-        record: dict[str, Any] = {"step": step, **metrics}
-        for key, value in self._context.items():
-            record.setdefault(key, value)
-        record["time"] = round(time.time(), 3)
-        self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
         if self._run is not None:
             numbers = {
                 k: v
@@ -244,6 +239,19 @@ class MetricsLogger:
                 self._wandb_failed(error)
         if self._tty:
             self._show_progress(step, metrics)
+
+    def write(self, step: int, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """One metrics.jsonl line (with the job's context and the time), and nothing else: what
+        log() sends on, and records that are not history (the ``memory`` row)."""
+        if not self._active or self._file is None:
+            return None
+        record: dict[str, Any] = {"step": step, **fields}
+        for key, value in self._context.items():
+            record.setdefault(key, value)
+        record["time"] = round(time.time(), 3)
+        self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+        return record
 
     def _show_progress(self, step: int, metrics: Mapping[str, Any]) -> None:
         now = time.monotonic()

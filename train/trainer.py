@@ -598,7 +598,7 @@ class Trainer:
         record (what ``orchestrator plan`` predicts) and one startup line. Collective."""
         gathered: list[dict | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, {"rank": self.rank, **(self.state_memory or {})})
-        metrics.log(self.step, {"memory": gathered})
+        metrics.write(self.step, {"memory": gathered})
         busiest = max(gathered, key=lambda rank: sum(rank[kind] for kind in STATE_KINDS))
         mib = ", ".join(
             f"{kind.split('_')[0]} {busiest[kind] / 2**20:.2f} MiB" for kind in STATE_KINDS

@@ -56,6 +56,8 @@ class JobStatus:
     reason: str = ""
     start_estimate: str = ""
     exit_code: int | None = None
+    elapsed: str = ""  # run time so far or in all, as SLURM prints it: [D-]HH:MM:SS
+    source: str = ""  # where the state was read: squeue, scontrol, sacct, run dir
 
 
 class Backend(Protocol):
@@ -65,6 +67,9 @@ class Backend(Protocol):
     option: ClassVar[str]  # the --backend value that picks it
     auto: ClassVar[bool]  # whether --backend auto considers it
     runs_here: ClassVar[bool]  # runs the jobs on this machine rather than through SLURM
+    # Why the scheduler did not answer the last statuses() call, whose states then came from
+    # accounting or the run dir; None when it answered (or there is no scheduler to ask).
+    unreachable: str | None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:
@@ -93,6 +98,7 @@ class BatchScriptBackend:
     ``JobRequest.log_pattern`` says: ``RUN_DIR/logs/<name>-<job id>.out``."""
 
     label: ClassVar[str]
+    unreachable: str | None = None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:

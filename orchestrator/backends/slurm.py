@@ -1,13 +1,30 @@
-"""The slurm backend: sbatch, squeue, scontrol and scancel as subprocesses."""
+"""The slurm backend: sbatch, squeue, scontrol, sacct and scancel as subprocesses.
+
+States are read from the most direct witness that answers: the queue, then accounting (sacct,
+where the cluster runs slurmdbd), then scontrol's memory of recent jobs, then the run dir.
+"""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-from orchestrator.backends.base import BatchScriptBackend, JobRequest, JobStatus, dependency_spec
-from orchestrator.errors import SchedulerError
-from orchestrator.retry import REJECTED_MARKERS
-from orchestrator.slurm_commands import run_slurm
+from orchestrator.backends.base import (
+    FINISHED_STATES,
+    BatchScriptBackend,
+    JobRequest,
+    JobStatus,
+    dependency_spec,
+)
+from orchestrator.backends.run_dir import run_dir_status
+from orchestrator.errors import SchedulerError, SchedulerTimeout
+from orchestrator.retry import REJECTED_MARKERS, is_transient
+from orchestrator.slurm_commands import (
+    QUERY_ATTEMPTS,
+    QUERY_TIMEOUT_S,
+    controller_problem,
+    run_slurm,
+)
 
 JOB_ID_PATTERN = re.compile(r"^\d+(_\d+)?$")
 
@@ -27,6 +44,14 @@ class SlurmBackend(BatchScriptBackend):
     option = "slurm"
     auto = True  # when a SLURM controller answers
     runs_here = False
+
+    def __init__(self, run_dir: Path | None = None) -> None:
+        self.run_dir = run_dir  # where a job's log and metrics tell what SLURM cannot
+        self.unreachable: str | None = None
+
+    @classmethod
+    def for_run_dir(cls, run_dir: Path) -> SlurmBackend:
+        return cls(run_dir)
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
         script = self.script_of(request)
@@ -71,33 +96,73 @@ class SlurmBackend(BatchScriptBackend):
             run_slurm(["scancel", *job_ids])
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
-        """State from squeue for queued jobs, scontrol for recently finished ones."""
+        """squeue for queued jobs; sacct for the others where accounting exists; scontrol for
+        those sacct lacks (recently finished); the run dir for what SLURM cannot tell.
+
+        A controller that does not answer ``scontrol ping`` is not queried at all (a dead one
+        would make every command wait): states then come from sacct, which slurmdbd answers
+        without it, and the run dir, and ``unreachable`` says why.
+        """
         if not job_ids:
             return {}
+        self.unreachable = controller_problem()
         found: dict[str, JobStatus] = {}
-        queue = run_slurm(
-            ["squeue", "--noheader", "--jobs", ",".join(job_ids), "--format=%i|%T|%N|%r|%S"],
-            timeout_s=30,
+        if self.unreachable is None:
+            try:
+                found.update(squeue_statuses(job_ids))
+            except SchedulerError as error:
+                if not isinstance(error, SchedulerTimeout) and not is_transient(str(error)):
+                    raise
+                self.unreachable = str(error).splitlines()[0]
+        rest = [job_id for job_id in job_ids if job_id not in found]
+        accounted = sacct_statuses(rest)
+        why = (
+            f"controller unreachable ({self.unreachable})"
+            if self.unreachable
+            else "SLURM no longer knows the job and keeps no accounting"
         )
-        for line in queue.splitlines():
-            job_id, state, nodes, reason, start = (line.split("|") + [""] * 5)[:5]
-            found[job_id.strip()] = JobStatus(
-                job_id=job_id.strip(),
-                state=state.strip(),
-                nodes=nodes.strip(),
-                reason="" if reason.strip() == "None" else reason.strip(),
-                start_estimate=start.strip() if start.strip() not in ("N/A", "") else "",
+        for job_id in rest:
+            status = accounted.get(job_id)
+            if status is None or (status.state not in FINISHED_STATES and not self.unreachable):
+                fields = {} if self.unreachable else scontrol_fields(job_id)
+                if fields:
+                    status = status_from_fields(job_id, fields)
+            found[job_id] = status or run_dir_status(
+                self.run_dir, job_id, self.log_glob(job_id), why
             )
-        for job_id in job_ids:
-            if job_id not in found:
-                found[job_id] = scontrol_status(job_id)
         return found
+
+
+def squeue_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
+    """The jobs among ``job_ids`` that are still in the queue (pending, running, completing)."""
+    queue = run_slurm(
+        ["squeue", "--noheader", "--jobs", ",".join(job_ids), "--format=%i|%T|%N|%r|%S|%M"],
+        timeout_s=QUERY_TIMEOUT_S,
+        attempts=QUERY_ATTEMPTS,
+    )
+    found: dict[str, JobStatus] = {}
+    for line in queue.splitlines():
+        job_id, state, nodes, reason, start, elapsed = (line.split("|") + [""] * 6)[:6]
+        found[job_id.strip()] = JobStatus(
+            job_id=job_id.strip(),
+            state=state.strip(),
+            nodes=nodes.strip(),
+            reason="" if reason.strip() == "None" else reason.strip(),
+            start_estimate=start.strip() if start.strip() not in ("N/A", "") else "",
+            elapsed=elapsed.strip(),
+            source="squeue",
+        )
+    return found
 
 
 def scontrol_fields(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
     try:
-        output = run_slurm(["scontrol", "show", "job", "-o", job_id], timeout_s=30)
+        output = run_slurm(
+            ["scontrol", "show", "job", "-o", job_id],
+            timeout_s=QUERY_TIMEOUT_S,
+            attempts=QUERY_ATTEMPTS,
+        )
     except SchedulerError as error:
         if "Invalid job id" in str(error):
             return {}
@@ -110,49 +175,61 @@ def scontrol_fields(job_id: str) -> dict[str, str]:
     return fields
 
 
+def exit_status(exit_code: str) -> int | None:
+    """The exit status of SLURM's ``status:signal`` pair; None when there is none."""
+    return int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None
+
+
 def status_from_fields(job_id: str, fields: dict[str, str]) -> JobStatus:
     """A JobStatus from ``scontrol show job -o`` fields."""
-    exit_code = fields.get("ExitCode", "")
     return JobStatus(
         job_id=job_id,
         state=fields.get("JobState", "UNKNOWN"),
         nodes="" if fields.get("NodeList") == "(null)" else fields.get("NodeList", ""),
         reason="" if fields.get("Reason") == "None" else fields.get("Reason", ""),
         start_estimate=fields.get("StartTime", "").replace("Unknown", ""),
-        exit_code=int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None,
+        exit_code=exit_status(fields.get("ExitCode", "")),
+        elapsed=fields.get("RunTime", ""),
+        source="scontrol",
     )
 
 
-def scontrol_status(job_id: str) -> JobStatus:
-    fields = scontrol_fields(job_id)
-    return status_from_fields(job_id, fields) if fields else sacct_status(job_id)
+SACCT_FORMAT = "JobIDRaw,State,ExitCode,Elapsed,NodeList,Reason"
 
 
-def sacct_status(job_id: str) -> JobStatus:
-    """Accounting, where the cluster keeps it; clusters without it answer UNKNOWN."""
+def sacct_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
+    """What accounting recorded for the jobs, in one sacct call; empty where the cluster keeps
+    no accounting (sacct: "accounting storage is disabled") or slurmdbd does not answer."""
+    if not job_ids:
+        return {}
     try:
         output = run_slurm(
             [
                 "sacct",
                 "--noheader",
                 "--parsable2",
-                "-X",
-                "-j",
-                job_id,
-                "--format=State,NodeList,ExitCode",
+                "--allocations",
+                "--jobs",
+                ",".join(job_ids),
+                f"--format={SACCT_FORMAT}",
             ],
-            timeout_s=30,
+            timeout_s=QUERY_TIMEOUT_S,
             attempts=1,
         )
     except SchedulerError:
-        return JobStatus(job_id=job_id, state="UNKNOWN", reason="no longer known to SLURM")
-    lines = [line for line in output.splitlines() if line.strip()]
-    if not lines:
-        return JobStatus(job_id=job_id, state="UNKNOWN", reason="no longer known to SLURM")
-    state, nodes, exit_code = ([*lines[0].split("|"), "", "", ""])[:3]
-    return JobStatus(
-        job_id=job_id,
-        state=state.split()[0],
-        nodes=nodes,
-        exit_code=int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None,
-    )
+        return {}
+    found: dict[str, JobStatus] = {}
+    for line in output.splitlines():
+        job_id, state, exit_code, elapsed, nodes, reason = (line.split("|") + [""] * 6)[:6]
+        if job_id not in job_ids or not state:
+            continue
+        found[job_id] = JobStatus(
+            job_id=job_id,
+            state=state.split()[0],  # "CANCELLED by 0"
+            nodes="" if nodes == "None assigned" else nodes,
+            reason="" if reason == "None" else reason,
+            exit_code=exit_status(exit_code),
+            elapsed=elapsed,
+            source="sacct",
+        )
+    return found

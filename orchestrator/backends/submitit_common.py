@@ -86,6 +86,7 @@ class SubmititBackendBase:
     option: ClassVar[str] = "submitit"
     auto: ClassVar[bool] = False
     executor: ClassVar[str]  # submitit's executor: slurm | local
+    unreachable: str | None = None
 
     def __init__(self, folder: Path, executor_params: dict[str, Any] | None = None) -> None:
         self.folder = Path(folder).expanduser().absolute()

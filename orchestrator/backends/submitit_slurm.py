@@ -31,7 +31,7 @@ from orchestrator.backends.submitit_common import (
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.retry import REJECTED_MARKERS, with_retries
 from orchestrator.sbatch_directives import parse_signal
-from orchestrator.slurm_commands import run_slurm
+from orchestrator.slurm_commands import controller_problem, run_slurm
 
 # Options the backend decides itself: the chain's job name (singleton depends on it), submitit's
 # log files, the dependency, and the working directory (request.workdir).
@@ -78,14 +78,18 @@ class SubmititSlurmBackend(SubmititBackendBase):
             run_slurm(["scancel", *job_ids])
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        """scontrol's view, or submitit's result file; only the result file while the
+        controller does not answer (``unreachable`` says why)."""
+        self.unreachable = controller_problem() if job_ids else None
         return {job_id: self._status(job_id) for job_id in job_ids}
 
     def _status(self, job_id: str) -> JobStatus:
-        fields = scontrol_fields(job_id)
+        fields = {} if self.unreachable else scontrol_fields(job_id)
         if fields:
             return status_from_fields(job_id, fields)
+        known = "controller unreachable" if self.unreachable else "no longer known to SLURM"
         return self.result_status(job_id) or JobStatus(
-            job_id, "UNKNOWN", reason="no longer known to SLURM and no submitit result"
+            job_id, "UNKNOWN", reason=f"{known} and no submitit result"
         )
 
 

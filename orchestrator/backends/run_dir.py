@@ -1,0 +1,43 @@
+"""What a chain's run dir says about a job that SLURM cannot tell about.
+
+Asked when the controller is unreachable, or when a finished job has left SLURM's memory on a
+cluster without accounting. The templates end every job's log with ``[orch] training exited
+with status N`` (templates/_base.sub.j2): that line is the job's outcome. A log without it says
+only that the job started (the metrics, how far it got); no log, that it has not started.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from orchestrator.backends.base import JobStatus
+from orchestrator.results import iter_metrics
+
+SOURCE = "run dir"
+STARTED = "STARTED"  # a log, but no end recorded: running, or ended unrecorded
+NOT_STARTED = "NOT_STARTED"  # no log: pending, or cancelled before it ran
+EXIT_LINE = re.compile(r"^\[orch\] training exited with status (\d+)\s*$", re.MULTILINE)
+
+
+def run_dir_status(run_dir: Path | None, job_id: str, log_glob: str, why: str) -> JobStatus:
+    """The job's state as its log and metrics show it; ``why`` says why SLURM was not asked."""
+    logs = sorted(Path(run_dir).glob(log_glob)) if run_dir is not None else []
+    if run_dir is None:
+        return JobStatus(job_id, "UNKNOWN", reason=f"{why}; no run dir to look in", source=SOURCE)
+    if not logs:
+        return JobStatus(job_id, NOT_STARTED, reason=f"{why}; no log yet", source=SOURCE)
+    codes = EXIT_LINE.findall(logs[0].read_text(errors="replace"))
+    if codes:
+        code = int(codes[-1])
+        state = "COMPLETED" if code == 0 else "FAILED"
+        return JobStatus(
+            job_id, state, exit_code=code, reason=f"{why}; from its log", source=SOURCE
+        )
+    steps = [
+        row["step"]
+        for row in iter_metrics(Path(run_dir))
+        if str(row.get("slurm_job_id")) == job_id and "step" in row
+    ]
+    got = f", metrics up to step {steps[-1]}" if steps else ""
+    return JobStatus(job_id, STARTED, reason=f"{why}; its log has no end{got}", source=SOURCE)

@@ -1,0 +1,169 @@
+"""What `orchestrator status` reports for jobs that left the queue: accounting (sacct) on the
+session cluster, which runs slurmdbd; the run dir where neither controller nor accounting
+answers; and which names it takes for a sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cluster
+from orchestrator.manifest import JobRecord, Manifest, orch_home
+from tests.conftest import LoopbackCluster
+from tests.helpers import launch_json, run_tool, wait_chain, write_sub
+from tests.test_results import make_chain, train_row
+
+BODY = """
+sleep 1
+if [ "$ORCH_JOB_INDEX" = "${FAIL_AT:-none}" ]; then exit 3; fi
+"""
+
+
+@pytest.mark.slurm
+def test_the_session_cluster_keeps_its_accounting_to_itself(
+    slurm_cluster: LoopbackCluster,
+) -> None:
+    conf = slurm_cluster.conf.read_text()
+    assert "AccountingStorageType=accounting_storage/slurmdbd" in conf
+    dbd_conf = slurm_cluster.directory / cluster.DBD_CONF_NAME
+    mode = dbd_conf.stat()
+    assert stat.S_IMODE(mode.st_mode) == 0o600 and mode.st_uid == 0
+    assert "Pass" not in dbd_conf.read_text()  # the database trusts root on its own socket
+    mariadbd = cluster.daemon_pids(slurm_cluster.directory)["mariadbd"]
+    argv = Path(f"/proc/{mariadbd}/cmdline").read_bytes().decode().split("\0")
+    assert argv[1] == "--no-defaults" and "--skip-networking" in argv
+    assert f"--datadir={slurm_cluster.directory / 'db' / 'data'}" in argv
+    clusters = subprocess.run(
+        ["sacctmgr", "--noheader", "--parsable2", "list", "cluster", "format=cluster"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert clusters.stdout.split() == ["loopback"]
+
+
+@pytest.mark.slurm
+def test_status_reads_jobs_that_left_the_queue_from_sacct(
+    empty_queue: LoopbackCluster, tmp_path: Path
+) -> None:
+    recipe = write_sub(tmp_path / "acct.sub", BODY)
+    summary = launch_json(
+        "-n2", "--run-dir", str(tmp_path / "run"), str(recipe), env={"FAIL_AT": "1"}
+    )
+    wait_chain(summary["chain_id"])
+    deadline = time.monotonic() + 20
+    while True:  # slurmdbd records a job's end a moment after the controller knows it
+        status = run_tool("orchestrator", "status", summary["chain_id"], "--json")
+        assert status.returncode == 0, status.stderr
+        jobs = json.loads(status.stdout)["jobs"]
+        if [job["source"] for job in jobs] == ["sacct", "sacct"]:
+            break
+        assert time.monotonic() < deadline, jobs
+        time.sleep(0.5)
+    assert [(job["state"], job["exit_code"]) for job in jobs] == [("COMPLETED", 0), ("FAILED", 3)]
+    for job in jobs:
+        assert re.fullmatch(r"00:00:0[1-9]", job["elapsed"]), job
+        assert job["nodes"] in ("n1", "n2"), job
+    assert json.loads(status.stdout)["controller_unreachable"] is None
+
+
+def dead_cluster_conf(directory: Path) -> Path:
+    """A slurm.conf whose controller nobody runs, and no accounting: SLURM answers nothing."""
+    port = cluster.free_ports(1)[0]
+    info = cluster.ClusterInfo(
+        directory=str(directory),
+        conf=str(directory / cluster.CONF_NAME),
+        hostname="localhost",
+        nodes=["n1"],
+        cpus_per_node=1,
+        controller_port=port,
+        node_ports={"n1": port},
+        started_munged=False,
+        munged_pid=None,
+    )
+    Path(info.conf).write_text(cluster.render_conf(info))
+    return Path(info.conf)
+
+
+def slurm_chain(run_dir: Path, job_ids: list[str]) -> Manifest:
+    run_dir.mkdir(parents=True)
+    manifest = Manifest(
+        chain_id=f"acct-{run_dir.name}",
+        recipe=str(run_dir / "r.sub"),
+        recipe_sha256="0" * 64,
+        script=str(run_dir / "r.sub"),
+        run_dir=str(run_dir),
+        backend="slurm",
+        dependency_kind="afterany",
+        num_jobs=len(job_ids),
+        args=[],
+        base_seed=None,
+        git_sha=None,
+        git_dirty=None,
+        created=time.time(),
+        status="submitted",
+        jobs=[JobRecord(index, 7 + index, job_id) for index, job_id in enumerate(job_ids)],
+    )
+    manifest.save()
+    return manifest
+
+
+def test_status_without_controller_or_accounting_reads_the_run_dir(tmp_path: Path) -> None:
+    conf = dead_cluster_conf(tmp_path)
+    manifest = slurm_chain(tmp_path / "run", ["101", "102", "103"])
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir()
+    (logs / "r-101.out").write_text("[orch] job 101\n[orch] training exited with status 0\n")
+    (logs / "r-102.out").write_text("[orch] job 102\n")
+    rows = [
+        {**train_row(manifest.chain_id, step, 1, 1.0), "slurm_job_id": "102"} for step in (6, 7)
+    ]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    env = {"SLURM_CONF": str(conf)}
+    started = time.monotonic()
+    status = run_tool("orchestrator", "status", manifest.run_dir, "--json", env=env)
+    took = time.monotonic() - started
+    assert status.returncode == 0, status.stderr
+    assert took < 6, f"status took {took:.1f} s with no controller"
+    payload = json.loads(status.stdout)
+    assert "DOWN" in payload["controller_unreachable"]
+    jobs = payload["jobs"]
+    assert [(job["state"], job["source"]) for job in jobs] == [
+        ("COMPLETED", "run dir"),
+        ("STARTED", "run dir"),
+        ("NOT_STARTED", "run dir"),
+    ]
+    assert jobs[0]["exit_code"] == 0
+    assert "metrics up to step 7" in jobs[1]["reason"]
+
+    text = run_tool("orchestrator", "status", manifest.run_dir, env=env)
+    assert text.returncode == 0, text.stderr
+    assert "SLURM controller unreachable" in text.stdout
+
+
+def test_a_run_dir_with_a_json_file_beside_it_is_no_sweep(tmp_path: Path) -> None:
+    run_dir = make_chain(tmp_path, "beside", [train_row("beside", 1, 0, 2.0)])
+    Path(f"{run_dir}.json").write_text(json.dumps({"not": "a sweep index"}))
+    for name in (str(run_dir), os.path.relpath(run_dir)):
+        status = run_tool("orchestrator", "status", name)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.startswith("chain beside "), status.stdout
+
+
+def test_a_malformed_sweep_index_is_a_clear_error() -> None:
+    index = orch_home() / "sweeps" / "broken-sweep.json"
+    index.parent.mkdir(parents=True, exist_ok=True)
+    index.write_text(json.dumps({"sweep_id": "broken-sweep"}))
+    status = run_tool("orchestrator", "status", "broken-sweep")
+    assert status.returncode == 2
+    assert f"sweep index {index} has no list of members" in status.stderr
+    assert "Traceback" not in status.stderr
