@@ -8,7 +8,16 @@ same layout and records the same things from the loaded state.
 
     torchrun ... tests/checkpoint_worker.py load --dp-shard 4 --run-dir RUN --out loaded.pt
     python tests/checkpoint_worker.py load --run-dir RUN --out loaded.pt   (one plain process)
-load the newest checkpoint into a fresh model and record the same things. Rank 0 writes --out.
+load the newest checkpoint that loads (as a job starts: leftovers removed first) into a fresh
+model and record the same things, and which checkpoint each rank loaded. Rank 0 writes --out.
+
+    torchrun ... tests/checkpoint_worker.py save-two --run-dir RUN --out saved.pt
+saves step_1 and step_2, one training step apart, and records the parameters of each.
+
+    torchrun ... tests/checkpoint_worker.py save-then-hang --async-save --run-dir RUN --out X
+saves step_1, then starts an asynchronous save of step_2 whose writer hangs once its files are
+written (each rank then touches RUN/rank<r>.written) while training goes on, polling: a test
+kills it there, in the middle of an asynchronous save.
 With ``--pp 2`` the model runs as two pipeline stages (1f1b), through the trainer's runner;
 ``--cp 2`` splits each sequence over two context-parallel ranks.
 """
@@ -24,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from tests.dist_equivalence_worker import full_params, synthetic_batch
 from train.checkpoint import CheckpointManager
@@ -108,9 +118,16 @@ def load_and_step(args: argparse.Namespace, manager: CheckpointManager) -> dict:
     run = Run(args, model_seed=7)
     seed_rngs(5000)
     started = time.perf_counter()
-    trainer_state = manager.load(manager.latest(), run.model, run.optimizer, run.scheduler)
+    manager.remove_leftovers()
+    path, trainer_state = manager.load_latest(run.model, run.optimizer, run.scheduler)
     load_s = time.perf_counter() - started
+    paths = [str(path)]
+    if dist.is_initialized():
+        paths = [None] * dist.get_world_size()
+        dist.all_gather_object(paths, str(path))
     result = {
+        "path": str(path),
+        "paths": paths,
         "trainer_state": trainer_state,
         "load_s": load_s,
         "params": full_params(run.model, run.pp_group),
@@ -143,22 +160,60 @@ def save(args: argparse.Namespace, manager: CheckpointManager) -> dict:
     return result
 
 
+def save_two(args: argparse.Namespace, manager: CheckpointManager) -> dict:
+    """step_1 and step_2, one AdamW step apart; the full parameters of each."""
+    run = Run(args, model_seed=1234)
+    params = {}
+    for step in (1, 2):
+        run.step()
+        manager.save(step, run.model, run.optimizer, run.scheduler, {"step": step})
+        params[step] = full_params(run.model, run.pp_group)
+    manager.finish()
+    return {"params": params}
+
+
+def save_then_hang(args: argparse.Namespace, manager: CheckpointManager) -> dict:
+    """Save step_1, then train on while step_2's background write hangs after its files."""
+    run = Run(args, model_seed=1234)
+    run.step()
+    manager.save(1, run.model, run.optimizer, run.scheduler, {"step": 1})
+    manager.wait()
+    written = args.run_dir / f"rank{dist.get_rank() if dist.is_initialized() else 0}.written"
+    write_data = dcp.FileSystemWriter.write_data
+
+    def write_then_hang(self, *write_args, **write_kwargs):
+        result = write_data(self, *write_args, **write_kwargs)
+        written.touch()
+        time.sleep(3600)
+        return result
+
+    dcp.FileSystemWriter.write_data = write_then_hang
+    run.step()
+    manager.save(2, run.model, run.optimizer, run.scheduler, {"step": 2})
+    while True:
+        run.step()
+        manager.poll()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["save", "load"])
+    parser.add_argument("mode", choices=["save", "load", "save-two", "save-then-hang"])
     parser.add_argument("--dp-shard", type=int, default=-1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
-    manager = CheckpointManager(args.run_dir)
-    result = save(args, manager) if args.mode == "save" else load_and_step(args, manager)
+    manager = CheckpointManager(args.run_dir, async_save=args.async_save)
+    modes = {"save": save, "load": load_and_step, "save-two": save_two}
+    modes["save-then-hang"] = save_then_hang
+    result = modes[args.mode](args, manager)
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(result, args.out)
     if dist.is_initialized():

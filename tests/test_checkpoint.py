@@ -14,16 +14,29 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from train.checkpoint import MARKER, CheckpointError, CheckpointManager
+from tests.test_trainer import metrics, train
+from train.checkpoint import (
+    MARKER,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointSaveError,
+    NonFiniteState,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "checkpoint_worker.py"
@@ -250,8 +263,10 @@ def test_keep_prunes_old_checkpoints_and_stale_leftovers(tmp_path):
         (checkpoints / name).mkdir()
     for step in (2, 3, 4):
         _save(manager, step)
+    manager.finish()  # pruned checkpoints are deleted in the background
     assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step_7-dead", "step_3", "step_4"]
     _save(manager, 8)
+    manager.finish()
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_8"]
 
 
@@ -322,3 +337,430 @@ def test_a_checkpoint_with_list_style_optimizer_state_still_loads(tmp_path):
         assert torch.equal(saved, loaded)
     want = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], want)
+
+
+# asynchronous saves ---------------------------------------------------------------------------
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_an_async_save_holds_the_state_of_its_step(world_of_one, tmp_path):
+    """The loop moves on (here: trains) while the files are written; the checkpoint holds the
+    weights of the step it was taken at, and looks complete only once finalized."""
+    manager = CheckpointManager(tmp_path, async_save=True)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    _train_step(model, optimizer, scheduler)
+    saved = _params(model)
+    path = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    assert manager.pending and not path.exists() and manager.latest() is None
+    for _ in range(3):
+        _train_step(model, optimizer, scheduler)
+    manager.wait()
+    assert not manager.pending and manager.latest() == path and (path / MARKER).is_file()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
+    fresh, _, _ = _training_objects(seed=2)
+    manager.load(path, fresh, None, None)
+    for name, param in _params(fresh).items():
+        assert torch.equal(param, saved[name]), name
+
+
+def test_the_next_async_save_finalizes_the_one_in_flight(world_of_one, tmp_path):
+    manager = CheckpointManager(tmp_path, keep=1, async_save=True)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    manager.save(1, model, optimizer, scheduler, {"step": 1})
+    _train_step(model, optimizer, scheduler)
+    manager.save(2, model, optimizer, scheduler, {"step": 2})
+    assert manager.latest().name == "step_1" and manager.pending
+    manager.poll()  # one rank: finalizes once the write is done
+    manager.finish()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
+
+
+# non-finite states ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["parameter", "optimizer state"])
+def test_non_finite_states_are_never_saved(world_of_one, tmp_path, where):
+    manager = CheckpointManager(tmp_path, keep=1)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    _train_step(model, optimizer, scheduler)
+    good = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    if where == "parameter":
+        model[2].bias.data[0] = float("inf")
+    else:
+        optimizer.state[model[0].weight]["exp_avg_sq"][1, 2] = float("nan")
+    refused = r"not saving checkpoint step_2: .* non-finite .*step_1 is kept"
+    with pytest.raises(NonFiniteState, match=refused):
+        manager.save(2, model, optimizer, scheduler, {"step": 2})
+    manager.finish()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
+    assert manager.latest() == good
+
+
+def test_huge_but_finite_states_are_saved(world_of_one, tmp_path):
+    """1e30 squared overflows the fast check; the element-wise one lets it through."""
+    manager = CheckpointManager(tmp_path)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e30
+    path = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    assert manager.latest() == path
+
+
+# broken checkpoints ---------------------------------------------------------------------------
+
+
+def test_a_checkpoint_that_fails_to_load_is_skipped_for_the_previous_one(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    _train_step(model, optimizer, scheduler)
+    first = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    want = _params(model)
+    _train_step(model, optimizer, scheduler)
+    newest = manager.save(2, model, optimizer, scheduler, {"step": 2})
+    distcp = next(newest.glob("*.distcp"))
+    os.truncate(distcp, distcp.stat().st_size // 2)
+
+    fresh, fresh_optimizer, fresh_scheduler = _training_objects(seed=2)
+    with caplog.at_level(logging.WARNING, logger="train.checkpoint"):
+        path, state = manager.load_latest(fresh, fresh_optimizer, fresh_scheduler)
+    assert (path, state) == (first, {"step": 1})
+    assert "skipping checkpoint step_2: cannot load checkpoint" in caplog.text
+    for name, param in _params(fresh).items():
+        assert torch.equal(param, want[name]), name
+    # Set aside, so that the next save of step 2 is not mistaken for done.
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names[0] == "step_1" and names[1].startswith("step_2.broken-"), names
+    assert manager.latest() == first
+
+    os.truncate(next(first.glob("*.distcp")), 10)
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* loads \(1 tried\)"):
+        manager.load_latest(*_training_objects(seed=3))
+    assert manager.latest() == first, "nothing loads: nothing is set aside"
+
+
+def _wait_for(condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["distcp of rank 1", "rng file of rank 1"])
+def test_all_ranks_skip_a_checkpoint_that_fails_on_one(tmp_path, broken):
+    """Two FSDP ranks: the newest checkpoint fails to load on rank 1 only (a torn data file,
+    or its own RNG file): both ranks load the previous one, with one warning."""
+    run_dir = tmp_path / "run"
+    _worker("save-two", "--run-dir", str(run_dir), "--out", str(tmp_path / "saved.pt"), world=2)
+    saved = torch.load(tmp_path / "saved.pt")
+    newest = run_dir / "checkpoints" / "step_2"
+    victim = newest / "__1_0.distcp" if broken.startswith("distcp") else newest / "rng"
+    if victim.name == "rng":
+        victim = victim / "rank_00001.pt"
+    os.truncate(victim, victim.stat().st_size // 2)
+
+    out = tmp_path / "loaded.pt"
+    completed = _worker("load", "--run-dir", str(run_dir), "--out", str(out), world=2)
+    got = torch.load(out)
+    first = str(run_dir / "checkpoints" / "step_1")
+    assert got["paths"] == [first, first], got["paths"]
+    assert got["trainer_state"] == {"step": 1}
+    for name, param in saved["params"][1].items():
+        assert torch.equal(got["params"][name], param), name
+    assert completed.stderr.count("skipping checkpoint step_2") == 1, completed.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_kill_during_an_async_save_leaves_no_complete_checkpoint(tmp_path):
+    """SIGKILL (both ranks and their launcher) while step_2 is being written in the
+    background, its files already there: no step_2, and the next start loads step_1."""
+    run_dir = tmp_path / "run"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command = [sys.executable, *launcher, str(WORKER), "save-then-hang", "--async-save",
+               "--run-dir", str(run_dir), "--out", str(tmp_path / "unused")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    log_file = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: all((run_dir / f"rank{r}.written").exists() for r in (0, 1)))
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        log_file.close()
+    checkpoints = run_dir / "checkpoints"
+    torn = list(checkpoints.glob(".tmp-step_2-*"))
+    assert len(torn) == 1 and len(list(torn[0].glob("*.distcp"))) == 2, list(checkpoints.iterdir())
+    assert not (torn[0] / MARKER).exists() and not (checkpoints / "step_2").exists()
+
+    out = tmp_path / "loaded.pt"
+    _worker("load", "--run-dir", str(run_dir), "--out", str(out), world=2)
+    assert torch.load(out)["paths"] == [str(checkpoints / "step_1")] * 2
+    assert [p.name for p in checkpoints.iterdir()] == ["step_1"], "the torn save is removed"
+
+
+# full and read-only disks ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A real 2 MiB file system (tmpfs) to fill up; skipped where mounting is not allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """A file that leaves about ``leave`` bytes of ``disk`` free."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        while (free := shutil.disk_usage(disk).free) > leave:
+            try:
+                f.write(b"\0" * min(free - leave, 1 << 20))
+                f.flush()
+            except OSError:
+                break
+    return filler
+
+
+def _big_objects(seed: int):
+    """About 0.8 MiB of checkpoint: a third of the small disk."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model(torch.randn(3, 256)).square().sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous(
+    world_of_one, small_disk, async_save
+):
+    manager = CheckpointManager(small_disk / "run", async_save=async_save)
+    disk = re.escape(str(small_disk))
+    checkpoints = small_disk / "run" / "checkpoints"
+    objects = _big_objects(seed=1)
+    manager.save(1, *objects, {"step": 1})
+    manager.finish()
+    want = _params(objects[0])
+    filler = _fill(small_disk, leave=100_000)  # the RNG file fits, the model does not
+
+    with pytest.raises(CheckpointSaveError) as failure:
+        manager.save(2, *_big_objects(seed=2), {"step": 2})
+        manager.finish()
+    line = str(failure.value)
+    assert "\n" not in line
+    assert re.fullmatch(
+        rf"checkpoint step_2 not saved: no space left on device on {disk} "
+        rf"\([\d.]+ (B|KiB) free\) writing {re.escape(str(checkpoints))}/\.tmp-step_2-\w+\S*; "
+        "free space or "
+        "move the run dir; the previous checkpoint step_1 is intact",
+        line,
+    ), line
+    assert [p.name for p in checkpoints.iterdir()] == ["step_1"], "the torn save is removed"
+    fresh = _big_objects(seed=3)[0]
+    assert manager.load_latest(fresh, None, None)[0] == checkpoints / "step_1"
+    for name, param in _params(fresh).items():
+        assert torch.equal(param, want[name]), name
+
+    # A job that starts on the still-full disk says so at once.
+    with pytest.raises(
+        CheckpointSaveError, match=f"checkpoints cannot be saved: .* free on {disk}, the last "
+    ):
+        manager.check_room()
+    filler.unlink()
+    manager.check_room()
+    manager.save(3, *_big_objects(seed=3), {"step": 3})
+    manager.finish()
+    assert manager.latest() == checkpoints / "step_3"
+
+
+def test_a_read_only_disk_is_named_at_start_and_at_save(world_of_one, small_disk):
+    manager = CheckpointManager(small_disk / "run")
+    disk = re.escape(str(small_disk))
+    manager.save(1, *_big_objects(seed=1), {"step": 1})
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        with pytest.raises(
+            CheckpointSaveError,
+            match=f"checkpoints cannot be saved: read-only file system on {disk} ",
+        ):
+            manager.check_room()
+        with pytest.raises(
+            CheckpointSaveError,
+            match=f"checkpoint step_2 not saved: read-only file system on {disk} .*; "
+            "make it writable or move the run dir; the previous checkpoint step_1 is intact",
+        ):
+            manager.save(2, *_big_objects(seed=2), {"step": 2})
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    assert manager.latest() == small_disk / "run" / "checkpoints" / "step_1"
+
+
+def test_leftovers_of_crashed_jobs_are_removed_at_start(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    _save(manager, 1)
+    checkpoints = tmp_path / "checkpoints"
+    for name in (".tmp-step_2-dead", ".trash-step_0-dead"):
+        (checkpoints / name).mkdir()
+        (checkpoints / name / "__0_0.distcp").write_text("x")
+    manager.remove_leftovers()
+    assert [p.name for p in checkpoints.iterdir()] == ["step_1"]
+
+
+# the trainer ----------------------------------------------------------------------------------
+
+
+def _checkpoint_state(run_dir: Path, step: int, tmp_path: Path) -> dict:
+    """Everything a checkpoint holds (model, optimizer, scheduler), as one flat dict."""
+    out = tmp_path / f"{run_dir.name}-{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step}", out)
+    flat: dict = {}
+
+    def walk(tree: dict, prefix: str) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
+
+
+@pytest.mark.slow
+def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpus):
+    """Two FSDP ranks: with checkpoint.async_save the losses, every checkpoint and the final
+    weights are bitwise those of synchronous saves; a job resumed from a checkpoint written in
+    the background while training went on (step_4) continues exactly."""
+    common = ("seed=5", "train.max_steps=8", "checkpoint.interval=2", "checkpoint.keep=10",
+              "wandb.enabled=false")  # fmt: skip
+    sync, async_ = tmp_path / "sync", tmp_path / "async"
+    train(sync, corpus, *common, nproc=2)
+    first = train(async_, corpus, *common, "checkpoint.async_save=true",
+                  "train.max_steps_per_run=5", nproc=2)  # fmt: skip
+    assert "step_2: being written in the background" in first.stderr
+    for step in (2, 4, 5):
+        assert (async_ / "checkpoints" / f"step_{step}" / MARKER).is_file(), step
+        if step != 5:
+            _assert_same_state(
+                _checkpoint_state(sync, step, tmp_path), _checkpoint_state(async_, step, tmp_path)
+            )
+    shutil.rmtree(async_ / "checkpoints" / "step_5")  # resume from the mid-run one
+    second = train(async_, corpus, *common, "checkpoint.async_save=true", nproc=2)
+    assert "at step 4" in second.stderr, second.stderr[-2000:]
+
+    def losses(run_dir: Path) -> dict[int, float]:  # the last job's value of each step
+        return {row["step"]: row["loss"] for row in metrics(run_dir) if "loss" in row}
+
+    assert losses(async_) == losses(sync) and len(losses(sync)) == 8
+    _assert_same_state(_checkpoint_state(sync, 8, tmp_path), _checkpoint_state(async_, 8, tmp_path))
+
+
+@pytest.fixture
+def disk_for_one_checkpoint(tmp_path) -> Iterator[Path]:
+    """A real 8 MiB file system (tmpfs): room for one tiny-preset checkpoint (~5 MiB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _errors(completed: subprocess.CompletedProcess[str]) -> list[str]:
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    return [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"], ids=["sync", "async"])
+def test_a_disk_that_fills_up_ends_the_job_in_one_line(corpus, disk_for_one_checkpoint, async_save):
+    """step_2 fits, step_4 does not: the job exits 4 with one line naming the disk, step_2
+    stays and loads; the next job on the still-full disk fails at once with such a line."""
+    disk, run_dir = disk_for_one_checkpoint, disk_for_one_checkpoint / "run"
+    common = ("train.max_steps=8", "checkpoint.interval=2", "wandb.enabled=false",
+              f"checkpoint.async_save={async_save}")  # fmt: skip
+    first = train(run_dir, corpus, *common, check=False)
+    assert first.returncode == 4, first.stderr[-3000:]
+    errors = _errors(first)
+    assert len(errors) == 1, errors
+    assert re.fullmatch(
+        rf"error: checkpoint step_4 not saved: no space left on device on {re.escape(str(disk))} "
+        r"\([\d.]+ \w+ free\) writing \S+/\.tmp-step_4-\S+; free space or move the run dir; "
+        "the previous checkpoint step_2 is intact",
+        errors[0],
+    ), errors[0]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_2"]
+
+    second = train(run_dir, corpus, *common, check=False)
+    assert second.returncode == 4, second.stderr[-3000:]
+    assert re.fullmatch(
+        rf"error: checkpoints cannot be saved: [\d.]+ \w+ free on {re.escape(str(disk))}, the "
+        r"last checkpoint step_2 took [\d.]+ MiB, in \S+; free space or move the run dir",
+        "\n".join(_errors(second)),
+    ), _errors(second)
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+    third = train(run_dir, corpus, *common, "checkpoint.keep=1")
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in third.stderr
+
+
+@pytest.mark.slow
+def test_non_finite_weights_are_never_saved(tmp_path, corpus):
+    """A parameter made infinite on rank 0 after step 3 (as an overflowing update would):
+    step_4 is not saved on any rank, the job ends as diverged (exit 3) in one line, step_2 is
+    kept, and the next job resumes from it."""
+    run_dir = tmp_path / "run"
+    common = ("train.max_steps=6", "checkpoint.interval=2", "checkpoint.keep=1",
+              "wandb.enabled=false")  # fmt: skip
+    first = train(run_dir, corpus, *common, "debug.inject_nonfinite_params=[3]", nproc=2,
+                  check=False)  # fmt: skip
+    assert first.returncode != 0 and "exitcode  : 3" in first.stderr, first.stderr[-3000:]
+    errors = [line for line in first.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "step 4: not saving checkpoint step_4: " in errors[0], errors
+    assert "non-finite values" in errors[0] and "step_2 is kept" in errors[0], errors
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_2"]
+    second = train(run_dir, corpus, *common, nproc=2)
+    assert "at step 2" in second.stderr and (run_dir / "checkpoints" / "step_6").is_dir()
+
+
+def test_a_learning_rate_that_overflows_saves_nothing(tmp_path, corpus):
+    """lr 1e40: step 1's gradients are finite (so it is not skipped) but its update makes the
+    weights infinite; the checkpoint of step 1 is refused, the job exits 3."""
+    run_dir = tmp_path / "run"
+    completed = train(run_dir, corpus, "optim.lr=1e40", "train.max_steps=3",
+                      "checkpoint.interval=1", "wandb.enabled=false", check=False)  # fmt: skip
+    assert completed.returncode == 3, completed.stderr[-3000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not saving checkpoint step_1" in errors[0], errors
+    assert not list((run_dir / "checkpoints").glob("step_*"))

@@ -6,8 +6,9 @@ absolute path) puts a folder of the user's own configs first, the packaged ones 
 search path after it, and ``--config-dir DIR`` adds a folder after them. A bad config or layout
 stops every rank with one ``error:`` line and exit code 2, before any process group exists; a
 training that diverges (``train.nonfinite_limit`` consecutive non-finite steps) exits 3 without
-saving; a key the schema does not know, or a value of the wrong type, is Hydra's own error
-(exit 1).
+saving; a rank that makes no progress for ``train.hang_timeout_s`` (a peer stopped or stuck)
+exits 5 without saving (train/watchdog.py); a key the schema does not know, or a value of the
+wrong type, is Hydra's own error (exit 1).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main(raw: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    device = init_distributed()
+    device = init_distributed(cfg.train.hang_timeout_s)
     try:
         code = Trainer(cfg, dims, plan, device, stop).run()
     except TrainingDiverged as error:

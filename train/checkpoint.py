@@ -7,7 +7,9 @@ Layout of ``run_dir/checkpoints``::
         rng/rank_<r>.pt       RNG states of global rank r (torch CPU, CUDA, numpy, python)
         state.json            {"step", "world_size", "trainer_state"}; readable without torch
         COMPLETE              the marker, written last
-    .tmp-step_<N>-<unique>/   a save in progress, or one torn by a crash
+    .tmp-step_<N>-<unique>/   a save in progress, or one torn by a crash (removed at start)
+    .trash-<name>-<unique>/   a pruned checkpoint being deleted in the background
+    step_<N>.broken-<unique>/ a complete checkpoint that failed to load, set aside for a look
 
 Model and optimizer go through ``get_state_dict``/``set_state_dict``, which hand DCP DTensors
 (FSDP2/TP/EP) under their global shapes with FQN keys, so the checkpoint holds one copy whatever
@@ -26,22 +28,43 @@ part), so each rank writes its own file and, on load, restores its own only when
 is unchanged; otherwise nothing is restored and rank 0 says so once. Of CUDA only the current
 device's generator is saved: reading every visible device would create a context on each.
 
-Atomicity: every rank writes into the temporary directory; after a barrier rank 0 writes
-``state.json`` and then the ``COMPLETE`` marker there, and renames the directory to ``step_<N>``.
-The marker goes in before the rename, so a ``step_<N>`` directory is always whole; one without
-the marker (copied or damaged by hand) is torn and skipped like leftover ``.tmp-*`` directories.
+Atomicity: every rank writes (and fsyncs) its files into the temporary directory; once every
+rank's write has succeeded rank 0 writes ``state.json`` and then the ``COMPLETE`` marker there,
+and renames the directory to ``step_<N>``. The marker goes in before the rename, so a
+``step_<N>`` directory is always whole; one without the marker (copied or damaged by hand) is
+torn and skipped like leftover ``.tmp-*`` directories, which are never loaded.
+
+Asynchronous saves (``async_save``): the state is copied to CPU memory (pinned on CUDA) while
+the loop waits, then DCP writes it from a background thread over a gloo group of its own (its
+collectives would otherwise interleave with the training loop's). The save is finalized (marker
+and rename, as above) at a step boundary where every rank agrees its write is done (``poll``),
+or before the next save or the end of the job (``wait``): all ranks finalize at the same call,
+and a crash before that leaves only a ``.tmp-*`` directory.
+
+A save that fails (disk full, read-only, no permission) removes its temporary directory once
+every rank has given up and raises ``CheckpointSaveError``: one line naming the problem, the
+disk and its free space, the path and the checkpoint that is still intact. Parameters or
+optimizer states that are not finite are never written (``NonFiniteState``). Old checkpoints
+are pruned by renaming them to ``.trash-*`` and deleting those in a background thread, so no
+rank waits for the deletion.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +74,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +89,33 @@ STATE_FILE = "state.json"
 RNG_DIR = "rng"
 _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_RE = re.compile(r"\.tmp-step_(\d+)-.+")
+_TRASH_PREFIX = ".trash-"
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 # Only list-style param groups (before pipelines) have this key: a flattened one ends in a
 # hyperparameter's name.
 LEGACY_OPTIMIZER_KEY = "optim.param_groups.0.params"
+# What a failed write means to the user, and what to do about it.
+_DISK_PROBLEMS = {
+    errno.ENOSPC: ("no space left on device", "free space or move the run dir"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or move the run dir"),
+    errno.EROFS: ("read-only file system", "make it writable or move the run dir"),
+    errno.EACCES: ("permission denied", "fix the permissions or move the run dir"),
+    errno.EPERM: ("operation not permitted", "fix the permissions or move the run dir"),
+}
+_PROBE_BYTES = 1 << 16  # written and fsynced at start: a full or read-only disk refuses it
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read; the message names its path."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that could not be written (disk full, read-only, ...): one line that names
+    the problem, the disk, the path and the checkpoint still intact."""
+
+
+class NonFiniteState(RuntimeError):
+    """Parameters or optimizer states hold NaN or inf: nothing was saved."""
 
 
 def _rank() -> int:
@@ -82,11 +126,6 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _broadcast_from_rank0(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (on NCCL, after ``torch.cuda.set_device``)."""
     if not dist.is_initialized():
@@ -94,6 +133,30 @@ def _broadcast_from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _first_of_ranks(value: Any) -> Any:
+    """The first non-None ``value`` of the ranks, in rank order, on every rank (a collective
+    that also makes every rank wait for the others)."""
+    if not dist.is_initialized():
+        return value
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return next((item for item in gathered if item is not None), None)
+
+
+def _collective_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_ranks(flag: torch.Tensor) -> bool:
+    """Whether ``flag`` (a 0-d bool tensor) holds on every rank: one all-reduce, one read."""
+    value = flag.to(_collective_device(), torch.float32)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -149,25 +212,189 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _write_rng(directory: Path) -> None:
+    """This rank's RNG file, fsynced with its directory entry before any marker can follow."""
+    path = _rng_file(directory, _rank())
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(_rng_state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(path.parent)
+
+
 def _flat_optimizer(path: Path) -> bool:
     """Whether the checkpoint at ``path`` keeps the optimizer state flattened by parameter."""
     try:
         keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a torn .metadata fails in pickle with any of several errors
         raise CheckpointError(
             f"cannot load checkpoint {path}: unreadable metadata ({exc!r})"
         ) from None
     return LEGACY_OPTIMIZER_KEY not in keys
 
 
-class CheckpointManager:
-    """Saves and finds the checkpoints of one run directory (shared by every job of a chain)."""
+def _local_tensors(tree: dict, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The floating-point tensors of a state dict as this rank holds them (DTensor shards)."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _local_tensors(value, f"{name}.")
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local.numel():
+                yield name, local
 
-    def __init__(self, run_dir: Path, keep: int = 3) -> None:
+
+def _extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """Min and max (NaN if any element is NaN): finite exactly when every element is."""
+    return torch.stack(torch.aminmax(tensor)).float()
+
+
+def _first_nonfinite(state: dict) -> str | None:
+    """The name of a non-finite tensor of ``state`` on any rank (all ranks agree), or None.
+
+    Costs one pass of x.x per tensor (BLAS, ~2x faster than min/max on CPU) and one
+    all-reduced flag on the device: x.x is finite exactly when every x is, unless the values
+    are so large that it overflows, so only a failure is checked element by element (and
+    names the tensor)."""
+    tensors = list(_local_tensors(state))
+    squares = [torch.dot(t.reshape(-1), t.reshape(-1)).float() for _, t in tensors]
+    finite = torch.isfinite(torch.stack(squares)).all() if squares else torch.tensor(True)
+    if _all_ranks(finite):
+        return None
+    local = next(
+        (name for name, t in tensors if not torch.isfinite(_extremes(t)).all().item()), None
+    )
+    return _first_of_ranks(None if local is None else f"{local} (rank {_rank()})")
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _mount_point(path: Path) -> Path:
+    path = _existing(path).resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def _size(nbytes: float) -> str:
+    """``0 B``, ``12.3 KiB``, ``4.8 MiB``, ``1.2 GiB``."""
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB"):
+        nbytes /= 1024
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} GiB"
+
+
+def _disk(path: Path) -> str:
+    """The file system that holds ``path``, with its free space: ``/mnt/runs (0 B free)``."""
+    free = shutil.disk_usage(_existing(path)).free
+    return f"{_mount_point(path)} ({_size(free)} free)"
+
+
+def _find_os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind a failed write: itself, its cause, or one a DCP rank reported."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        if isinstance(exc, CheckpointException):
+            for failure, _ in exc.failures.values():
+                found = _find_os_error(failure)
+                if found is not None:
+                    return found
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _disk_errno(where: Path) -> int | None:
+    """The errno a write under ``where`` would meet now: read-only, not writable, or full."""
+    directory = _existing(where)
+    stats = os.statvfs(directory)
+    if stats.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if not os.access(directory, os.W_OK):
+        return errno.EACCES
+    if stats.f_bavail * stats.f_frsize < _PROBE_BYTES:
+        return errno.ENOSPC
+    return None
+
+
+def _describe(exc: BaseException, where: Path) -> dict:
+    """A failed write under ``where``, small enough to gather: its errno, the path and a
+    one-line reason. torch.save's zip writer turns a failed write into a RuntimeError without
+    the errno ("unexpected pos"), so the disk itself is asked when no OSError is found."""
+    os_error = _find_os_error(exc)
+    if os_error is not None:
+        return {
+            "errno": os_error.errno,
+            "path": None if os_error.filename is None else str(os_error.filename),
+            "reason": os_error.strerror or str(os_error),
+        }
+    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)
+    return {"errno": _disk_errno(where), "path": None, "reason": reason}
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class _Pending:
+    """A save whose files are being written into ``tmp``, finalized by ``_finalize``."""
+
+    step: int
+    tmp: Path
+    state_json: str
+    started: float
+    error: dict | None = None  # a failure of this rank's own writes (the RNG file)
+    future: Future | None = None  # DCP's background write (async_save), None once written
+
+
+class CheckpointManager:
+    """Saves and finds the checkpoints of one run directory (shared by every job of a chain).
+
+    ``async_save``: ``save`` returns once the state is copied to CPU memory; the files are
+    written in the background and the checkpoint is finalized by ``poll``, ``wait`` or the next
+    ``save``. Every rank must make the same calls at the same steps (they are collectives).
+    """
+
+    def __init__(self, run_dir: Path, keep: int = 3, async_save: bool = False) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1 (the checkpoint to resume from)")
         self.directory = Path(run_dir) / "checkpoints"
         self.keep = keep
+        self._pending: _Pending | None = None
+        self._deleting: threading.Thread | None = None
+        self._stager: DefaultStager | None = None
+        self._group: dist.ProcessGroup | None = None
+        if async_save:
+            cuda = torch.cuda.is_available()
+            # Staged buffers are kept and reused by the next save: one save is in flight at most.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # copied before the loop moves on, so never torn
+                    use_non_blocking_copy=cuda,
+                )
+            )
+            if dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save is still being written (async_save) and not yet finalized."""
+        return self._pending is not None
 
     def _scan(self) -> tuple[dict[int, Path], list[tuple[int, Path]]]:
         """Complete checkpoints by step, and the torn entries (step dirs without marker, tmp)."""
@@ -195,6 +422,66 @@ class CheckpointManager:
             )
         return complete[max(complete)] if complete else None
 
+    # start of a job -----------------------------------------------------------------------------
+
+    def remove_leftovers(self) -> None:
+        """Rank 0 deletes ``.tmp-*`` saves torn by a crash and ``.trash-*`` left by pruning:
+        they hold a checkpoint's worth of disk each. Call at a job's start only: a running
+        job's save in progress is a ``.tmp-*`` too."""
+        if _rank() != 0 or not self.directory.is_dir():
+            return
+        leftovers = [
+            entry
+            for entry in sorted(self.directory.iterdir())
+            if _TMP_RE.fullmatch(entry.name) or entry.name.startswith(_TRASH_PREFIX)
+        ]
+        if leftovers:
+            log.warning("removing what earlier jobs left: %s", ", ".join(p.name for p in leftovers))
+            _remove_all(leftovers)
+
+    def check_room(self) -> None:
+        """Raise CheckpointSaveError (every rank, one line) if a checkpoint cannot be saved: the
+        directory is not writable or has less room than the newest checkpoint took. Collective."""
+        problem = self._room_problem() if _rank() == 0 else None
+        problem = _broadcast_from_rank0(problem)
+        if problem is not None:
+            raise CheckpointSaveError(problem)
+
+    def _room_problem(self) -> str | None:
+        """Rank 0: why a checkpoint cannot be saved now (one line), or None."""
+        probe = self.directory / f".probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"\0" * _PROBE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as exc:
+            failure = _describe(exc, self.directory)
+            with contextlib.suppress(OSError):  # a read-only disk refuses even this
+                probe.unlink(missing_ok=True)
+            problem, fix = _DISK_PROBLEMS.get(failure["errno"], (failure["reason"], None))
+            return (
+                f"checkpoints cannot be saved: {problem} on {_disk(self.directory)} writing "
+                f"{failure['path'] or probe}; {fix or 'check the disk or move the run dir'}"
+            )
+        complete, _ = self._scan()
+        if not complete:
+            return None
+        newest = complete[max(complete)]
+        needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.directory).free
+        if free >= needed:
+            return None
+        return (
+            f"checkpoints cannot be saved: {_size(free)} free on {_mount_point(self.directory)}, "
+            f"the last checkpoint {newest.name} took {_size(needed)}, in {self.directory}; "
+            "free space or move the run dir"
+        )
+
+    # saving -----------------------------------------------------------------------------------
+
     def save(
         self,
         step: int,
@@ -205,7 +492,11 @@ class CheckpointManager:
     ) -> Path:
         """Write checkpoint ``step_<step>`` and return its path. Collective: every rank calls it.
 
-        A step that already has a complete checkpoint is left as it is.
+        Synchronous unless ``async_save``: then the checkpoint is complete once finalized by
+        ``poll``, ``wait`` or the next ``save`` (which first finalizes the one in flight). A step
+        that already has a complete checkpoint is left as it is. Raises NonFiniteState, having
+        written nothing, if a parameter or optimizer state is not finite, and
+        CheckpointSaveError if the files cannot be written.
         """
         started = time.perf_counter()
         try:
@@ -215,47 +506,203 @@ class CheckpointManager:
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"trainer_state must be JSON-serialisable: {exc}") from exc
+        self.wait()
+        model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
+        state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
+        bad = _first_nonfinite(state)
+        if bad is not None:
+            raise NonFiniteState(
+                f"not saving checkpoint step_{step}: {bad} holds non-finite values (NaN or inf); "
+                f"the last good checkpoint {self._intact()} is kept"
+            )
         final = self.directory / f"step_{step}"
-        tmp_name = None
+        made: str | dict | None = None
         if _rank() == 0 and not (final / MARKER).is_file():
-            tmp_name = f".tmp-step_{step}-{uuid.uuid4().hex[:12]}"
-            (self.directory / tmp_name).mkdir(parents=True)
-        tmp_name = _broadcast_from_rank0(tmp_name)
-        if tmp_name is None:
+            made = f".tmp-step_{step}-{uuid.uuid4().hex[:12]}"
+            try:
+                (self.directory / made).mkdir(parents=True)
+            except OSError as exc:
+                made = _describe(exc, self.directory)
+        made = _broadcast_from_rank0(made)
+        if made is None:
             if _rank() == 0:
                 log.info("checkpoint %s already exists: not saving step %d again", final, step)
             return final
-        tmp = self.directory / tmp_name
-
-        rng_file = _rng_file(tmp, _rank())
-        rng_file.parent.mkdir(exist_ok=True)
-        torch.save(_rng_state(), rng_file)
-        model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
-        state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
-        dcp.save(state, checkpoint_id=tmp)
-        _barrier()
-        if _rank() == 0:
-            _write_durably(tmp / STATE_FILE, state_json)
-            _write_durably(tmp / MARKER, f"{time.time()}\n")
-            if final.exists():
-                shutil.rmtree(final)  # torn: its step had no marker
-            tmp.rename(final)
-            _fsync_dir(self.directory)
-            self._prune()
-            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
-        _barrier()
+        if isinstance(made, dict):
+            raise CheckpointSaveError(self._failure_line(step, made, self.directory))
+        pending = _Pending(step, self.directory / made, state_json, started)
+        try:
+            _write_rng(pending.tmp)
+        except OSError as exc:
+            pending.error = _describe(exc, pending.tmp)
+        if self._stager is not None:
+            pending.future = dcp.async_save(
+                state,
+                checkpoint_id=pending.tmp,
+                process_group=self._group,
+                async_stager=self._stager,
+            )
+            self._pending = pending
+            if _rank() == 0:
+                log.info(
+                    "checkpoint %s staged in %.2f s, written in the background",
+                    final.name,
+                    time.perf_counter() - started,
+                )
+            return final
+        try:
+            dcp.save(state, checkpoint_id=pending.tmp)
+        except (CheckpointException, OSError) as exc:
+            pending.error = pending.error or _describe(exc, pending.tmp)
+        self._finalize(pending)
         return final
 
+    def poll(self) -> None:
+        """Finalize the save in flight if every rank's write is done; else leave it running.
+        Collective when a save is in flight (call it on every rank at the same steps)."""
+        pending = self._pending
+        if pending is None:
+            return
+        done = pending.future is None or pending.future.done()
+        if _all_ranks(torch.tensor(done)):
+            self._finalize(pending)
+
+    def wait(self) -> None:
+        """Block until the save in flight is written, then finalize it. Collective."""
+        if self._pending is not None:
+            self._finalize(self._pending)
+
+    def finish(self) -> None:
+        """The end of a job: the save in flight finalized and pruned checkpoints deleted."""
+        self.wait()
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
+
+    def _finalize(self, pending: _Pending) -> None:
+        """Once every rank's files are durable, rank 0 marks and renames the directory; if any
+        rank failed, rank 0 removes it and every rank raises the same CheckpointSaveError."""
+        self._pending = None
+        error = pending.error
+        if pending.future is not None:
+            try:
+                pending.future.result()
+            except (CheckpointException, OSError) as exc:
+                error = error or _describe(exc, pending.tmp)
+        error = _first_of_ranks(error)
+        final = self.directory / f"step_{pending.step}"
+        if error is None:
+            error = self._complete(pending, final) if _rank() == 0 else None
+            error = _broadcast_from_rank0(error)
+        if error is not None:
+            line = self._failure_line(pending.step, error, pending.tmp)
+            if _rank() == 0:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise CheckpointSaveError(line)
+        if _rank() == 0:
+            self._prune()
+            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - pending.started)
+
+    def _complete(self, pending: _Pending, final: Path) -> dict | None:
+        """Rank 0: state.json, then the marker, then the rename; the failure, if any."""
+        try:
+            _write_durably(pending.tmp / STATE_FILE, pending.state_json)
+            _fsync_dir(pending.tmp)
+            _write_durably(pending.tmp / MARKER, f"{time.time()}\n")
+            if final.exists():
+                shutil.rmtree(final)  # torn: its step had no marker
+            pending.tmp.rename(final)
+            _fsync_dir(self.directory)
+        except OSError as exc:
+            return _describe(exc, pending.tmp)
+        return None
+
+    def _intact(self) -> str:
+        complete, _ = self._scan()
+        return complete[max(complete)].name if complete else "(none yet)"
+
+    def _failure_line(self, step: int, failure: dict, where: Path) -> str:
+        """``checkpoint step_40 not saved: no space left on device on /mnt (0 B free) writing
+        PATH; free space or move the run dir; the previous checkpoint step_20 is intact``."""
+        problem, fix = _DISK_PROBLEMS.get(failure["errno"], (failure["reason"], None))
+        complete, _ = self._scan()
+        previous = (
+            f"the previous checkpoint {complete[max(complete)].name} is intact"
+            if complete
+            else "there is no earlier checkpoint"
+        )
+        return (
+            f"checkpoint step_{step} not saved: {problem} on {_disk(where)} writing "
+            f"{failure['path'] or where}; {fix or 'check the disk or move the run dir'}; "
+            f"{previous}"
+        )
+
     def _prune(self) -> None:
-        """Keep the newest ``keep`` complete checkpoints; drop torn entries not newer than those."""
+        """Keep the newest ``keep`` complete checkpoints; drop torn entries not newer than those.
+
+        The doomed directories are renamed (fast) and deleted by a background thread, so no
+        rank waits for the deletion; a job's start removes any it left behind."""
         complete, torn = self._scan()
         newest = max(complete)
         doomed = [complete[s] for s in sorted(complete)[: -self.keep]]
         doomed += [path for s, path in torn if s <= newest]
+        trash = []
         for path in doomed:
-            shutil.rmtree(path)
-        if doomed:
-            log.info("removed old checkpoints: %s", ", ".join(p.name for p in doomed))
+            target = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}")
+            try:
+                path.rename(target)
+            except OSError as exc:
+                log.warning("could not remove old checkpoint %s: %s", path, exc)
+                continue
+            trash.append(target)
+        if not trash:
+            return
+        log.info("removing old checkpoints: %s", ", ".join(p.name for p in doomed))
+        if self._deleting is not None:
+            self._deleting.join()
+        self._deleting = threading.Thread(
+            target=_remove_all, args=(trash,), name="checkpoint-prune", daemon=True
+        )
+        self._deleting.start()
+
+    # loading ----------------------------------------------------------------------------------
+
+    def load_latest(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    ) -> tuple[Path, dict] | None:
+        """Load the newest complete checkpoint that loads: (its path, its trainer_state), or
+        None when there is none. Collective: rank 0 chooses the candidates, and a checkpoint
+        that fails on any rank is skipped by every rank with a warning, then set aside as
+        ``step_<N>.broken-<hex>`` once an older one has loaded (so it is neither retried nor
+        kept in place of the next save). Raises CheckpointError when none of them loads."""
+        complete, _ = self._scan() if _rank() == 0 else ({}, [])
+        candidates = _broadcast_from_rank0([str(complete[s]) for s in sorted(complete)[::-1]])
+        broken: list[Path] = []
+        first_failure = ""
+        for candidate in map(Path, candidates):
+            try:
+                trainer_state = self.load(candidate, model, optimizer, scheduler)
+            except CheckpointError as exc:
+                if _rank() == 0:
+                    log.warning("skipping checkpoint %s: %s", candidate.name, exc)
+                broken.append(candidate)
+                first_failure = first_failure or str(exc)
+                continue
+            if _rank() == 0:
+                for path in broken:
+                    aside = path.with_name(f"{path.name}.broken-{uuid.uuid4().hex[:12]}")
+                    path.rename(aside)
+                    log.warning("set aside %s as %s: it did not load", path.name, aside.name)
+            return candidate, trainer_state
+        if broken:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} loads ({len(broken)} tried); the newest: "
+                f"{first_failure}"
+            )
+        return None
 
     def load(
         self,
@@ -267,13 +714,23 @@ class CheckpointManager:
         """Restore ``path`` into the objects given and return its trainer_state. Collective.
 
         The model may use any parallel layout, or none. Pass ``optimizer=None`` and
-        ``scheduler=None`` to load the weights alone (e.g. for evaluation).
+        ``scheduler=None`` to load the weights alone (e.g. for evaluation). A failure on any
+        rank raises the same CheckpointError on every rank: the ranks agree after each step
+        that reads files on its own, so none is left waiting in a collective.
         """
         started = time.perf_counter()
         path = Path(path)
-        saved = self._read_state_file(path)
+        saved: dict = {}
+        flat = True
+        problem = None
+        try:
+            saved = self._read_state_file(path)
+            flat = optimizer is None or _flat_optimizer(path)
+        except CheckpointError as exc:
+            problem = str(exc)
+        self._agree_loadable(problem)
         optimizers = () if optimizer is None else optimizer
-        options = FLAT_OPTIMIZER if optimizer is None or _flat_optimizer(path) else None
+        options = FLAT_OPTIMIZER if flat else None
         model_state, optim_state = get_state_dict(model, optimizers, options=options)
         state: dict[str, Any] = {"model": model_state}
         if optimizer is not None:
@@ -281,9 +738,10 @@ class CheckpointManager:
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
         try:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path)  # DCP raises on every rank if one fails
         except CheckpointException as exc:
-            reason = next(iter(exc.failures.values()))[0]
+            failure = next(iter(exc.failures.values()))[0]
+            reason = str(failure) or repr(failure)  # a torn file: EOFError() says nothing
             raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from None
         set_state_dict(
             model,
@@ -294,10 +752,16 @@ class CheckpointManager:
         )
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
-        self._restore_rng(path, saved["world_size"])
+        self._agree_loadable(self._restore_rng(path, saved["world_size"]))
         if _rank() == 0:
             log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - started)
         return saved["trainer_state"]
+
+    @staticmethod
+    def _agree_loadable(problem: str | None) -> None:
+        problem = _first_of_ranks(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
 
     @staticmethod
     def _read_state_file(path: Path) -> dict:
@@ -315,7 +779,8 @@ class CheckpointManager:
             ) from None
 
     @staticmethod
-    def _restore_rng(path: Path, saved_world_size: int) -> None:
+    def _restore_rng(path: Path, saved_world_size: int) -> str | None:
+        """Restore this rank's RNG states (same world size only); a problem, or None."""
         if saved_world_size != _world_size():
             if _rank() == 0:
                 log.warning(
@@ -324,10 +789,11 @@ class CheckpointManager:
                     saved_world_size,
                     _world_size(),
                 )
-            return
+            return None
         rng_file = _rng_file(path, _rank())
         try:
             state = torch.load(rng_file, weights_only=True)
-        except (OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot load checkpoint {path}: {rng_file}: {exc}") from None
+        except Exception as exc:  # torn pickles fail with any of several errors
+            return f"cannot load checkpoint {path}: {rng_file}: {exc!r}"
         _set_rng_state(state)
+        return None

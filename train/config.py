@@ -75,12 +75,18 @@ class TrainLoopConfig:
     sync_every: int = 10  # steps between host syncs (stop agreement, non-finite check), and logs
     grad_accum: int = 1  # batches (microbatches) per optimizer step, gradients accumulated
     nonfinite_limit: int = 5  # consecutive non-finite steps (skipped) that end the job, exit 3
+    # seconds a rank may make no progress (a step, a save, a validation) before it ends the job
+    # with exit 5 (train/watchdog.py); also sets the process groups' timeout; 0: off
+    hang_timeout_s: float = 300.0
 
 
 @dataclass
 class CheckpointConfig:
     interval: int = 50  # steps between checkpoints (and one at the end or on a stop signal)
     keep: int = 3
+    # YAML key checkpoint.async_save (`async` is a Python keyword): write in the background
+    # (DCP async_save) so training goes on; finalized at a later sync step, next save or the end.
+    async_save: bool = False
 
 
 @dataclass
@@ -105,6 +111,9 @@ class DebugConfig:
     check_batches: bool = True  # stop if TP/PP peers do not hold the same first batch
     # Fault injection for tests: at these steps rank 0 poisons a gradient with NaN.
     inject_nonfinite_steps: list[int] = field(default_factory=list)
+    # ... and at these steps, after the update, rank 0 fills a parameter with inf (as an
+    # overflowing update would): the checkpoint guard must refuse to save it.
+    inject_nonfinite_params: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +199,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("train.sync_every and train.nonfinite_limit must be at least 1")
     if cfg.train.grad_accum < 1:
         raise ValueError(f"train.grad_accum={cfg.train.grad_accum}: must be at least 1")
+    if cfg.train.hang_timeout_s < 0:
+        raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
     if cfg.train.max_steps_per_run < 0:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
     if cfg.eval.interval < 0 or cfg.eval.max_duration < 0:

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from train.batch_hash import append_batch_hash, step_hash
-from train.checkpoint import CheckpointManager
+from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.config import TrainConfig, data_path, validate, validation_path
-from train.data import batches_forever, build_dataloader
+from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
@@ -42,11 +42,13 @@ from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
 from train.stop import StopRequest
 from train.validation import ValidationSet
+from train.watchdog import SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 
 BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
 
 EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
+EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): previous intact
 
 
 class ConfigError(ValueError):
@@ -108,7 +110,10 @@ def preflight(cfg: TrainConfig) -> tuple[ParallelDims, PipelinePlan | None]:
     return dims, plan_for(cfg, dims)
 
 
-def init_distributed() -> torch.device:
+def init_distributed(hang_timeout_s: float = 0.0) -> torch.device:
+    """Join the process group; with ``hang_timeout_s`` its collectives time out a little after
+    the hang watchdog would fire (train/watchdog.py), else after torch's default."""
+    timeout = process_group_timeout(hang_timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -116,9 +121,11 @@ def init_distributed() -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     return device
 
 
@@ -235,7 +242,9 @@ class Trainer:
             fused=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
+        self.checkpoints = CheckpointManager(
+            self.run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+        )
         coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
         self.validation = None
@@ -249,6 +258,7 @@ class Trainer:
                 PAD_ID,
             )
         self.validated_step = -1
+        self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank)
         self.signalled = False  # a stop signal (not a budget) ended training
         self.coords = mesh_coordinates(dims, self.rank)
         self.step = 0
@@ -285,50 +295,80 @@ class Trainer:
     # state ------------------------------------------------------------------------------------
 
     def trainer_state(self) -> dict:
+        """The checkpoint's JSON state. Collective: every rank's data position is gathered."""
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "nonfinite_steps": self.nonfinite_steps,
             "wandb_run_id": self.wandb_run_id,
             "data_position": dict(self.data_position),
+            "data_positions": self.data_positions(),
             # What train.evaluate needs to rebuild the model and find the corpus's test split.
             "model_preset": self.cfg.model.preset,
             "corpus": str(Path(self.cfg.data.corpus).resolve()),
         }
 
     def restore(self) -> Path | None:
-        latest = self.checkpoints.latest()
-        if latest is None:
+        """Load the newest checkpoint that loads (rank 0 chooses, a broken one is skipped by
+        all ranks), after removing what crashed jobs left."""
+        self.checkpoints.remove_leftovers()
+        found = self.checkpoints.load_latest(self.model, self.optimizer, self.scheduler)
+        if found is None:
             say(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting fresh")
             return None
-        state = self.checkpoints.load(latest, self.model, self.optimizer, self.scheduler)
+        latest, state = found
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.wandb_run_id = state.get("wandb_run_id")
         saved = state.get("data_position") or {}
         if saved.get("data_seed") == self.cfg.seed:
-            self.data_position = dict(saved)
+            per_rank = state.get("data_positions") or []
+            mine = per_rank[self.dp_rank] if self.dp_rank < len(per_rank) else {}
+            self.data_position = {**saved, **mine}
         say(f"resumed from {latest} at step {self.step}")
         return latest
 
     def save(self) -> None:
+        """Save the current state (in the background with checkpoint.async_save); weights or
+        optimizer states that are not finite are never saved: the job ends as diverged."""
+        self.watchdog.beat(self.step, SAVE)
         self.read_back(stop_flag=0.0)  # tokens seen and the non-finite check are up to date
-        path = self.checkpoints.save(
-            self.step, self.model, self.optimizer, self.scheduler, self.trainer_state()
-        )
-        say(f"checkpoint saved: {path}")
+        try:
+            path = self.checkpoints.save(
+                self.step, self.model, self.optimizer, self.scheduler, self.trainer_state()
+            )
+        except NonFiniteState as error:
+            raise TrainingDiverged(
+                f"step {self.step}: {error}. Lower optim.lr or raise optim.warmup_steps"
+            ) from None
+        if self.checkpoints.pending:
+            say(f"checkpoint {path.name}: being written in the background")
+        else:
+            say(f"checkpoint saved: {path}")
 
     # data -------------------------------------------------------------------------------------
 
+    def data_positions(self) -> list[dict]:
+        """Every data-parallel rank's data position, by dp rank (Shar ranks are each at their
+        own). Collective: one all-gather over the world."""
+        gathered: list[tuple[int, dict] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.dp_rank, self.data_position))
+        by_dp_rank = dict(gathered)
+        return [
+            {k: v for k, v in by_dp_rank[r].items() if k != "data_seed"}
+            for r in range(self.dp_size)
+        ]
+
     def batches(self) -> Iterator[dict]:
-        """This rank's batches from the saved position (same seed) or a new order (new seed)."""
+        """This rank's batches from the saved position (same seed) or a new order (new seed).
+        The samplers are put back at the position, not fed the batches again (train/data.py)."""
         cfg = self.cfg
         tokenizer = ByteTokenizer()
-        start_epoch = int(self.data_position["epoch"])
-        skip = int(self.data_position["batch_in_epoch"])
+        streams = num_streams(cfg.data.shar, cfg.data.num_workers)
+        start, replay = DataPosition.resume(self.data_position, streams)
 
-        def loader(epoch: int):
+        def loader(epoch: int, position: DataPosition | None):
             return build_dataloader(
                 data_path(cfg),
                 max_duration=cfg.data.max_duration,
@@ -340,20 +380,13 @@ class Trainer:
                 pad_id=PAD_ID,
                 shar=cfg.data.shar,
                 buckets=cfg.data.buckets,
-                epoch=start_epoch + epoch,
+                epoch=epoch,
+                position=position,
                 pin_memory=self.device.type == "cuda",
             )
 
-        current_epoch = None
-        for relative_epoch, batch in batches_forever(loader):
-            epoch = start_epoch + relative_epoch
-            if epoch != current_epoch:
-                current_epoch, index = epoch, 0
-            if epoch == start_epoch and index < skip:
-                index += 1
-                continue
-            index += 1
-            self.data_position = {"epoch": epoch, "batch_in_epoch": index, "data_seed": cfg.seed}
+        for position, batch in batches_from(loader, start, replay):
+            self.data_position = {**position.state(), "data_seed": cfg.seed}
             yield batch
 
     # loop -------------------------------------------------------------------------------------
@@ -409,6 +442,9 @@ class Trainer:
         self.optimizer.step()
         if measure:
             self.state_memory = state_bytes(self.model, self.optimizer, grads)
+        if self.step + 1 in self.cfg.debug.inject_nonfinite_params and self.rank == 0:
+            with torch.no_grad():  # as an update that overflows would leave it
+                local_shard(next(self.model.parameters())).fill_(float("inf"))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_run.add_(found_inf).mul_(found_inf)
@@ -471,6 +507,7 @@ class Trainer:
         ``val_loss`` (next-token loss only, no balance loss) by rank 0."""
         if self.validation is None or self.validated_step == self.step:
             return
+        self.watchdog.beat(self.step, VALIDATION)
         started = time.perf_counter()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch, counts in self.validation:
@@ -501,6 +538,10 @@ class Trainer:
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
             return 0
+        try:
+            self.checkpoints.check_room()  # a full disk fails now, not at the first save
+        except CheckpointSaveError as error:
+            return self.not_saved(error)
         metrics = MetricsLogger(
             self.run_dir,
             rank=self.rank,
@@ -523,12 +564,18 @@ class Trainer:
         if self.plan is not None:
             say(self.plan.describe())
         try:
-            reason = self.train_until_stop(metrics)
+            with self.watchdog:  # ends a hung job (exit 5) from here to the last save
+                reason = self.train_until_stop(metrics)
+                self.save()
+                self.checkpoints.finish()  # a job ends only once its checkpoint is complete
         except TrainingDiverged:
+            self.finish_good_save()
             metrics.close({"final_step": self.step, "stop_reason": "diverged"})
             say(f"last good checkpoint: {self.checkpoints.latest() or 'none'}")
             raise
-        self.save()
+        except CheckpointSaveError as error:
+            metrics.close({"final_step": self.step, "stop_reason": "checkpoint not saved"})
+            return self.not_saved(error)
         if self.signalled:
             say("no validation at the end of this job: a signal asked it to stop")
         else:
@@ -536,6 +583,19 @@ class Trainer:
         metrics.close({"final_step": self.step, "stop_reason": reason})
         say(f"{reason}; tokens seen {self.tokens_seen}")
         return 0
+
+    def finish_good_save(self) -> None:
+        """On divergence: a save still being written held finite weights; complete it."""
+        try:
+            self.checkpoints.finish()
+        except CheckpointSaveError as error:
+            say(str(error))
+
+    def not_saved(self, error: CheckpointSaveError) -> int:
+        """One error line (rank 0) and the exit code of a checkpoint that cannot be saved."""
+        if self.rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_NOT_SAVED
 
     def peak_flops(self) -> float | None:
         if self.device.type != "cuda":
@@ -555,6 +615,7 @@ class Trainer:
         self.since_log.update(time=time.perf_counter(), step=self.step)
         has_peers = self.dims.tp_enabled or self.dims.pp_enabled or self.dims.cp_enabled
         while self.step < cfg.train.max_steps:
+            self.watchdog.beat(self.step, STEP)
             step_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             check = self.step == first_step and has_peers and cfg.debug.check_batches
             digest = step_hash(step_batches) if check or cfg.debug.batch_hashes else ""
@@ -582,6 +643,7 @@ class Trainer:
                 self.signalled = self.stop.signalled(result["stop_flag"])
                 if log_now:
                     metrics.log(self.step, self.log_record(result, lr, peak))
+                self.checkpoints.poll()  # finalize a background save once every rank wrote it
             per_run = cfg.train.max_steps_per_run
             if why is None and per_run and self.step - first_step >= per_run:
                 why = f"step budget of this job (train.max_steps_per_run={per_run})"
