@@ -4,6 +4,9 @@ optionally one job of another recipe after the last (``auto_launch --then``), e.
 Submission is all or nothing. The manifest is saved after every accepted job, so an interrupted
 launch never leaves a queued job unrecorded; if any submission fails (or the user interrupts),
 the jobs already queued are cancelled and the manifest says why the chain was rolled back.
+Once queued, the chain looks after itself: each job's batch script runs the chain hook
+(orchestrator.chain_hooks), which ends the chain when training is finished or diverged and
+queues replacements for failed jobs (``--retries``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +25,14 @@ from typing import Any
 
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
-from orchestrator.manifest import JobRecord, Manifest, ThenRecord, orch_home, register_chain
+from orchestrator.manifest import (
+    JobRecord,
+    Manifest,
+    ThenRecord,
+    chain_lock,
+    orch_home,
+    register_chain,
+)
 from orchestrator.preflight import (
     check_dependency,
     check_fits,
@@ -35,6 +46,9 @@ from orchestrator.seeds import chain_seeds, validate_base_seed
 # The --then job waits for the chain's last job to end, however it ended: a chain that failed or
 # timed out still gets its final answer from what it saved.
 THEN_DEPENDENCY = "afterany"
+# What a batch script runs to take part in self-healing (docs/contracts.md, "The chain hook").
+HOOK_MODULE = "orchestrator.chain_hooks"
+MAX_RETRIES = 1000  # as many as -n allows jobs
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,7 @@ class ChainPlan:
     function: Callable[..., Any] | None = None
     function_args: tuple[Any, ...] = ()
     then: ThenJob | None = None
+    retries: int = 0
 
     @classmethod
     def create(
@@ -117,6 +132,7 @@ class ChainPlan:
         function_args: tuple[Any, ...] = (),
         workdir: Path | None = None,
         then: ThenJob | None = None,
+        retries: int = 0,
     ) -> ChainPlan:
         """The one way to plan a chain: every check made, the id, run dir and seeds decided.
 
@@ -128,6 +144,7 @@ class ChainPlan:
         if base_seed is not None:
             validate_base_seed(base_seed)
         check_job_name(job_name)
+        check_retries(retries, dependency_kind, script_text)
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
@@ -147,6 +164,7 @@ class ChainPlan:
             function=function,
             function_args=tuple(function_args),
             then=then,
+            retries=retries,
         )
 
     @property
@@ -211,16 +229,66 @@ def contract_env(plan: ChainPlan, index: int) -> dict[str, str]:
 
     ORCH_NUM_JOBS counts the chain's jobs without the --then job, whose index is that number.
     """
+    return job_env(
+        plan.chain_id, index, plan.num_jobs, plan.seeds[index], plan.run_dir, plan.sweep_id
+    )
+
+
+def job_env(
+    chain_id: str, index: int, num_jobs: int, seed: int, run_dir: Path | str, sweep_id: str | None
+) -> dict[str, str]:
+    """The ORCH_* variables of one job; ORCH_PYTHON is the interpreter that runs the chain hook
+    (this one: the orchestrator is installed in it)."""
     env = {
-        "ORCH_CHAIN_ID": plan.chain_id,
+        "ORCH_CHAIN_ID": chain_id,
         "ORCH_JOB_INDEX": str(index),
-        "ORCH_NUM_JOBS": str(plan.num_jobs),
-        "ORCH_SEED": str(plan.seeds[index]),
-        "ORCH_RUN_DIR": str(plan.run_dir),
+        "ORCH_NUM_JOBS": str(num_jobs),
+        "ORCH_SEED": str(seed),
+        "ORCH_RUN_DIR": str(run_dir),
+        "ORCH_PYTHON": sys.executable,
     }
-    if plan.sweep_id:
-        env["ORCH_SWEEP_ID"] = plan.sweep_id
+    if sweep_id:
+        env["ORCH_SWEEP_ID"] = sweep_id
     return env
+
+
+def replacement_request(manifest: Manifest, index: int, seed: int, after: str | None) -> JobRequest:
+    """Job ``index`` of a submitted chain re-running its recipe: what the chain hook queues
+    for a failed job. It runs the chain's script copy, as every job of the chain does."""
+    script = Path(manifest.script)
+    job_name = script.stem  # ChainPlan.script_path is RUN_DIR/<job name>.sub
+    return JobRequest(
+        script=script,
+        script_args=tuple(manifest.args),
+        job_name=job_name,
+        log_pattern=Path(manifest.run_dir) / "logs" / f"{job_name}-%j.out",
+        env=job_env(
+            manifest.chain_id, index, manifest.num_jobs, seed, manifest.run_dir, manifest.sweep_id
+        ),
+        dependency_kind=manifest.dependency_kind,
+        after=after,
+        workdir=Path(manifest.workdir or manifest.run_dir),
+        seed=seed,
+    )
+
+
+def check_retries(retries: int, dependency_kind: str, script_text: str | None) -> None:
+    """--retries needs jobs that run the chain hook, and a chain that goes on after a failure."""
+    if not 0 <= retries <= MAX_RETRIES:
+        raise UsageError(f"--retries {retries}: give 0..{MAX_RETRIES}")
+    if retries == 0:
+        return
+    if dependency_kind == "afterok":
+        raise UsageError(
+            "--retries needs --dependency afterany or singleton: under afterok a failed job "
+            "leaves the rest of the chain pending forever, replacements included"
+        )
+    if script_text is None or HOOK_MODULE not in script_text:
+        raise UsageError(
+            f"--retries: the recipe never runs the chain hook ({HOOK_MODULE}), so no job could "
+            "queue a replacement; use a YAML recipe, or call the hook from the .sub "
+            "(docs/contracts.md, the chain hook)"
+        )
 
 
 def new_chain_id(stem: str) -> str:
@@ -280,6 +348,8 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         created=time.time(),
         sweep_id=plan.sweep_id,
         then=then,
+        retries=plan.retries,
+        workdir=str(plan.workdir),
     )
 
 
@@ -288,9 +358,22 @@ def submit_chain(
     backend: Backend,
     on_submitted: Callable[[JobRecord], None] | None = None,
 ) -> Manifest:
-    """Submit every job of the plan in order; roll back the chain if any submission fails."""
+    """Submit every job of the plan in order; roll back the chain if any submission fails.
+
+    The chain lock is held throughout: a job that ends meanwhile runs its chain hook only once
+    the manifest is whole (the local backend's hooks leave the manifest alone).
+    """
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     (plan.run_dir / "logs").mkdir(exist_ok=True)
+    with chain_lock(plan.run_dir):
+        return _submit_chain(plan, backend, on_submitted)
+
+
+def _submit_chain(
+    plan: ChainPlan,
+    backend: Backend,
+    on_submitted: Callable[[JobRecord], None] | None,
+) -> Manifest:
     write_scripts(plan)
     manifest = new_manifest(plan, backend.label)
     manifest.save(durable=False)

@@ -14,6 +14,7 @@ from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
 from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, write_scripts
+from orchestrator.chain_hooks import ACTIVE_BACKEND as RETRYING_BACKEND
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
     JobRecord,
@@ -85,6 +86,15 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         help="queue one more job of this recipe after the chain's last (afterany), in the same "
         "run dir with the next job index and seed: e.g. an evaluation",
     )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="K",
+        help="queue a replacement job (new seed) at the end of the chain for each job that ends "
+        "without finishing its training, up to K in all (slurm backend; the recipe must run "
+        "the chain hook, as rendered YAML recipes do)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
     parser.add_argument(
@@ -118,6 +128,7 @@ def build_plan(
         base_seed=args.seed,
         script_args=tuple(script_args),
         then=then,
+        retries=args.retries,
     )
     return plan, prepared
 
@@ -220,6 +231,11 @@ def auto_launch(args: argparse.Namespace) -> int:
         plan_check(prepared, plan, sinfo_table, kind.runs_here)
     if plan.then is not None:
         plan.then.check_fits(sinfo_table, kind.runs_here)
+    if plan.retries and kind.label != RETRYING_BACKEND:
+        raise UsageError(
+            f"--retries needs the {RETRYING_BACKEND} backend, whose jobs queue their own "
+            f"replacements; this chain would run on {kind.label}"
+        )
     backend = kind.for_run_dir(plan.run_dir)
     if args.dry_run:
         print_dry_run(plan, backend)

@@ -8,14 +8,18 @@ chain under ``$ORCH_HOME/chains/``; one file per chain means concurrent launches
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
+LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
 METRICS_FILE = "metrics.jsonl"  # written by the trainer into the run dir, read by plot/status
 
 
@@ -58,6 +62,11 @@ class JobRecord:
     dependency: str | None = None
     submit_time: float | None = None
     then: bool = False  # the job auto_launch --then queued after the chain's last
+    # Set once by the chain hook when the job has ended (orchestrator.chain_hooks): finished,
+    # stopped, completed, failed, diverged or not_started. Its idempotency key.
+    outcome: str | None = None
+    replaces: int | None = None  # a replacement (--retries): the index of the failed job
+    reason: str | None = None  # a replacement: why the job it replaces failed
 
 
 @dataclass
@@ -88,6 +97,9 @@ class Manifest:
     error: str | None = None
     sweep_id: str | None = None
     then: ThenRecord | None = None
+    retries: int = 0  # --retries: replacement jobs the chain may queue for failed ones
+    workdir: str | None = None  # where the jobs start (sbatch --chdir), for replacements
+    ended: str | None = None  # why the chain is complete or diverged (its queued jobs cancelled)
     jobs: list[JobRecord] = field(default_factory=list)
 
     @property
@@ -108,6 +120,15 @@ class Manifest:
 
     def job_ids(self) -> list[str]:
         return [job.job_id for job in self.jobs if job.job_id]
+
+
+@contextmanager
+def chain_lock(run_dir: Path | str) -> Iterator[None]:
+    """Hold the run dir's chain lock: auto_launch while it submits, a chain hook while it
+    reads, decides and rewrites the manifest, so two writers never lose each other's update."""
+    with open(Path(run_dir) / LOCK_NAME, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def index_path(chain_id: str) -> Path:

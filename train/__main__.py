@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from train.config import TrainConfig, register
+from train.job_end import job_end_record, write_job_end
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
 from train.trainer import (
@@ -34,6 +35,20 @@ from train.trainer import (
 )
 
 register()
+
+
+def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int) -> None:
+    """Tell the chain how this job ended (train/job_end.py): the batch script's hook decides
+    from it whether the chain is complete, diverged, or needs a replacement job."""
+    record = job_end_record(
+        code,
+        step=trainer.step if trainer is not None else 0,
+        max_steps=cfg.train.max_steps,
+        signalled=trainer is not None and trainer.signalled,
+        signal_name=stop.signal_name,
+        diverged=code == EXIT_DIVERGED,
+    )
+    write_job_end(cfg.run_dir, record)
 
 
 @hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name="tiny_fsdp2")
@@ -51,13 +66,18 @@ def main(raw: DictConfig) -> None:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     device = init_distributed(cfg.train.hang_timeout_s)
+    trainer: Trainer | None = None
+    code = 1  # what an exception leaves
     try:
-        code = Trainer(cfg, dims, plan, device, stop).run()
+        trainer = Trainer(cfg, dims, plan, device, stop)
+        code = trainer.run()
     except TrainingDiverged as error:
         if dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         code = EXIT_DIVERGED
     finally:
+        if dist.get_rank() == 0:
+            record_job_end(cfg, trainer, stop, code)
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.
     if code:

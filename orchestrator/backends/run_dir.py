@@ -2,8 +2,10 @@
 
 Asked when the controller is unreachable, or when a finished job has left SLURM's memory on a
 cluster without accounting. The templates end every job's log with ``[orch] training exited
-with status N`` (templates/_base.sub.j2): that line is the job's outcome. A log without it says
-only that the job started (the metrics, how far it got); no log, that it has not started.
+with status N``, or ``[orch] training stopped on SIGNAL after saving step N (... exit status
+S ...)`` for a clean stop on a signal (orchestrator/chain_hooks.py prints both): that line is the
+job's outcome. A log without it says only that the job started (the metrics, how far it got);
+no log, that it has not started.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ SOURCE = "run dir"
 STARTED = "STARTED"  # a log, but no end recorded: running, or ended unrecorded
 NOT_STARTED = "NOT_STARTED"  # no log: pending, or cancelled before it ran
 EXIT_LINE = re.compile(r"^\[orch\] training exited with status (\d+)\s*$", re.MULTILINE)
+STOPPED_LINE = re.compile(
+    r"^\[orch\] training stopped on (.+) after saving step \d+ \((?:launcher )?exit status (\d+)",
+    re.MULTILINE,
+)
 
 
 def run_dir_status(run_dir: Path | None, job_id: str, log_glob: str, why: str) -> JobStatus:
@@ -27,9 +33,17 @@ def run_dir_status(run_dir: Path | None, job_id: str, log_glob: str, why: str) -
         return JobStatus(job_id, "UNKNOWN", reason=f"{why}; no run dir to look in", source=SOURCE)
     if not logs:
         return JobStatus(job_id, NOT_STARTED, reason=f"{why}; no log yet", source=SOURCE)
-    codes = EXIT_LINE.findall(logs[0].read_text(errors="replace"))
+    text = logs[0].read_text(errors="replace")
+    stops = list(STOPPED_LINE.finditer(text))
+    codes = list(EXIT_LINE.finditer(text))
+    if stops and (not codes or stops[-1].start() > codes[-1].start()):
+        signal, code = stops[-1].group(1), int(stops[-1].group(2))
+        reason = f"{why}; from its log: stopped on {signal} after saving"
+        # Exit 0: the warning signal before the time limit; else scancel or the limit itself.
+        state = "COMPLETED" if code == 0 else "CANCELLED"
+        return JobStatus(job_id, state, exit_code=code, reason=reason, source=SOURCE)
     if codes:
-        code = int(codes[-1])
+        code = int(codes[-1].group(1))
         state = "COMPLETED" if code == 0 else "FAILED"
         return JobStatus(
             job_id, state, exit_code=code, reason=f"{why}; from its log", source=SOURCE

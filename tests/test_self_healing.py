@@ -1,0 +1,375 @@
+"""Self-healing chains: replacements for failed jobs (--retries), a finished training cancelling
+the queued rest, a diverged one stopping the chain, and a clean stop on scancel reported as one.
+The SLURM tests run on the loopback cluster; the first few need no SLURM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends.run_dir import EXIT_LINE, STOPPED_LINE, run_dir_status
+from orchestrator.chain_hooks import judge, outcome_line
+from orchestrator.seeds import chain_seeds
+from tests.helpers import REPO, launch_json, run_tool, wait_chain, write_sub
+from tests.test_trainer import launch_training
+from train.job_end import job_end_record
+
+# A hand-written .sub that follows the chain-hook contract (docs/contracts.md). Its work fails
+# while the run dir's counter is below FAILURES, or, for the job of index KILL_AT, the batch shell
+# kills itself before it can run its end hook (as a lost node or SIGKILL would).
+HOOKED_BODY = """
+hook=0
+"$ORCH_PYTHON" -m orchestrator.chain_hooks start || hook=$?
+if [ "$hook" = 100 ]; then exit 0; fi
+echo "$ORCH_JOB_INDEX $SEED" >> "$ORCH_RUN_DIR/ran"
+if [ "$ORCH_JOB_INDEX" = "${KILL_AT:-none}" ]; then kill -KILL $$; fi
+n=$(cat "$ORCH_RUN_DIR/count" 2>/dev/null || echo 0)
+echo $((n + 1)) > "$ORCH_RUN_DIR/count"
+status=0
+if [ "$n" -lt "${FAILURES:-0}" ]; then status=1; fi
+"$ORCH_PYTHON" -m orchestrator.chain_hooks end "$status" ||
+  echo "[orch] training exited with status $status"
+exit "$status"
+"""
+
+
+def manifest_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def sacct_run(job_id: str) -> str:
+    """Accounting's state, nodes and run time of the job ("None assigned": it never ran)."""
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "--format=State,NodeList,Elapsed"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return out.strip()
+
+
+# ---- no SLURM ----
+
+
+def record(code: int, step: int, signalled: bool, signal: str | None, diverged: bool) -> dict:
+    return job_end_record(
+        code, step=step, max_steps=8, signalled=signalled, signal_name=signal, diverged=diverged
+    )
+
+
+def test_end_records_map_to_chain_outcomes():
+    finished = job_end_record(
+        0, step=8, max_steps=8, signalled=False, signal_name=None, diverged=False
+    )
+    assert finished == {
+        "reason": "max_steps",
+        "step": 8,
+        "finished": True,
+        "saved": True,
+        "signal": None,
+        "exit_code": 0,
+    }
+    stopped = job_end_record(
+        0, step=5, max_steps=8, signalled=True, signal_name="SIGTERM", diverged=False
+    )
+    budget = job_end_record(
+        0, step=5, max_steps=8, signalled=False, signal_name=None, diverged=False
+    )
+    diverged = job_end_record(
+        3, step=4, max_steps=8, signalled=False, signal_name=None, diverged=True
+    )
+    error = job_end_record(
+        1, step=2, max_steps=8, signalled=False, signal_name=None, diverged=False
+    )
+    assert [r["reason"] for r in (stopped, budget, diverged, error)] == [
+        "signal",
+        "budget",
+        "diverged",
+        "error",
+    ]
+    assert judge(finished, 0, "", True).outcome == "finished"
+    assert judge(stopped, 1, "", True).outcome == "stopped"
+    assert judge(budget, 0, "", True).outcome == "stopped"
+    assert judge(diverged, 1, "", True).outcome == "diverged"
+    assert judge(error, 1, "", True).outcome == "failed"
+    assert judge(None, 0, "", True).outcome == "completed"
+    assert judge(None, 137, "", True).outcome == "failed"
+    assert judge(None, None, "NODE_FAIL", True).outcome == "failed"
+    assert judge(None, None, "CANCELLED", False).outcome == "not_started"
+
+    # The log's last line: a clean stop is told as one, and the run-dir reader understands both.
+    line = outcome_line(stopped, 1)
+    assert line == (
+        "[orch] training stopped on SIGTERM after saving step 5 "
+        "(launcher exit status 1 is its own signal handling)"
+    )
+    assert STOPPED_LINE.search(line).groups() == ("SIGTERM", "1")
+    assert STOPPED_LINE.search(outcome_line(stopped, 0)).groups() == ("SIGTERM", "0")
+    assert EXIT_LINE.search(outcome_line(error, 1)).group(1) == "1"
+    assert EXIT_LINE.search(outcome_line(budget, 0)).group(1) == "0"
+
+
+def test_run_dir_reads_a_clean_stop_from_the_log(tmp_path):
+    """Where SLURM has forgotten the job, its log's outcome line still tells a clean stop."""
+    stopped = record(0, 5, True, "SIGTERM", False)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "r-7.out").write_text(f"[train] ...\n{outcome_line(stopped, 1)}\n")
+    status = run_dir_status(tmp_path, "7", "logs/*-7.out", "gone")
+    assert (status.state, status.exit_code) == ("CANCELLED", 1)
+    assert "stopped on SIGTERM after saving" in status.reason
+
+
+@pytest.mark.parametrize(
+    ("options", "body", "message"),
+    [
+        (["--retries", "1"], "true\n", "never runs the chain hook"),
+        (["--retries", "1", "--dependency", "afterok"], HOOKED_BODY, "afterany or singleton"),
+        (["--retries", "1", "--backend", "local"], HOOKED_BODY, "needs the slurm backend"),
+        (["--retries", "-1"], HOOKED_BODY, "give 0..1000"),
+    ],
+)
+def test_retries_refused_where_they_cannot_work(tmp_path, options, body, message):
+    recipe = write_sub(tmp_path / "job.sub", body)
+    completed = run_tool("auto_launch", *options, "--run-dir", str(tmp_path / "run"), str(recipe))
+    assert completed.returncode == 2, completed.stderr
+    assert message in completed.stderr
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+# ---- on the loopback cluster ----
+
+
+@pytest.mark.slurm
+def test_failed_jobs_are_replaced_until_one_succeeds(slurm_cluster, tmp_path):
+    """The work fails twice, then succeeds: exactly two replacements, each after the chain's last
+    job, each with the next seed of the chain's sequence, each naming the job it replaces."""
+    recipe = write_sub(tmp_path / "flaky.sub", HOOKED_BODY)
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n1",
+        "--retries",
+        "3",
+        "--seed",
+        "7",
+        "--run-dir",
+        str(run_dir),
+        str(recipe),
+        env={"FAILURES": "2"},
+    )
+    final = wait_chain(summary["chain_id"], timeout=120)
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "FAILED", "COMPLETED"], final
+    manifest = manifest_of(run_dir)
+    jobs = manifest["jobs"]
+    assert manifest["retries"] == 3 and manifest["status"] == "submitted"
+    assert [job["outcome"] for job in jobs] == ["failed", "failed", "completed"]
+    assert [job["replaces"] for job in jobs] == [None, 0, 1]
+    assert jobs[1]["reason"] == "exited with status 1 and no end-of-job record"
+    assert [job["seed"] for job in jobs] == chain_seeds(3, 7)
+    ids = [job["job_id"] for job in jobs]
+    assert [job["dependency"] for job in jobs] == [None, f"afterany:{ids[0]}", f"afterany:{ids[1]}"]
+    ran = (run_dir / "ran").read_text().split()
+    assert ran == ["0", str(jobs[0]["seed"]), "1", str(jobs[1]["seed"]), "2", str(jobs[2]["seed"])]
+    log = run_tool("orchestrator", "logs", summary["chain_id"], "--job", "0").stdout
+    assert f"queued job 1 (id {ids[1]}, seed {jobs[1]['seed']}) to replace job 0" in log
+    assert log.rstrip().endswith("[orch] training exited with status 1")
+
+
+@pytest.mark.slurm
+def test_a_job_killed_before_its_hook_is_replaced_by_the_next_job(slurm_cluster, tmp_path):
+    """Job 0's batch shell is SIGKILLed (no end hook): job 1, started by afterany, judges it at
+    its own start and queues the replacement; the retry budget (1) is then spent."""
+    recipe = write_sub(tmp_path / "killed.sub", HOOKED_BODY)
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n2", "--retries", "1", "--run-dir", str(run_dir), str(recipe), env={"KILL_AT": "0"}
+    )
+    final = wait_chain(summary["chain_id"], timeout=120)
+    manifest = manifest_of(run_dir)
+    jobs = manifest["jobs"]
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED", "COMPLETED"], final
+    assert [job["outcome"] for job in jobs] == ["failed", "completed", "completed"]
+    assert jobs[2]["replaces"] == 0
+    assert "without running its end hook" in jobs[2]["reason"]
+    assert jobs[2]["dependency"] == f"afterany:{jobs[1]['job_id']}"
+    assert len({job["seed"] for job in jobs}) == 3
+    log = run_tool("orchestrator", "logs", summary["chain_id"], "--job", "1").stdout
+    assert "queued job 2" in log and "to replace job 0: retry 1 of 1" in log
+
+
+@pytest.mark.slurm
+def test_the_then_job_still_runs_after_a_replacement(slurm_cluster, tmp_path):
+    """The --then job waited for job 0; once job 0's replacement is queued it waits for that."""
+    recipe = write_sub(tmp_path / "flaky.sub", HOOKED_BODY)
+    then = write_sub(tmp_path / "after.sub", 'echo "then $SEED" >> "$ORCH_RUN_DIR/ran"\n')
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n1",
+        "--retries",
+        "1",
+        "--seed",
+        "3",
+        "--then",
+        str(then),
+        "--run-dir",
+        str(run_dir),
+        str(recipe),
+        env={"FAILURES": "1"},
+    )
+    final = wait_chain(summary["chain_id"], timeout=120)
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED", "COMPLETED"], final
+    jobs = manifest_of(run_dir)["jobs"]
+    assert [(job["index"], job["then"], job["replaces"]) for job in jobs] == [
+        (0, False, None),
+        (1, True, None),
+        (2, False, 0),
+    ]
+    assert jobs[1]["dependency"] == f"afterany:{jobs[2]['job_id']}"
+    assert [job["seed"] for job in jobs] == chain_seeds(3, 3)
+    ran = (run_dir / "ran").read_text().split()
+    assert ran == [
+        "0",
+        str(jobs[0]["seed"]),
+        "2",
+        str(jobs[2]["seed"]),
+        "then",
+        str(jobs[1]["seed"]),
+    ]
+
+
+def wait_manifest_settled(run_dir: Path, count: int, timeout: float = 60) -> dict:
+    """The manifest once ``count`` jobs have an outcome (hooks finish just before their job)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        manifest = manifest_of(run_dir)
+        if sum(job["outcome"] is not None for job in manifest["jobs"]) >= count:
+            return manifest
+        assert time.monotonic() < deadline, manifest
+        time.sleep(0.5)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_finished_training_cancels_the_queued_rest(slurm_cluster, tmp_path, corpus):
+    """Job 0 reaches max_steps: jobs 1 and 2 are cancelled while pending and never run."""
+    run_dir = tmp_path / "run"
+    summary = launch_training(
+        3, run_dir, "recipes/train_tiny_fsdp2.yaml", corpus, "train.max_steps=3"
+    )
+    final = wait_chain(summary["chain_id"], timeout=150)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED", "CANCELLED", "CANCELLED"]
+    manifest = manifest_of(run_dir)
+    assert manifest["status"] == "complete"
+    ids = [job["job_id"] for job in manifest["jobs"]]
+    assert manifest["ended"] == (
+        f"job 0 (id {ids[0]}): training finished at step 3; "
+        f"cancelled 2 queued job(s): {ids[1]} {ids[2]}"
+    )
+    assert [job["outcome"] for job in manifest["jobs"]] == [
+        "finished",
+        "not_started",
+        "not_started",
+    ]
+    record = json.loads((run_dir / "job_ends" / f"0-{ids[0]}.json").read_text())
+    assert record == {
+        "reason": "max_steps",
+        "step": 3,
+        "finished": True,
+        "saved": True,
+        "signal": None,
+        "exit_code": 0,
+    }
+    for job_id in ids[1:]:
+        assert not list((run_dir / "logs").glob(f"*-{job_id}.out")), "a cancelled job ran"
+        state, nodes, elapsed = sacct_run(job_id).split("|")
+        assert state.startswith("CANCELLED"), state
+        assert (nodes, elapsed) == ("None assigned", "00:00:00"), "a cancelled job ran"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_diverged_training_stops_the_chain_without_retries(slurm_cluster, tmp_path, corpus):
+    """Non-finite steps end job 0 as diverged (exit 3): the chain stops, its reason in the
+    manifest, and no retry is spent although two were allowed."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n3",
+        "--retries",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        "train.max_steps=20",
+        "train.nonfinite_limit=2",
+        "debug.inject_nonfinite_steps=[2,3]",
+        cwd=REPO,
+    )
+    final = wait_chain(summary["chain_id"], timeout=150)
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "CANCELLED", "CANCELLED"]
+    manifest = manifest_of(run_dir)
+    assert manifest["status"] == "diverged"
+    assert "job 0" in manifest["ended"] and "training diverged at step 3" in manifest["ended"]
+    assert [job["outcome"] for job in manifest["jobs"]] == [
+        "diverged",
+        "not_started",
+        "not_started",
+    ]
+    assert [job["replaces"] for job in manifest["jobs"]] == [None] * 3
+    status = run_tool("orchestrator", "status", summary["chain_id"]).stdout
+    assert "diverged" in status.splitlines()[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_scancel_during_training_is_reported_as_a_clean_stop(slurm_cluster, tmp_path, corpus):
+    """scancel: the ranks save on SIGTERM and torchrun exits 1 on its own signal; the log's last
+    line says the training stopped after saving, and the hook spends no retry on it."""
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n1",
+        "--retries",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        "train.max_steps=500",
+        "checkpoint.interval=1000",
+        cwd=REPO,
+    )
+    job_id = summary["jobs"][0]["job_id"]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], check=True, timeout=30)
+    deadline = time.monotonic() + 60
+    final = wait_chain(summary["chain_id"], timeout=60)
+    assert [job["state"] for job in final["jobs"]] == ["CANCELLED"], final
+    manifest = wait_manifest_settled(run_dir, 1)
+    assert [job["outcome"] for job in manifest["jobs"]] == ["stopped"], manifest
+    record = json.loads((run_dir / "job_ends" / f"0-{job_id}.json").read_text())
+    assert record["reason"] == "signal" and record["signal"] == "SIGTERM" and record["saved"]
+    assert (run_dir / "checkpoints" / f"step_{record['step']}" / "COMPLETE").exists()
+    log_path = next((run_dir / "logs").glob(f"*-{job_id}.out"))
+    while "[orch] training " not in log_path.read_text().rstrip().splitlines()[-1]:
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.5)
+    log = log_path.read_text()
+    last = log.rstrip().splitlines()[-1]
+    # torchrun exits 1 on its own SIGTERM; srun may report 0 once SLURM's KillWait ends the step.
+    assert last.startswith(
+        f"[orch] training stopped on SIGTERM after saving step {record['step']} ("
+    ), log[-3000:]
+    assert "training exited with status" not in log
