@@ -26,7 +26,7 @@ from orchestrator.manifest import (
     sweep_labels,
 )
 from orchestrator.preflight import check_fits
-from orchestrator.results import RunResults, format_wer, last_progress
+from orchestrator.results import RunResults, disk_problem, format_wer, last_progress
 from orchestrator.scripts import PreparedScript, read_recipe
 from orchestrator.slurm_commands import probe_partitions
 
@@ -363,6 +363,7 @@ def status_payload(
         job["elapsed"] = status.elapsed if status else ""
         job["source"] = status.source if status else ""
         job["last_step"], job["last_loss"] = progress.get(job["index"], (None, None))
+    payload["disk_problem"] = disk_problem(Path(manifest.run_dir))
     payload["validation"] = asdict(results.validation) if results.validation else None
     payload["evaluation"] = asdict(results.evaluation) if results.evaluation else None
     return payload
@@ -379,6 +380,19 @@ def unreachable_notice(unreachable: str) -> str:
     )
 
 
+def job_reason(job: JobRecord, status: JobStatus | None) -> str:
+    """The scheduler's reason, after what the chain hook made of the job (its outcome, and for
+    a replacement the job it replaces)."""
+    parts = []
+    if job.outcome:
+        parts.append(job.outcome)
+    if job.replaces is not None:
+        parts.append(f"replaces job {job.replaces}" + (f" ({job.reason})" if job.reason else ""))
+    if status and status.reason:
+        parts.append(status.reason)
+    return "; ".join(parts)
+
+
 def print_status(
     manifest: Manifest,
     statuses: dict[str, JobStatus],
@@ -388,6 +402,9 @@ def print_status(
     print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
     if unreachable:
         print(unreachable_notice(unreachable))
+    problem = disk_problem(Path(manifest.run_dir))
+    if problem:
+        print(f"warning: {problem}")
     if manifest.error:
         print(f"error: {manifest.error}")
     print(f"latest: {results.describe()}")
@@ -407,7 +424,7 @@ def print_status(
                 "-" if status is None or status.exit_code is None else str(status.exit_code),
                 (status.elapsed if status else "") or "-",
                 status.nodes if status else "",
-                status.reason if status else "",
+                job_reason(job, status),
             ]
         )
     header = ["index", "job_id", "seed", "state", "step", "loss", "exit", "elapsed", "nodes"]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,3 +193,29 @@ def finite_or_inf(value: float) -> float:
 def format_wer(value: float) -> str:
     """A WER or CER fraction as a percentage: 0.153 -> 15.30%."""
     return f"{value:.2%}"
+
+
+def disk_problem(run_dir: Path) -> str | None:
+    """Why the run dir's disk cannot take another checkpoint (read-only, or less room than the
+    newest one took), in one line; None when it can. The trainer refuses to start on such a disk
+    (exit 4), but its log sits on the same disk and may be cut: status says it from here."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    checkpoints = run_dir / "checkpoints"
+    where = checkpoints if checkpoints.is_dir() else run_dir
+    if os.statvfs(where).f_flag & os.ST_RDONLY or not os.access(where, os.W_OK):
+        return f"the run dir's disk is read-only or not writable ({where}): nothing can be saved"
+    complete = [d for d in where.glob("step_*") if (d / "COMPLETE").is_file()]
+    if not complete:
+        return None
+    newest = max(complete, key=lambda d: int(d.name.removeprefix("step_")))
+    needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+    free = shutil.disk_usage(where).free
+    if free >= needed:
+        return None
+    return (
+        f"the run dir's disk is full: {free / 2**20:.1f} MiB free under {where}, the last "
+        f"checkpoint ({newest.name}) took {needed / 2**20:.1f} MiB; jobs end at their first save "
+        "(exit 4, 'checkpoint ... not saved'): free space or move the run dir"
+    )

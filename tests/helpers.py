@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -97,3 +98,16 @@ def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
                 f"jobs still queued after {timeout} s: {set(queue_ids()) & set(job_ids)}"
             )
         time.sleep(0.5)
+
+
+def fill_disk(disk: Path, leave: int) -> Path:
+    """A file that leaves about ``leave`` bytes of ``disk`` free."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        while (free := shutil.disk_usage(disk).free) > leave:
+            try:
+                f.write(b"\0" * min(free - leave, 1 << 20))
+                f.flush()
+            except OSError:
+                break
+    return filler

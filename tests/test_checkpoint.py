@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.helpers import fill_disk
 from tests.test_trainer import metrics, train
 from train.checkpoint import (
     MARKER,
@@ -507,35 +508,6 @@ def test_a_kill_during_an_async_save_leaves_no_complete_checkpoint(tmp_path):
 # full and read-only disks ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path) -> Iterator[Path]:
-    """A real 2 MiB file system (tmpfs) to fill up; skipped where mounting is not allowed."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
-def _fill(disk: Path, leave: int) -> Path:
-    """A file that leaves about ``leave`` bytes of ``disk`` free."""
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        while (free := shutil.disk_usage(disk).free) > leave:
-            try:
-                f.write(b"\0" * min(free - leave, 1 << 20))
-                f.flush()
-            except OSError:
-                break
-    return filler
-
-
 def _big_objects(seed: int):
     """About 0.8 MiB of checkpoint: a third of the small disk."""
     torch.manual_seed(seed)
@@ -559,7 +531,7 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous(
     manager.save(1, *objects, {"step": 1})
     manager.finish()
     want = _params(objects[0])
-    filler = _fill(small_disk, leave=100_000)  # the RNG file fits, the model does not
+    filler = fill_disk(small_disk, leave=100_000)  # the RNG file fits, the model does not
 
     with pytest.raises(CheckpointSaveError) as failure:
         manager.save(2, *_big_objects(seed=2), {"step": 2})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,8 +18,14 @@ from orchestrator.manifest import (
     register_sweep,
 )
 from orchestrator.plot import draw, plot_data
-from orchestrator.results import Evaluation, RunResults, Validation, latest_evaluation
-from tests.helpers import run_tool
+from orchestrator.results import (
+    Evaluation,
+    RunResults,
+    Validation,
+    disk_problem,
+    latest_evaluation,
+)
+from tests.helpers import fill_disk, run_tool
 
 
 def train_row(chain_id: str, step: int, job_index: int, loss: float) -> dict:
@@ -253,3 +260,17 @@ def test_plot_of_a_chain_with_only_validation_rows(tmp_path):
     (series,) = plot_data(str(run_dir)).series
     assert series.steps == [] and series.jobs == [] and series.val_losses == [4.5]
     assert series.legend_label == "plot-val-only"
+
+
+def test_status_names_a_full_or_read_only_run_dir_disk(small_disk):
+    """The trainer's own error may be lost (its log is on the full disk): status says it."""
+    step = small_disk / "run" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "model.distcp").write_bytes(b"\0" * 600_000)
+    (step / "COMPLETE").write_text("")
+    assert disk_problem(small_disk / "run") is None
+    fill_disk(small_disk, leave=100_000)
+    problem = disk_problem(small_disk / "run")
+    assert problem is not None and "disk is full" in problem and "step_2" in problem
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    assert "read-only" in (disk_problem(small_disk / "run") or "")
