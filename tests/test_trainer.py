@@ -240,7 +240,8 @@ def test_seed_contract_from_batch_hashes(tmp_path, corpus):
 @pytest.mark.slow
 def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
     """3 jobs of 2-node training: USR1 stops job 0 mid-run (as at its time limit), job 1 resumes
-    from the checkpoint it saved on the way out, job 2 finds training finished and exits 0."""
+    from the checkpoint it saved on the way out and finishes, and job 2, no longer needed, is
+    cancelled before it starts (the chain is complete)."""
     run_dir = tmp_path / "run"
     summary = launch_training(
         3,
@@ -258,7 +259,8 @@ def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
     subprocess.run(["scancel", "--batch", "--signal=USR1", first_job], check=True)
 
     final = wait_chain(summary["chain_id"], timeout=400)
-    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED", "COMPLETED", "CANCELLED"]
+    assert final["status"] == "complete", final
     rows = metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(1, 17)), "a step was lost or repeated"
     by_job = {index: [row["step"] for row in rows if row["job_index"] == index] for index in (0, 1)}
@@ -269,7 +271,8 @@ def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
     logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
     assert f"stopping at step {by_job[0][-1]}: SIGUSR1" in logs
     assert f"resumed from {run_dir}/checkpoints/step_{by_job[0][-1]}" in logs
-    assert "training already finished at step 16" in logs
+    assert f"[orch] training stopped on SIGUSR1 after saving step {by_job[0][-1]}" in logs
+    assert not list((run_dir / "logs").glob(f"*-{final['jobs'][2]['job_id']}.out"))
 
 
 @pytest.mark.slow
