@@ -67,11 +67,18 @@ JOB_ONLY_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_")
 KEPT_VARIABLES = ("SLURM_CONF",)  # which cluster to talk to
 
 
+# Trainer exits a new job would only repeat: no replacement is queued for them.
+BLOCKED = {
+    2: "the trainer's config or layout is refused",
+    4: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
+}
+
+
 @dataclass(frozen=True)
 class Ending:
     """What a job's end means for the chain: an outcome word and one line saying why."""
 
-    outcome: str  # finished, stopped, completed, failed, diverged, not_started
+    outcome: str  # finished, stopped, completed, failed, blocked, diverged, not_started
     detail: str
 
 
@@ -92,7 +99,12 @@ def judge(record: dict[str, Any] | None, status: int | None, state: str, started
             signalled = record["reason"] == "signal"
             why = record.get("signal") or ("a signal" if signalled else "its budget")
             return Ending("stopped", f"training stopped on {why} after saving step {step}")
-        return Ending("failed", f"training failed at step {step} (exit {record.get('exit_code')})")
+        code = record.get("exit_code")
+        if code in BLOCKED:
+            return Ending(
+                "blocked", f"{BLOCKED[code]} (exit {code}); no retry: fix it and queue again"
+            )
+        return Ending("failed", f"training failed at step {step} (exit {code})")
     if status is not None:
         if status == 0:
             return Ending("completed", "exited with status 0")

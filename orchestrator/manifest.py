@@ -63,7 +63,7 @@ class JobRecord:
     submit_time: float | None = None
     then: bool = False  # the job auto_launch --then queued after the chain's last
     # Set once by the chain hook when the job has ended (orchestrator.chain_hooks): finished,
-    # stopped, completed, failed, diverged or not_started. Its idempotency key.
+    # stopped, completed, failed, blocked, diverged or not_started. Its idempotency key.
     outcome: str | None = None
     replaces: int | None = None  # a replacement (--retries): the index of the failed job
     reason: str | None = None  # a replacement: why the job it replaces failed

@@ -96,6 +96,12 @@ def test_end_records_map_to_chain_outcomes():
     assert judge(budget, 0, "", True).outcome == "stopped"
     assert judge(diverged, 1, "", True).outcome == "diverged"
     assert judge(error, 1, "", True).outcome == "failed"
+    # A bad config or a full disk would fail a replacement the same way: no retry is spent.
+    for code in (2, 4):
+        blocked = job_end_record(
+            code, step=0, max_steps=8, signalled=False, signal_name=None, diverged=False
+        )
+        assert judge(blocked, 1, "", True).outcome == "blocked"
     assert judge(None, 0, "", True).outcome == "completed"
     assert judge(None, 137, "", True).outcome == "failed"
     assert judge(None, None, "NODE_FAIL", True).outcome == "failed"
