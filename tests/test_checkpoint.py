@@ -11,12 +11,12 @@ The other tests run the manager in this process, with no process group and with 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -491,7 +492,13 @@ def test_a_kill_during_an_async_save_leaves_no_complete_checkpoint(tmp_path):
     try:
         _wait_for(lambda: all((run_dir / f"rank{r}.written").exists() for r in (0, 1)))
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        # torchrun starts its workers in sessions of their own: kill the whole tree, or the
+        # ranks train on forever as orphans.
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(True)]
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(tree, timeout=30)
         process.wait()
         log_file.close()
     checkpoints = run_dir / "checkpoints"
