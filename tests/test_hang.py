@@ -87,6 +87,7 @@ def test_a_stopped_rank_ends_the_run(tmp_path, corpus, hang_timeout_s, usr1):
             start_new_session=True,
         )
     stopped = None
+    ranks: list[psutil.Process] = []
     try:
         wait_for_step(run_dir, 3, lambda: torchrun.poll() is None)
         ranks = rank_processes(torchrun.pid)
@@ -101,9 +102,9 @@ def test_a_stopped_rank_ends_the_run(tmp_path, corpus, hang_timeout_s, usr1):
         took = time.monotonic() - paused
         returncode = torchrun.poll()
     finally:
-        if stopped is not None:
+        for rank in ranks:  # the ranks have sessions of their own: never leave one behind
             with suppress(psutil.Error):
-                stopped.kill()
+                rank.kill()
         if torchrun.poll() is None:
             os.killpg(torchrun.pid, signal.SIGKILL)
             torchrun.wait()
