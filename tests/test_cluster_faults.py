@@ -143,7 +143,9 @@ def test_a_dead_slurmd_is_noticed_and_restarted_alone(faulty: Faulty, tmp_path: 
     job0, job1 = final["jobs"]
     assert (job0["state"], job0["source"], job0["nodes"]) == ("NODE_FAIL", "sacct", "n[1-2]")
     assert job0["elapsed"] not in ("", "00:00:00")
-    assert (job1["state"], job1["exit_code"], job1["source"]) == ("COMPLETED", 0, "sacct")
+    # Accounting hears of a job's end a moment after the controller: either may answer.
+    assert (job1["state"], job1["exit_code"]) == ("COMPLETED", 0)
+    assert job1["source"] in ("sacct", "scontrol"), job1
 
 
 def test_a_dead_slurmctld_keeps_its_queue_and_status_answers_meanwhile(
