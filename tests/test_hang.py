@@ -87,7 +87,7 @@ def test_a_stopped_rank_ends_the_run(tmp_path, corpus, hang_timeout_s, usr1):
             start_new_session=True,
         )
     stopped = None
-    ranks: list[psutil.Process] = []
+    ranks: dict[int, psutil.Process] = {}
     try:
         wait_for_step(run_dir, 3, lambda: torchrun.poll() is None)
         ranks = rank_processes(torchrun.pid)
@@ -102,7 +102,7 @@ def test_a_stopped_rank_ends_the_run(tmp_path, corpus, hang_timeout_s, usr1):
         took = time.monotonic() - paused
         returncode = torchrun.poll()
     finally:
-        for rank in ranks:  # the ranks have sessions of their own: never leave one behind
+        for rank in ranks.values():  # they have sessions of their own: never leave one behind
             with suppress(psutil.Error):
                 rank.kill()
         if torchrun.poll() is None:
