@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cluster, processes
+from tests.helpers import tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
+TINY_CORPUS = ("--num", "16", "--jobs", "2", "--shard-size", "4")  # 4-cut Shar shards
 # Inherited by the daemons of the session's clusters: names the pytest process that owns them.
 SESSION_ENV = "ORCH_TEST_SESSION_PID"
 
@@ -137,15 +139,22 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def small_disk(tmp_path) -> Iterator[Path]:
-    """A real 2 MiB file system (tmpfs) to fill up; skipped where mounting is not allowed."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+    """A real 2 MiB file system (tmpfs) to fill up."""
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        yield disk
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 16-utterance corpus in 4-utterance Shar shards, made once per session."""
+    out = tmp_path_factory.getbasetemp() / "tiny_corpus"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "recipes/make_corpus.py"), "--out", str(out), *TINY_CORPUS],
         capture_output=True,
         text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=120,
     )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+    assert result.returncode == 0, result.stderr
+    return out

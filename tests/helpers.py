@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -111,3 +113,23 @@ def fill_disk(disk: Path, leave: int) -> Path:
             except OSError:
                 break
     return filler
+
+
+@contextmanager
+def tmpfs(disk: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (tmpfs) at ``disk`` for the block; the test is skipped
+    where mounting is not allowed."""
+    import pytest
+
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers import fill_disk
+from tests.helpers import fill_disk, tmpfs
 from tests.test_trainer import metrics, train
 from train.checkpoint import (
     MARKER,
@@ -664,17 +664,8 @@ def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpu
 @pytest.fixture
 def disk_for_one_checkpoint(tmp_path) -> Iterator[Path]:
     """A real 8 MiB file system (tmpfs): room for one tiny-preset checkpoint (~5 MiB), not two."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        yield disk
 
 
 def _errors(completed: subprocess.CompletedProcess[str]) -> list[str]:

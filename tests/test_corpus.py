@@ -23,12 +23,9 @@ def run_make_corpus(out: Path, *args: str, path_env: str | None = None):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A 16-utterance corpus, made once (test_data_seeds reuses the same path: a no-op rerun)."""
-    out = tmp_path_factory.getbasetemp() / "tiny_corpus"
-    result = run_make_corpus(out, *TINY)
-    assert result.returncode == 0, result.stderr
-    return out
+def corpus(tiny_corpus: Path) -> Path:
+    """The session's 16-utterance corpus (tests/conftest.py)."""
+    return tiny_corpus
 
 
 def load_recipe():

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,24 +20,7 @@ from train.data import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_CORPUS = ("--num", "16", "--jobs", "2", "--shard-size", "4")
 Loader = Callable[[int, DataPosition | None], object]
-
-
-@pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory) -> Path:
-    """The 16-utterance corpus of test_data_seeds (the recipe is a no-op when it exists)."""
-    out = tmp_path_factory.getbasetemp() / "tiny_corpus"
-    result = subprocess.run(
-        [sys.executable, "recipes/make_corpus.py", "--out", str(out), *TINY_CORPUS],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        cwd=REPO,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    return out
 
 
 def loader_for(corpus: Path, shar: bool, num_workers: int, **overrides) -> Loader:

@@ -3,8 +3,6 @@
 import itertools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,6 @@ from train.seeding import SEED_LIMIT, rank_data_seed, sampler_seed
 
 REPO = Path(__file__).resolve().parents[1]
 PAD_ID = 256
-TINY_CORPUS = ("--num", "16", "--jobs", "2", "--shard-size", "4")
 
 
 def byte_tokens(text: str) -> list[int]:
@@ -26,19 +23,9 @@ def byte_tokens(text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """The same 16-utterance corpus as test_corpus (the recipe is a no-op when it exists)."""
-    out = tmp_path_factory.getbasetemp() / "tiny_corpus"
-    result = subprocess.run(
-        [sys.executable, "recipes/make_corpus.py", "--out", str(out), *TINY_CORPUS],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        cwd=REPO,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    return out
+def corpus(tiny_corpus: Path) -> Path:
+    """The session's 16-utterance corpus (tests/conftest.py)."""
+    return tiny_corpus
 
 
 def read(source: Path, **overrides) -> list[dict]:
