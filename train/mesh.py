@@ -6,16 +6,22 @@ sparse view (pp, dp_replicate, efsdp, ep), and under CP two more views of the sa
 (pp, dp_replicate, dp_shard, cp_tp), whose cp_tp holds the shards of one sequence. All share the
 world as root mesh, which FSDP needs to combine its sharding with the TP/EP placements of a
 parameter.
+
+torch creates each view's subgroups with its own default timeout (30 min for gloo, 10 for NCCL),
+not the default group's, so `build_meshes` gives them the job's. The views are unflattened by dim
+index, never by name: torch 2.11's ``_unflatten`` rejects a dim given by name.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from train.compat import set_group_timeout
 from train.parallel_dims import DENSE_DIMS, DP_VIEW, SPARSE_DIMS, ParallelDims
 
 log = logging.getLogger(__name__)
@@ -68,9 +74,25 @@ class Meshes:
         """Mesh for `fully_shard` of the MoE experts."""
         return self.sparse[self.dims.expert_fsdp_dims]
 
+    def subgroups(self) -> list[dist.ProcessGroup]:
+        """This rank's process group of every dim of every view, once each, but the default
+        group (what a dim spanning the whole world uses). Slices such as `fsdp` and `tp` use
+        these same groups."""
+        views = (self.dense, self.sparse, self.dp, self.fsdp_view, self.sequence_view)
+        world = dist.group.WORLD.group_name
+        groups = {
+            group.group_name: group
+            for view in views
+            if view is not None
+            for group in view.get_all_groups()
+        }
+        return [group for name, group in groups.items() if name != world]
 
-def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    """Create every view; call once per process, after the default process group exists."""
+
+def build_meshes(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> Meshes:
+    """Create every view; call once per process, after the default process group exists.
+    ``timeout``: that of the default group (``watchdog.process_group_timeout``), given to every
+    subgroup of the views; None leaves them torch's default."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(
             f"the layout is for {dims.world_size} ranks but the process group has "
@@ -90,9 +112,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
             sequence_view = world._unflatten(
                 0, (pp, replicas, shards, cp * tp), ("pp", "dp_replicate", "dp_shard", "cp_tp")
             )
-    if dist.get_rank() == 0:
-        log.info("parallel layout: %s on %s", dims.describe(), device_type)
-    return Meshes(
+    meshes = Meshes(
         dims=dims,
         dense=dense,
         sparse=sparse,
@@ -100,3 +120,9 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         fsdp_view=fsdp_view,
         sequence_view=sequence_view,
     )
+    if timeout is not None:
+        for group in meshes.subgroups():
+            set_group_timeout(group, timeout)
+    if dist.get_rank() == 0:
+        log.info("parallel layout: %s on %s", dims.describe(), device_type)
+    return meshes

@@ -112,19 +112,26 @@ def preflight(cfg: TrainConfig) -> tuple[ParallelDims, PipelinePlan | None]:
 
 def init_distributed(hang_timeout_s: float = 0.0) -> torch.device:
     """Join the process group; with ``hang_timeout_s`` its collectives time out a little after
-    the hang watchdog would fire (train/watchdog.py), else after torch's default."""
+    the hang watchdog would fire (train/watchdog.py), else after torch's default. On CUDA the
+    group is bound to this rank's device: NCCL connects now (a bad node fails here, not in the
+    first step) and the mesh's subgroups are split from it, one call per mesh dim."""
     timeout = process_group_timeout(hang_timeout_s)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend, device_id = "nccl", device
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device, backend, device_id = torch.device("cpu"), "gloo", None
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device_id,
         )
     return device
 
@@ -220,7 +227,9 @@ class Trainer:
         self.device = device
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
-        self.meshes = build_meshes(dims, device.type)
+        self.meshes = build_meshes(
+            dims, device.type, process_group_timeout(cfg.train.hang_timeout_s)
+        )
         self.model_cfg = get_preset(cfg.model.preset)
         self.options = ParallelizeOptions(
             strategy=cfg.strategy,

@@ -18,10 +18,11 @@ sequential steps; at the CP degrees a speech LLM needs (2-8) the all-gather is s
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
+
+from train.compat import all_gather_autograd
 
 
 def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -42,7 +43,7 @@ def shard_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Ten
 def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
     """Every rank's chunks of ``x`` along ``dim``, in sequence order (differentiable)."""
     cp = mesh.size()
-    gathered = funcol.all_gather_single_autograd(x.movedim(dim, 0).contiguous(), 0, mesh)
+    gathered = all_gather_autograd(x.movedim(dim, 0).contiguous(), mesh)
     local = x.shape[dim]
     order = torch.cat([local_positions(local * cp, cp, r, x.device) for r in range(cp)])
     whole = torch.empty_like(gathered).index_copy(0, order, gathered)
