@@ -67,9 +67,9 @@ def worker(args: argparse.Namespace) -> None:
     from train.models.build import build_model
     from train.models.parallelize import ParallelizeOptions
     from train.models.presets import get_preset
-    from train.models.salm import encoder_lens, loss_targets, packed_length
+    from train.models.salm import loss_targets
     from train.parallel_dims import ParallelDims
-    from train.step import WholeModelRunner
+    from train.step import WholeModelRunner, host_seq_len
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()
@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     targets = loss_targets(token_lens).float()
     sequences = torch.tensor(1.0)
-    seq_len = packed_length(encoder_lens(feature_lens), token_lens, model.seq_multiple)
+    seq_len = host_seq_len(batch, model.seq_multiple)
 
     def step() -> None:
         runner.forward_backward([batch], targets, sequences, dims.gradient_ranks)

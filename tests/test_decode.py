@@ -7,7 +7,8 @@ import torch
 from train.decode import greedy_decode
 from train.models.build import build_model
 from train.models.presets import get_preset
-from train.models.salm import BOS_ID, EOS_ID, embed_inputs, encoder_lens, packed_length
+from train.models.salm import BOS_ID, EOS_ID, embed_inputs, encoder_lens
+from train.step import host_seq_len
 
 MAX_NEW = 12
 
@@ -27,7 +28,7 @@ def decode_through_training_forward(model, features, length) -> list[int]:
     feats, lens = features[None, :length], torch.tensor([length])
     for _ in range(MAX_NEW):
         batch = (feats, lens, torch.tensor([tokens]), torch.tensor([len(tokens)]))
-        seq_len = packed_length(encoder_lens(lens), batch[3], model.seq_multiple)
+        seq_len = host_seq_len(batch, model.seq_multiple)
         x, layout = embed_inputs(model.encoder, model.projector, model.llm.embed, batch, seq_len)
         logits, _ = model.llm(x, layout.token_mask)
         next_token = int(logits[0, int(encoder_lens(lens)[0]) + len(tokens) - 1].argmax())

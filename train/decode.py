@@ -23,7 +23,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from train.models.kv_cache import KVCache
-from train.models.salm import BOS_ID, EOS_ID, SALM, encoder_lens, packed_length
+from train.models.salm import (
+    BOS_ID,
+    EOS_ID,
+    SALM,
+    encoder_lens,
+    longest_example,
+    packed_length,
+)
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ def prompt_layout(feature_lens: torch.Tensor, multiple: int) -> tuple[int, torch
     """The prompt length (audio then BOS, rounded up to ``multiple``) and where each sequence's
     first real position is: known from the lengths alone, on every pipeline stage."""
     audio_lens = encoder_lens(feature_lens)
-    prompt = packed_length(audio_lens, torch.ones_like(audio_lens), multiple)
+    prompt = packed_length(longest_example(audio_lens, torch.ones_like(audio_lens)), multiple)
     return prompt, prompt - 1 - audio_lens
 
 
@@ -96,7 +103,7 @@ def initialize_sharding(model: nn.Module) -> None:
         model(torch.zeros((1, 16, model.cfg.n_mels), device=device), lens, tokens, token_lens)
         return
     model.aux_scale = torch.zeros((), device=device)  # a pipeline stage (PipelinePart)
-    length = packed_length(encoder_lens(lens), token_lens, model.seq_multiple)
+    length = packed_length(longest_example(encoder_lens(lens), token_lens), model.seq_multiple)
     token_mask = torch.ones((1, length), dtype=torch.bool, device=device)
     if model.encoder is not None:
         features = torch.zeros((1, 16, model.cfg.n_mels), device=device)

@@ -14,7 +14,17 @@ from collections.abc import Callable
 
 import torch
 
-from train.models.salm import SALM, loss_for_backward
+from train.models.salm import SALM, encoder_lens, loss_for_backward, packed_length
+
+
+def host_seq_len(batch: tuple[torch.Tensor, ...], multiple: int) -> int:
+    """The batch's packed decoder length, read from its CPU length tensors (as Python lists)
+    before the batch moves to the device: the model needs it as an int, and reading it from
+    the device would be a host sync in every microbatch."""
+    _, feature_lens, _, token_lens = batch
+    audio = encoder_lens(feature_lens).tolist()
+    longest = max(a + t for a, t in zip(audio, token_lens.tolist(), strict=True))
+    return packed_length(longest, multiple)
 
 
 def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -50,8 +60,9 @@ class WholeModelRunner:
         sums = torch.zeros(2, device=self.device)
         for index, batch in enumerate(batches):
             set_gradient_sync(self.model, index == len(batches) - 1)
+            seq_len = host_seq_len(batch, self.model.seq_multiple)
             with self.autocast():
-                out = self.model(*to_device(batch, self.device))
+                out = self.model(*to_device(batch, self.device), seq_len=seq_len)
             loss_for_backward(out, global_targets, global_sequences, gradient_ranks).backward()
             sums += torch.stack([out.nll_sum.detach().float(), out.aux_sum.detach().float()])
         return sums
@@ -59,8 +70,9 @@ class WholeModelRunner:
     @torch.no_grad()
     def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The next-token loss sum of one batch (CPU tensors), forward only (validation)."""
+        seq_len = host_seq_len(batch, self.model.seq_multiple)
         with self.autocast():
-            out = self.model(*to_device(batch, self.device))
+            out = self.model(*to_device(batch, self.device), seq_len=seq_len)
         return out.nll_sum.float()
 
 

@@ -32,6 +32,7 @@ from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
 from train.models.build import build_model, build_pipeline
+from train.models.compiled import describe_graphs, graph_counts, recompiles
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view, pipeline_plan
@@ -42,7 +43,7 @@ from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
 from train.stop import StopRequest
 from train.validation import ValidationSet
-from train.watchdog import SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
+from train.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 
 BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
@@ -542,7 +543,14 @@ class Trainer:
         )
 
     def run(self) -> int:
+        """Restore, train, save and validate, all watched: a rank hung anywhere from the
+        checkpoint load to the last validation ends the job (exit 5)."""
+        with self.watchdog:
+            return self.run_watched()
+
+    def run_watched(self) -> int:
         cfg = self.cfg
+        self.watchdog.beat(self.step, RESTORE)
         self.restore()
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
@@ -573,10 +581,9 @@ class Trainer:
         if self.plan is not None:
             say(self.plan.describe())
         try:
-            with self.watchdog:  # ends a hung job (exit 5) from here to the last save
-                reason = self.train_until_stop(metrics)
-                self.save()
-                self.checkpoints.finish()  # a job ends only once its checkpoint is complete
+            reason = self.train_until_stop(metrics)
+            self.save()
+            self.checkpoints.finish()  # a job ends only once its checkpoint is complete
         except TrainingDiverged:
             self.finish_good_save()
             metrics.close({"final_step": self.step, "stop_reason": "diverged"})
@@ -590,6 +597,8 @@ class Trainer:
         else:
             self.validate(metrics)
         metrics.close({"final_step": self.step, "stop_reason": reason})
+        if cfg.compile:
+            say(describe_graphs(graph_counts()))
         say(f"{reason}; tokens seen {self.tokens_seen}")
         return 0
 
@@ -695,5 +704,7 @@ class Trainer:
         }
         if peak is not None:
             record["mfu"] = logged["flops"] / (elapsed * peak * dist.get_world_size())
+        if self.cfg.compile:
+            record["recompiles"] = recompiles(graph_counts())
         logged.update(time=now, step=self.step, positions=0.0, flops=0.0)
         return record

@@ -2,8 +2,9 @@
 
 A rank that is stopped (SIGSTOP, a frozen node) or stuck (a dead link, a wedged device) cannot act,
 and its peers wait for it inside a collective, where no signal handler runs and no checkpoint can
-be saved. Each rank's daemon thread therefore watches the heartbeat that the loop touches at every
-step and as a checkpoint save or a validation pass begins. After ``train.hang_timeout_s`` seconds
+be saved. Each rank's daemon thread therefore watches the heartbeat that the job touches as it
+loads its checkpoint, at every step, and as a checkpoint save or a validation pass begins (the
+validation as the job ends included). After ``train.hang_timeout_s`` seconds
 without one it writes one ``error:`` line and ends the process with ``EXIT_HUNG`` through
 ``os._exit``, which no thread blocked in a collective can hold up. The launcher then stops the
 other ranks (torchrun: SIGTERM, then SIGKILL 30 s later for a rank that cannot act) and the
@@ -40,6 +41,7 @@ SLOWEST_TIMES = 3  # ... or this many times the slowest earlier one of its kind,
 POLL_S = 1.0
 STOP_NUMBERS = frozenset(int(signum) for signum in STOP_SIGNALS)
 START = "the start of training"  # not timed as a phase: nothing has run yet
+RESTORE = "loading the checkpoint"
 STEP = "a training step"
 SAVE = "a checkpoint save"
 VALIDATION = "validation"
@@ -60,7 +62,7 @@ def process_group_timeout(hang_timeout_s: float) -> timedelta | None:
 class Beat:
     time: float  # time.monotonic()
     step: int  # steps completed
-    phase: str  # what the rank is doing since: START, STEP, SAVE or VALIDATION
+    phase: str  # what the rank is doing since: START, RESTORE, STEP, SAVE or VALIDATION
 
 
 class Watchdog:

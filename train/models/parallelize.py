@@ -9,9 +9,10 @@ the same names, some of them absent).
 Activation checkpointing wraps each block in a checkpoint wrapper (``full``: recompute the
 block's matmuls and elementwise work in backward, keeping only the outputs of its collectives and
 attention; ``selective``: also keep the matmuls' outputs, recompute only elementwise work).
-Compilation then compiles each (wrapped) block in place with ``fullgraph=True``: a graph break
-is an error, never a silent fall-back to eager, and parameter names stay those of the plain
-model.
+Compilation then compiles each (wrapped) block's forward in place with ``fullgraph=True``: a
+graph break is an error, never a silent fall-back to eager, parameter names stay those of the
+plain model, and each stack is a region with its own recompile budget (``train.models.compiled``
+holds the shape policy).
 
 The model may live on the meta device: every step here only places and wraps parameters, so the
 caller materializes each rank's shards afterwards (``to_empty`` + ``init_weights``).
@@ -48,6 +49,7 @@ from torch.utils.checkpoint import (
 
 from train.config import AC_MODES
 from train.mesh import Meshes
+from train.models.compiled import compile_region
 from train.models.moe import MoE
 from train.models.salm import SALM, Block
 
@@ -98,6 +100,11 @@ def block_lists(model: SALM | PipelinePart) -> list[nn.ModuleList | nn.ModuleDic
     return lists
 
 
+def block_regions(model: SALM | PipelinePart) -> list[str]:
+    """The compiled region of each of ``block_lists(model)``."""
+    return ["decoder_block"] if model.encoder is None else ["encoder_block", "decoder_block"]
+
+
 def parallelize(
     model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeOptions
 ) -> SALM | PipelinePart:
@@ -114,8 +121,8 @@ def parallelize(
         for layers in blocks:
             apply_ac(layers, options.activation_checkpointing)
     if options.compile:
-        for layers in blocks:
-            apply_compile(layers)
+        for layers, region in zip(blocks, block_regions(model), strict=True):
+            apply_compile(layers, region)
     if options.strategy == "ddp":
         replicate(model, device_mesh=meshes.dp)
     elif needs_fsdp(meshes, options):
@@ -283,21 +290,29 @@ def _checkpointed(fn: Callable, options: dict) -> Callable:
     return run
 
 
-def apply_compile(layers: nn.ModuleList | nn.ModuleDict) -> None:
-    """Compile each block in place with ``fullgraph=True`` (a graph break fails loudly).
+# The dimensions of a block's arguments that vary between batches: x (batch, sequence), the
+# RoPE tables (sequence), the key mask and the token mask (batch, sequence).
+_BLOCK_DIMS = ((0, 1), (0,), (0,), (0, 1), (0, 1))
 
-    An MoE block compiles as its pieces around the token dispatcher (see ``train.models.moe``):
-    the attention half (``Block.mix``), the routing, the experts' matmuls and the combine.
+
+def apply_compile(layers: nn.ModuleList | nn.ModuleDict, region: str) -> None:
+    """Compile each block of ``layers`` in place with ``fullgraph=True`` (a graph break fails
+    loudly), under the code object of ``region`` (see ``train.models.compiled``).
+
+    A dense block compiles its (checkpointed) forward; FSDP's and the wrappers' hooks run
+    around it in eager. An MoE block compiles as its pieces around the token dispatcher (see
+    ``train.models.moe``): the attention half (``Block.mix``), the routing, the experts'
+    matmuls and the combine, each a region of its own.
     """
     for _, block in _items(layers):
-        if block.moe is None:
-            block.compile(fullgraph=True)
+        if block.moe is None:  # a Block, or its checkpoint wrapper (which forwards ``moe``)
+            block.forward = compile_region(block.forward, region, _BLOCK_DIMS)
             continue
-        block.mix = torch.compile(block.mix, fullgraph=True)
+        block.mix = compile_region(block.mix, "moe_mix", _BLOCK_DIMS[:4])
         moe = block.moe
-        moe.route = torch.compile(moe.route, fullgraph=True)
-        moe.combine = torch.compile(moe.combine, fullgraph=True)
-        moe.experts.compute = torch.compile(moe.experts.compute, fullgraph=True)
+        moe.route = compile_region(moe.route, "moe_route", ((0, 1), (0, 1)))
+        moe.combine = compile_region(moe.combine, "moe_combine", ((0,), (0,), (0,)))
+        moe.experts.compute = compile_region(moe.experts.compute, "moe_experts", ((0,),))
 
 
 def fsdp_mixed_precision(meshes: Meshes, options: ParallelizeOptions) -> bool:

@@ -45,11 +45,10 @@ from train.models.salm import (
     embed_inputs,
     encoder_lens,
     next_token_loss,
-    packed_length,
     sequence_layout,
 )
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan, plan_pipeline
-from train.step import to_device
+from train.step import host_seq_len, to_device
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -287,8 +286,7 @@ class PipelineRunner:
     def _prepare(self, batch: tuple[torch.Tensor, ...], aux_scale: torch.Tensor):
         """The schedule for ``batch`` and the arguments of its step on this rank."""
         batch = pad_examples(batch, self.plan.microbatches)
-        audio_lens, token_lens = encoder_lens(batch[1]), batch[3]
-        seq_len = packed_length(audio_lens, token_lens, self.parts[0].seq_multiple)
+        seq_len = host_seq_len(batch, self.parts[0].seq_multiple)
         schedule = self._schedule(batch, seq_len)
         batch = to_device(batch, self.device)
         layout = sequence_layout(encoder_lens(batch[1]), batch[2], batch[3], seq_len)

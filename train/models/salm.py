@@ -301,10 +301,15 @@ class SequenceLayout:
         return self.is_audio | self.is_text
 
 
-def packed_length(audio_lens: torch.Tensor, token_lens: torch.Tensor, multiple: int) -> int:
-    """The decoder sequence length of a batch: its longest example, rounded up to ``multiple``."""
-    longest = int((audio_lens + token_lens).max())
+def packed_length(longest: int, multiple: int) -> int:
+    """The decoder sequence length of a batch whose longest example has ``longest`` positions
+    (audio frames after subsampling plus text tokens): rounded up to ``multiple``."""
     return max(1, math.ceil(longest / multiple)) * multiple
+
+
+def longest_example(audio_lens: torch.Tensor, token_lens: torch.Tensor) -> int:
+    """The decoder positions of a batch's longest example (a host read of the lengths)."""
+    return int((audio_lens + token_lens).max())
 
 
 def sequence_layout(
@@ -390,8 +395,15 @@ class SALM(nn.Module):
         self.llm = Decoder(cfg)
         self.seq_multiple = 8  # packed length is a multiple of this (parallelize adds tp)
 
-    def forward(self, features, feature_lens, tokens, token_lens) -> SALMOutput:
-        seq_len = packed_length(encoder_lens(feature_lens), token_lens, self.seq_multiple)
+    def forward(
+        self, features, feature_lens, tokens, token_lens, seq_len: int | None = None
+    ) -> SALMOutput:
+        """``seq_len``: the packed decoder length, ``packed_length`` of the batch's lengths
+        while they are still on the host (the training step passes it, so that nothing is read
+        back from the device); None computes it here from the lengths given."""
+        if seq_len is None:
+            longest = longest_example(encoder_lens(feature_lens), token_lens)
+            seq_len = packed_length(longest, self.seq_multiple)
         batch = (features, feature_lens, tokens, token_lens)
         x, layout = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
         x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
