@@ -27,7 +27,7 @@ from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.config import TrainConfig, data_path, validate, validation_path
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
-from train.flops import PEAK_FLOPS_ENV, peak_flops, step_flops
+from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
@@ -405,21 +405,20 @@ class Trainer:
         """[loss targets, decoder positions, model FLOPs, sequences] of the step's global
         batch (all its microbatches, all data-parallel ranks), on the device.
 
-        Counted from the batches' lengths on the CPU before the forward, then summed over
-        data-parallel ranks on the device: the loss is normalized by the global counts with no
-        host sync.
+        Counted from the batches' CPU length tensors before the forward (tensor arithmetic, no
+        value read into Python), then summed over data-parallel ranks on the device: the loss
+        is normalized by the global counts with no host sync.
         """
         local = torch.zeros(len(COUNTS), dtype=torch.float64)
         for batch in batches:
-            feature_lens, token_lens = batch["feature_lens"], batch["token_lens"]
-            local += torch.tensor(
+            feature_lens, token_lens = batch["feature_lens"].double(), batch["token_lens"].double()
+            local += torch.stack(
                 [
-                    float(loss_targets(token_lens)),
-                    float((encoder_lens(feature_lens) + token_lens).sum()),
-                    step_flops(self.model_cfg, feature_lens, token_lens),
-                    float(len(token_lens)),
-                ],
-                dtype=torch.float64,
+                    loss_targets(token_lens),
+                    (encoder_lens(feature_lens) + token_lens).sum(),
+                    sequence_flops(self.model_cfg, feature_lens, token_lens).sum(),
+                    torch.tensor(float(len(token_lens)), dtype=torch.float64),
+                ]
             )
         if self.device.type == "cuda":
             local = local.pin_memory()

@@ -12,7 +12,11 @@ ranks, and only the balance loss's small per-sequence sums cross the TP group.
 
 Under expert parallelism tokens travel to the rank owning their expert with
 ``all_to_all_single_autograd`` (a functional collective, uneven splits) and back. The split
-sizes must be known on the host, so EP pays one device-to-host copy of E counts per MoE layer.
+sizes must be known on the host, so EP pays one device-to-host copy of 2 x ep counts per MoE
+layer and forward (``host_split_sizes``): the only host read of a training step.
+
+The experts run as one grouped GEMM over rows sorted by expert, each expert's group padded to
+``GROUP_ALIGN`` rows (``aligned_groups``) as the CUDA kernel wants in bf16.
 
 Compilation (``parallelize.apply_compile``) draws one graph boundary, around the dispatcher:
 ``route``, ``combine`` and the experts' ``compute`` each compile with ``fullgraph=True``, while
@@ -28,6 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
+
+# Rows per expert group in the grouped GEMM: its bf16 (and fp8) CUDA kernels want every group to
+# start on an aligned row (torchtitan pads groups to 8 or 16 rows); 16 serves both.
+GROUP_ALIGN = 16
 
 
 @torch.library.custom_op("salm::grouped_mm_fp32", mutates_args=())
@@ -82,13 +90,39 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def aligned_groups(
+    counts: torch.Tensor, rows: int, align: int = GROUP_ALIGN
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Row groups laid out so that every group starts at a multiple of ``align`` rows.
+
+    ``counts`` (E,) rows per group of ``rows`` rows sorted by group. Returns each row's place
+    in the padded layout, the groups' ends there (int32, for ``_grouped_mm``) and the padded
+    row count. The count depends on ``rows`` and E alone (static under compile, no host read);
+    the last group absorbs the tail, so no output row is left uncomputed.
+    """
+    n_groups = counts.shape[0]
+    capacity = -(-(rows + n_groups * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align
+    padded_starts = torch.cumsum(padded, 0) - padded
+    starts = torch.cumsum(counts, 0) - counts
+    group = torch.repeat_interleave(
+        torch.arange(n_groups, device=counts.device), counts, output_size=rows
+    )
+    place = torch.arange(rows, device=counts.device) - starts[group] + padded_starts[group]
+    ends = torch.cat([padded_starts[1:], padded_starts.new_full((1,), capacity)])
+    return place, ends.to(torch.int32), capacity
+
+
 def swiglu_experts(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """``x`` (M, d) sorted by expert, ``counts`` (E,) tokens per expert, weights (E, ., .)."""
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
-    return grouped_mm(h, w2, offs)
+    """``x`` (M, d) sorted by expert, ``counts`` (E,) tokens per expert, weights (E, ., .).
+    Each expert's rows are padded with zero rows to a multiple of ``GROUP_ALIGN`` (see
+    ``aligned_groups``); padding rows meet no weight gradient and are dropped from the output."""
+    place, offs, capacity = aligned_groups(counts, x.shape[0])
+    padded = x.new_zeros(capacity, x.shape[1]).index_copy(0, place, x)
+    h = F.silu(grouped_mm(padded, w1, offs)) * grouped_mm(padded, w3, offs)
+    return grouped_mm(h, w2, offs)[place]
 
 
 class GroupedExperts(nn.Module):
@@ -106,6 +140,14 @@ class GroupedExperts(nn.Module):
         return self.compute(
             x, counts, local_shard(self.w1), local_shard(self.w3), local_shard(self.w2)
         )
+
+
+def host_split_sizes(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows this rank sends to and receives from each EP rank, as Python ints: an all-to-all
+    with uneven splits needs them on the host. This is the step's one deliberate device-to-host
+    read, once per MoE layer and forward under expert parallelism (none without it)."""
+    sizes = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+    return sizes[0], sizes[1]
 
 
 class TokenDispatcher:
@@ -126,8 +168,7 @@ class TokenDispatcher:
         recv_counts = funcol.all_to_all_single(counts, None, None, group)
         send = counts.view(ep, -1)
         recv = recv_counts.view(ep, -1)  # [source rank, local expert]
-        input_splits = send.sum(1).tolist()
-        output_splits = recv.sum(1).tolist()
+        input_splits, output_splits = host_split_sizes(send, recv)
         received = funcol.all_to_all_single_autograd(x, output_splits, input_splits, group)
         # Received rows come grouped by source rank, then expert: regroup them by expert.
         n_local = recv.shape[1]
@@ -176,7 +217,10 @@ class MoE(nn.Module):
         B, S, d = x.shape
         if self.tp_mesh is not None:
             mask = mask.chunk(self.tp_mesh.size(), dim=1)[self.tp_mesh.get_local_rank()]
-        probs = torch.softmax(self.router(x).float(), dim=-1)
+        # The router sees rows (B * S, d): under TP a row-sharded matrix, whose sharding DTensor
+        # propagates with dynamic batch and sequence sizes (a (B, S, d) sequence shard it cannot).
+        logits = self.router(x.reshape(B * S, d)).view(B, S, -1)
+        probs = torch.softmax(logits.float(), dim=-1)
         top_p, top_e = torch.topk(probs, self.top_k, dim=-1)
         weights = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
         aux = self.balance_loss(probs, top_e, mask)
@@ -204,7 +248,11 @@ class MoE(nn.Module):
         TP the per-sequence sums add up the sequence shards.
         """
         m = mask.to(probs.dtype).unsqueeze(-1)  # (B, S, 1)
-        picked = F.one_hot(top_e, self.n_experts).sum(2).to(probs.dtype)  # (B, S, E)
+        # How often each expert was picked per position, (B, S, E): one_hot would check the
+        # indices' range on the host (a sync on CPU), scatter_add does not.
+        picked = torch.zeros_like(probs).scatter_add_(
+            -1, top_e, torch.ones_like(top_e, dtype=probs.dtype)
+        )
         sums = torch.cat([(picked * m).sum(1), (probs * m).sum(1), m.sum(1)], dim=-1)
         sums = sum_over_mesh(sums, self.sequence_mesh)
         E = self.n_experts

@@ -218,14 +218,15 @@ def _block_plan(block: Block) -> dict:
             }
         )
     else:
-        # The MoE takes and returns this rank's sequence shard as a local tensor; its router is
-        # sequence-parallel, so DTensor sums the router's weight gradient over TP.
+        # The MoE takes and returns this rank's sequence shard as a local tensor; its router
+        # takes that shard's rows (B * S_local, d) as rows of the sequence-parallel input, so
+        # DTensor sums the router's weight gradient over TP.
         plan["moe"] = PrepareModuleInput(
             input_layouts=(Shard(1), None),
             desired_input_layouts=(Shard(1), None),
             use_local_output=True,
         )
-        plan["moe.router"] = SequenceParallel(use_local_output=True)
+        plan["moe.router"] = SequenceParallel(sequence_dim=0, use_local_output=True)
     return plan
 
 
