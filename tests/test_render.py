@@ -169,6 +169,28 @@ def test_hostile_words_and_env_values_stay_literal(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    ("user_value", "seen"),
+    [(None, "expandable_segments:True"), ("max_split_size_mb:512", "max_split_size_mb:512")],
+)
+def test_rendered_script_sets_the_cuda_allocator_unless_the_user_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user_value: str | None, seen: str
+) -> None:
+    recipe = {
+        "time": 5,
+        "command": ["python", "-c", "import os; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"],
+    }
+    script = tmp_path / "job.sub"
+    script.write_text(render_recipe(load_recipe(write_recipe(tmp_path, json.dumps(recipe)))))
+    if user_value is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_value)
+    completed = run_script(script, "42", cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr
+    assert seen in completed.stdout.splitlines()
+
+
 @pytest.mark.parametrize("args", [[], ["abc"]])
 def test_rendered_script_refuses_to_run_without_a_seed(tmp_path: Path, args: list[str]) -> None:
     script = tmp_path / "smoke.sub"
