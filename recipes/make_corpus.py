@@ -1,10 +1,11 @@
 """Make a small synthetic English speech corpus with espeak-ng, ready for lhotse training.
 
-    python recipes/make_corpus.py --out data/corpus --num 600 [--jobs 2] [--seed 0]
+    python recipes/make_corpus.py --out data/corpus --num 600 [--jobs 2] [--seed 0] [--tones]
 
 Each utterance is a short sentence (numbers, words, small phrases) drawn deterministically
 from --seed, spoken by one of a few espeak-ng voices at a varied speed, resampled to 16 kHz
-with sox. Fbank features (80 bins) are computed once here, because computing them per step
+with sox (``--tones``: a tone per character instead, for machines without espeak-ng, such as
+the GPU check's). Fbank features (80 bins) are computed once here, because computing them per step
 would cost more than the tiny models that train on them.
 
 Three splits, decided from the plan before anything is synthesized:
@@ -35,11 +36,14 @@ deleted here: a training run may still be reading it.
 import argparse
 import hashlib
 import json
+import math
 import random
 import shutil
 import subprocess
 import sys
 import time
+import wave
+from array import array
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -207,6 +211,28 @@ def run_tool(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} exited {result.returncode}: {result.stderr.strip()}")
 
 
+def tone_speech(text: str, speed: int) -> array:
+    """16-bit samples that "speak" ``text`` with a tone per character (frequency by character,
+    length by speed, a short fade each): learnable audio for machines without espeak-ng."""
+    step = SAMPLE_RATE * 12 // speed  # samples per character: ~60-90 ms
+    fade = step // 8
+    samples = array("h")
+    for char in text:
+        freq = 150.0 + 40.0 * (ord(char) % 48)
+        for i in range(step):
+            edge = min(1.0, i / fade, (step - 1 - i) / fade)
+            samples.append(int(9000 * edge * math.sin(2 * math.pi * freq * i / SAMPLE_RATE)))
+    return samples
+
+
+def write_tones(utt: Utterance, wav_path: Path) -> None:
+    with wave.open(str(wav_path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(SAMPLE_RATE)
+        out.writeframes(tone_speech(utt.text, utt.speed).tobytes())
+
+
 def synthesize(utt: Utterance, wav_path: Path) -> None:
     """Speak one utterance with espeak-ng (22.05 kHz) and resample it to 16 kHz mono with sox."""
     raw = wav_path.with_suffix(".raw.wav")
@@ -215,8 +241,9 @@ def synthesize(utt: Utterance, wav_path: Path) -> None:
     raw.unlink()
 
 
-def build_chunk(root: Path, utterances: list[Utterance]) -> list[dict]:
-    """Synthesize a chunk of utterances and store their fbank features; returns cut dicts.
+def build_chunk(root: Path, utterances: list[Utterance], tones: bool = False) -> list[dict]:
+    """Synthesize a chunk of utterances (espeak-ng, or ``tones``) and store their fbank
+    features; returns cut dicts.
 
     Runs in a pool worker. The returned cuts point at their audio and features through
     paths relative to ``root``.
@@ -227,7 +254,7 @@ def build_chunk(root: Path, utterances: list[Utterance]) -> list[dict]:
     with NumpyFilesWriter(root / "feats") as writer:
         for utt in utterances:
             wav_rel = Path("wavs") / f"{utt.utt_id}.wav"
-            synthesize(utt, root / wav_rel)
+            (write_tones if tones else synthesize)(utt, root / wav_rel)
             recording = Recording.from_file(root / wav_rel, recording_id=utt.utt_id)
             supervision = SupervisionSegment(
                 id=utt.utt_id,
@@ -258,7 +285,12 @@ def build_chunk(root: Path, utterances: list[Utterance]) -> list[dict]:
 
 
 def build_corpus(
-    root: Path, utterances: list[Utterance], splits: dict[str, str], jobs: int, shard_size: int
+    root: Path,
+    utterances: list[Utterance],
+    splits: dict[str, str],
+    jobs: int,
+    shard_size: int,
+    tones: bool = False,
 ) -> dict:
     """Write the whole corpus into ``root`` (a fresh directory), each cut into the manifest of
     its split in ``splits``; returns the marker's content."""
@@ -267,7 +299,7 @@ def build_corpus(
     chunks = [utterances[i : i + CHUNK_SIZE] for i in range(0, len(utterances), CHUNK_SIZE)]
     cut_dicts: list[dict] = []
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(build_chunk, root, chunk) for chunk in chunks]
+        futures = [pool.submit(build_chunk, root, chunk, tones) for chunk in chunks]
         for future in as_completed(futures):
             cut_dicts.extend(future.result())
             elapsed = time.monotonic() - start
@@ -303,9 +335,13 @@ def build_corpus(
     }
 
 
-def make_corpus(out: Path, num: int, seed: int, jobs: int, shard_size: int) -> dict:
+def make_corpus(
+    out: Path, num: int, seed: int, jobs: int, shard_size: int, tones: bool = False
+) -> dict:
     """Build the corpus at ``out`` unless a complete one with these settings is already there."""
     settings = {"num": num, "seed": seed, "shard_size": shard_size, "test_fraction": TEST_FRACTION}
+    if tones:
+        settings["tones"] = True
     refuse_corpus_without_test_split(out)
     done = completed(out, settings)
     if done is not None:
@@ -317,7 +353,8 @@ def make_corpus(out: Path, num: int, seed: int, jobs: int, shard_size: int) -> d
     utterances = plan_utterances(num, seed)
     splits = assign_splits(utterances)
     check_splits(splits, num, seed)
-    check_tools()
+    if not tones:
+        check_tools()
     print(
         f"make_corpus: {len(utterances)} utterances planned ({describe(Counter(splits.values()))})",
         flush=True,
@@ -325,7 +362,7 @@ def make_corpus(out: Path, num: int, seed: int, jobs: int, shard_size: int) -> d
     summary, built_here = build_whole(
         out,
         settings,
-        lambda tmp: build_corpus(tmp, utterances, splits, jobs, shard_size),
+        lambda tmp: build_corpus(tmp, utterances, splits, jobs, shard_size, tones),
         "make_corpus",
     )
     if built_here:
@@ -344,6 +381,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sentence plan")
     parser.add_argument("--shard-size", type=int, default=64, help="cuts per Shar shard")
+    parser.add_argument(
+        "--tones",
+        action="store_true",
+        help="a tone per character instead of espeak-ng voices (no espeak-ng or sox needed)",
+    )
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.shard_size < 1:
         parser.error("--jobs and --shard-size must be positive")
@@ -353,7 +395,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        make_corpus(args.out.resolve(), args.num, args.seed, args.jobs, args.shard_size)
+        make_corpus(args.out.resolve(), args.num, args.seed, args.jobs, args.shard_size, args.tones)
     except UsageError as err:
         print(f"make_corpus: error: {err}", file=sys.stderr)
         return err.exit_code
