@@ -56,6 +56,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from train.models.presets import get_preset
     from train.models.salm import encoder_lens, loss_for_backward
     from train.parallel_dims import ParallelDims
+    from train.step import host_seq_len
     from train.trainer import clip_grad_norm
 
     device = torch.device(args.device)
@@ -82,10 +83,12 @@ def run_one(args: argparse.Namespace) -> dict:
     sequences = torch.tensor(float(args.batch), device=device)
     positions = float((encoder_lens(feature_lens) + token_lens).sum())
     flops = step_flops(cfg, feature_lens, token_lens)
+    # As the trainer: the packed length from the host lengths, no read from the device.
+    seq_len = host_seq_len((None, feature_lens, None, token_lens), model.seq_multiple)
 
     def step() -> None:
         with compute_autocast(options, device.type):
-            out = model(*batch)
+            out = model(*batch, seq_len=seq_len)
         loss_for_backward(out, targets, sequences, 1).backward()
         clip_grad_norm(model, 1.0)
         optimizer.step()
