@@ -11,7 +11,11 @@ with aligned groups against per-expert matmuls (bf16 on CUDA), and the async che
 (``bench/bench_async_checkpoint.py``). Part 2 makes a synthetic corpus itself (tones, no
 espeak-ng: ``recipes/make_corpus.py --tones``), trains ``llm_1b`` through ``python -m train``
 with compile, selective activation checkpointing and validation (recompiles, tokens/s, MFU),
-then the same steps eager in fp32, and compares the losses.
+then the same steps eager in fp32, and compares the losses and validation losses. The reduced
+CPU form trains the tiny preset on 2 gloo ranks, on a corpus whose first batches hold a single
+utterance and whose validation batches hold one or two: it is the compiled path's end-to-end
+test in CI (``tests/test_gpu_check.py``: no recompile-limit failure, 4 graphs per region, losses
+equal to eager).
 
 Each part prints one markdown table and writes ``OUT/gpu_check_<part>.json``; measured step
 times also go to ``OUT/measurements.csv`` (columns ``MEASUREMENT_COLUMNS``), one row per
@@ -58,10 +62,12 @@ def settings(cpu: bool) -> dict:
         return {
             "device": "cpu",
             "preset": "tiny",
-            "fast_path": [(False, "none"), (True, "selective")],
+            # compiled on the CPU: the entrypoint's run (a second inductor build costs ~30 s)
+            "fast_path": [(False, "none")],
             "bench": ["--batch", "2", "--audio-seconds", "2", "--text-tokens", "16"],
             "bench_steps": ["--steps", "2", "--warmup", "1"],
             "corpus": 64,
+            "nproc": 2,  # FSDP2 over 2 gloo ranks, as the compiled-path test in CI asks
             "config": "tiny_fsdp2",
             "train": ["data.max_duration=5", "eval.max_duration=3.5", "data.num_workers=0"],
             "steps": 6,
@@ -76,6 +82,7 @@ def settings(cpu: bool) -> dict:
         "bench": [],
         "bench_steps": ["--steps", "10", "--warmup", "3"],
         "corpus": 2000,
+        "nproc": 1,
         "config": "gpu_llm_1b",
         "train": [
             "parallel.tp=1",
@@ -144,7 +151,8 @@ def checkpoint_stall(s: dict) -> dict[str, float]:
 
 def train(s: dict, out: Path, corpus: Path, name: str, *overrides: str) -> list[dict]:
     run_dir = out / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={s['nproc']}"]
     command += ["-m", "train", "--config-name", s["config"], f"run_dir={run_dir}"]
     command += [f"data.corpus={corpus}", f"model.preset={s['preset']}", "wandb.enabled=false"]
     command += [f"train.max_steps={s['steps']}", f"train.log_every={s['log_every']}"]
@@ -163,6 +171,10 @@ def part_bench(s: dict) -> dict:
     }
 
 
+def max_rel_diff(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
 def part_train(s: dict, out: Path) -> dict:
     corpus = out / "corpus"
     command = [sys.executable, str(REPO / "recipes/make_corpus.py"), "--out", str(corpus)]
@@ -170,17 +182,19 @@ def part_train(s: dict, out: Path) -> dict:
     fast = train(s, out, corpus, "compiled", "compile=true", "activation_checkpointing=selective")
     fp32 = train(s, out, corpus, "eager_fp32", "compile=false", "mixed_precision=false")
     losses = [[row["loss"] for row in rows if "loss" in row] for rows in (fast, fp32)]
+    val_losses = [[row["val_loss"] for row in rows if "val_loss" in row] for rows in (fast, fp32)]
     logged = [row for row in fast if "tokens_per_s" in row]
     steady = logged[1:] or logged  # the first interval holds the compilation
     return {
         "steps": s["steps"],
         "recompiles": logged[-1].get("recompiles"),
         "graphs": fast[-1]["graphs"],
-        "val_losses": [row["val_loss"] for row in fast if "val_loss" in row],
+        "val_losses": val_losses[0],
         "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
         "step_time_s": sum(r["step_time_s"] for r in steady) / len(steady),
         "mfu": (sum(r["mfu"] for r in steady) / len(steady)) if "mfu" in steady[0] else None,
-        "loss_rel_diff_vs_fp32": max(abs(a - b) / abs(b) for a, b in zip(*losses, strict=True)),
+        "loss_rel_diff_vs_fp32": max_rel_diff(*losses),
+        "val_loss_rel_diff_vs_fp32": max_rel_diff(*val_losses),
     }
 
 
@@ -208,7 +222,8 @@ def table(part: str, result: dict) -> str:
             f"| recompiles (graphs per region) | {result['recompiles']} ({result['graphs']}) |",
             f"| validation losses | {', '.join(f'{v:.4f}' for v in result['val_losses'])} |",
             f"| loss, compiled (bf16 on GPU) vs eager fp32, max rel. diff | "
-            f"{result['loss_rel_diff_vs_fp32']:.2e} |",
+            f"{result['loss_rel_diff_vs_fp32']:.2e} (validation "
+            f"{result['val_loss_rel_diff_vs_fp32']:.2e}) |",
         ]
     return "\n".join(lines)
 
@@ -220,8 +235,8 @@ def measurements(part: str, result: dict, s: dict) -> list[dict]:
         "date": datetime.date.today().isoformat(),
         "model": s["preset"],
         "gpu": result.get("gpu", s["device"]),
-        "gpus": 1,
-        "layout": "dp_shard=1",
+        "gpus": s["nproc"],
+        "layout": f"dp_shard={s['nproc']}",
         "precision": "fp32" if s["device"] == "cpu" else "bf16",
     }
     if part == "bench":
@@ -229,6 +244,8 @@ def measurements(part: str, result: dict, s: dict) -> list[dict]:
             {
                 **common,
                 "gpu": r.get("gpu", s["device"]),
+                "gpus": 1,
+                "layout": "dp_shard=1",
                 "batch": " ".join(s["bench"]) or "8 x 20 s + 128 tokens",
                 "compile": r["compile"],
                 "ac": r["ac"],
@@ -246,7 +263,7 @@ def measurements(part: str, result: dict, s: dict) -> list[dict]:
             "compile": True,
             "ac": "selective",
             "step_time_s": result["step_time_s"],
-            "tokens_per_s_per_gpu": result["tokens_per_s"],
+            "tokens_per_s_per_gpu": result["tokens_per_s"] / s["nproc"],  # over all ranks
             "mfu": result["mfu"],
             "peak_memory_gib": None,
         }
