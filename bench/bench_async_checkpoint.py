@@ -10,14 +10,15 @@ times each way into a fresh run dir under ``--dir`` (default: a temporary dir on
 
 - synchronous: the time of ``CheckpointManager.save`` (the whole write, marker and rename);
 - asynchronous (``checkpoint.async_save``): the stall is what the loop waits for: the ``save``
-  call (state dict, non-finite check, RNG file, copy to CPU memory) plus the finalize (marker
-  and rename) once the background write is done, timed apart from that write. The background
-  write's own duration is printed too.
+  call (state dict, copy into the reused CPU buffers) plus the finalize (marker and rename) once
+  the background write (non-finite check, RNG file, DCP's files) is done, timed apart from that
+  write. The background write's own duration is printed too.
 
 Each figure is the median over the saves. Target: async stall / sync save <= 10%. Models: the
 ``small`` preset (6 M parameters, 71 MiB of checkpoint) and ``wide``, the same model at
-d_model 1024 (38 M parameters): the stall has a fixed cost per tensor (DCP's staging copies
-each of the ~1000 tensors one by one), which a wider model amortizes.
+d_model 1024 (52 M parameters, 595 MiB): the stall is mostly the copy, a memory-bandwidth cost
+that grows with the state like the synchronous save does, plus a fixed cost (the state dict,
+the finalize's fsyncs) that a wider model amortizes.
 """
 
 from __future__ import annotations

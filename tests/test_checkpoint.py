@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,10 +29,12 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers import fill_disk, tmpfs
 from tests.test_trainer import metrics, train
+from train import checkpoint
 from train.checkpoint import (
     MARKER,
     CheckpointError,
@@ -380,6 +383,85 @@ def test_the_next_async_save_finalizes_the_one_in_flight(world_of_one, tmp_path)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
 
 
+def _held(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> threading.Event:
+    """Make ``owner.name`` (run by the background write) wait until the returned event is set."""
+    original = getattr(owner, name)
+    release = threading.Event()
+
+    def held(*args, **kwargs):
+        assert release.wait(60), f"{name} was never released"
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held)
+    return release
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values()]
+
+
+def test_an_async_save_is_a_snapshot_of_its_moment(world_of_one, tmp_path, monkeypatch):
+    """The next step changes every weight and optimizer state in place (the step count too)
+    before any file is written (the write is held until then): the checkpoint still holds the
+    values of the moment ``save`` was called."""
+    release = _held(monkeypatch, dcp.FileSystemWriter, "write_data")
+    manager = CheckpointManager(tmp_path, async_save=True)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    _train_step(model, optimizer, scheduler)
+    want_params = _params(model)
+    want_optimizer = [t.clone() for t in _optimizer_tensors(optimizer)]
+    path = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *_optimizer_tensors(optimizer)]:
+            tensor.add_(1)
+    assert manager.pending and not list(path.parent.glob(".tmp-step_1-*/*.distcp"))
+    release.set()
+    manager.wait()
+
+    fresh, fresh_optimizer, _ = _training_objects(seed=2)
+    manager.load(path, fresh, fresh_optimizer, None)
+    for name, param in _params(fresh).items():
+        assert torch.equal(param, want_params[name]), name
+    got = _optimizer_tensors(fresh_optimizer)
+    assert len(got) == len(want_optimizer) == 12  # step, exp_avg, exp_avg_sq of 4 tensors
+    for tensor, want in zip(got, want_optimizer, strict=True):
+        assert torch.equal(tensor, want)
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors(value)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def test_async_saves_reuse_their_staging_buffers(world_of_one, tmp_path, monkeypatch):
+    """DCP gets a CPU copy of the state in one flat buffer per dtype, the same buffer at every
+    save, never the live tensors."""
+    staged: list[list[torch.Tensor]] = []
+    save = dcp.save
+
+    def capture(state_dict, **kwargs):
+        staged.append(_tensors(state_dict))
+        return save(state_dict, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", capture)
+    manager = CheckpointManager(tmp_path, async_save=True)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    live = {
+        t.untyped_storage().data_ptr()
+        for t in [*model.parameters(), *_optimizer_tensors(optimizer)]
+    }
+    for step in (1, 2):
+        _train_step(model, optimizer, scheduler)
+        manager.save(step, model, optimizer, scheduler, {"step": step})
+        manager.wait()
+    first, second = staged
+    assert len(first) == 16  # 4 parameters, each with its step and 2 moments
+    assert len({t.untyped_storage().data_ptr() for t in first}) == 1, "one float32 buffer"
+    assert [t.data_ptr() for t in first] == [t.data_ptr() for t in second]
+    assert not live & {t.untyped_storage().data_ptr() for t in second}
+
+
 # non-finite states ----------------------------------------------------------------------------
 
 
@@ -401,13 +483,50 @@ def test_non_finite_states_are_never_saved(world_of_one, tmp_path, where):
     assert manager.latest() == good
 
 
-def test_huge_but_finite_states_are_saved(world_of_one, tmp_path):
+@pytest.mark.parametrize("finalize", ["poll", "wait", "next save"])
+def test_a_non_finite_async_save_is_never_completed(world_of_one, tmp_path, monkeypatch, finalize):
+    """The staged copy is checked in the background: a weight that was infinite when ``save``
+    was called refuses the checkpoint even if the live one is finite again before the check
+    runs (held until then). The finalize raises NonFiniteState and removes the directory."""
+    manager = CheckpointManager(tmp_path, keep=1, async_save=True)
+    model, optimizer, scheduler = _training_objects(seed=1)
+    _train_step(model, optimizer, scheduler)
+    good = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    manager.wait()
+    release = _held(monkeypatch, checkpoint, "_staged_nonfinite")
+    model[2].bias.data[0] = float("inf")
+    manager.save(2, model, optimizer, scheduler, {"step": 2})
+    model[2].bias.data[0] = 0.0
+    release.set()
+    refused = (
+        r"not saving checkpoint step_2: model\.2\.bias \(rank 0\) holds non-finite .*step_1 is kept"
+    )
+    with pytest.raises(NonFiniteState, match=refused):
+        if finalize == "poll":
+            for _ in range(6000):
+                manager.poll()
+                time.sleep(0.01)
+        elif finalize == "wait":
+            manager.wait()
+        else:
+            manager.save(3, model, optimizer, scheduler, {"step": 3})
+    assert not manager.pending
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
+    assert manager.latest() == good
+    path = manager.save(3, model, optimizer, scheduler, {"step": 3})
+    manager.finish()
+    assert manager.latest() == path and [p.name for p in path.parent.iterdir()] == ["step_3"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_huge_but_finite_states_are_saved(world_of_one, tmp_path, async_save):
     """1e30 squared overflows the fast check; the element-wise one lets it through."""
-    manager = CheckpointManager(tmp_path)
+    manager = CheckpointManager(tmp_path, async_save=async_save)
     model, optimizer, scheduler = _training_objects(seed=1)
     with torch.no_grad():
         model[0].weight[0, 0] = 1e30
     path = manager.save(1, model, optimizer, scheduler, {"step": 1})
+    manager.finish()
     assert manager.latest() == path
 
 

@@ -34,24 +34,29 @@ and renames the directory to ``step_<N>``. The marker goes in before the rename,
 ``step_<N>`` directory is always whole; one without the marker (copied or damaged by hand) is
 torn and skipped like leftover ``.tmp-*`` directories, which are never loaded.
 
-Asynchronous saves (``async_save``): the state is copied to CPU memory (pinned on CUDA) while
-the loop waits, then DCP writes it from a background thread over a gloo group of its own (its
-collectives would otherwise interleave with the training loop's). The save is finalized (marker
-and rename, as above) at a step boundary where every rank agrees its write is done (``poll``),
-or before the next save or the end of the job (``wait``): all ranks finalize at the same call,
-and a crash before that leaves only a ``.tmp-*`` directory.
+Asynchronous saves (``async_save``): while the loop waits, the state is copied into CPU buffers
+allocated at the first save and reused by every later one (one flat buffer per dtype, pinned on
+CUDA; a few ``_foreach_copy_`` calls instead of one copy per tensor). A background thread then
+checks that copy for non-finite values, and DCP writes it (with nothing left to stage) over a
+gloo group of its own (its collectives would otherwise interleave with the training loop's),
+along with the RNG file. The save is finalized (marker and rename, as above) at a step boundary
+where every rank agrees its write is done (``poll``), or before the next save or the end of the
+job (``wait``): all ranks finalize at the same call, and a crash before that leaves only a
+``.tmp-*`` directory. The buffers are only overwritten by the next save, after that finalize.
 
 A save that fails (disk full, read-only, no permission) removes its temporary directory once
 every rank has given up and raises ``CheckpointSaveError``: one line naming the problem, the
 disk and its free space, the path and the checkpoint that is still intact. Parameters or
-optimizer states that are not finite are never written (``NonFiniteState``). Old checkpoints
-are pruned by renaming them to ``.trash-*`` and deleting those in a background thread, so no
-rank waits for the deletion.
+optimizer states that are not finite are never written (``NonFiniteState``: raised by ``save``,
+or for an asynchronous save by the finalize, which removes the temporary directory instead of
+marking it). Old checkpoints are pruned by renaming them to ``.trash-*`` and deleting those in a
+background thread, so no rank waits for the deletion.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import logging
@@ -63,7 +68,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +79,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -212,12 +216,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_rng(directory: Path) -> None:
+def _write_rng(directory: Path, state: dict[str, Any]) -> None:
     """This rank's RNG file, fsynced with its directory entry before any marker can follow."""
     path = _rng_file(directory, _rank())
     path.parent.mkdir(exist_ok=True)
     with open(path, "wb") as f:
-        torch.save(_rng_state(), f)
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(path.parent)
@@ -251,22 +255,131 @@ def _extremes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(torch.aminmax(tensor)).float()
 
 
-def _first_nonfinite(state: dict) -> str | None:
-    """The name of a non-finite tensor of ``state`` on any rank (all ranks agree), or None.
-
-    Costs one pass of x.x per tensor (BLAS, ~2x faster than min/max on CPU) and one
-    all-reduced flag on the device: x.x is finite exactly when every x is, unless the values
-    are so large that it overflows, so only a failure is checked element by element (and
-    names the tensor)."""
-    tensors = list(_local_tensors(state))
+def _squares_finite(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Whether x.x is finite for every tensor (a 0-d bool on their device): one pass each (BLAS,
+    ~2x faster than min/max on CPU). x.x is finite exactly when every x is, unless the values are
+    so large that it overflows, so only a failure needs ``_local_nonfinite``."""
     squares = [torch.dot(t.reshape(-1), t.reshape(-1)).float() for _, t in tensors]
-    finite = torch.isfinite(torch.stack(squares)).all() if squares else torch.tensor(True)
-    if _all_ranks(finite):
-        return None
+    return torch.isfinite(torch.stack(squares)).all() if squares else torch.tensor(True)
+
+
+def _local_nonfinite(tensors: list[tuple[str, torch.Tensor]]) -> str | None:
+    """The first of ``tensors`` with a NaN or inf element, named with this rank, or None."""
     local = next(
         (name for name, t in tensors if not torch.isfinite(_extremes(t)).all().item()), None
     )
-    return _first_of_ranks(None if local is None else f"{local} (rank {_rank()})")
+    return None if local is None else f"{local} (rank {_rank()})"
+
+
+def _first_nonfinite(state: dict) -> str | None:
+    """The name of a non-finite tensor of ``state`` on any rank (all ranks agree), or None.
+    Costs one x.x per tensor and one all-reduced flag on the device (``_squares_finite``)."""
+    tensors = list(_local_tensors(state))
+    if _all_ranks(_squares_finite(tensors)):
+        return None
+    return _first_of_ranks(_local_nonfinite(tensors))
+
+
+def _staged_nonfinite(state: dict, group: dist.ProcessGroup | None) -> tuple[str | None, bool]:
+    """The check of a staged CPU copy, in the background write: this rank's first non-finite
+    tensor (or None), and whether every rank's copy is finite (one all-reduce over ``group``, a
+    CPU group; None: this process alone)."""
+    tensors = list(_local_tensors(state))
+    bad = None if _squares_finite(tensors).item() else _local_nonfinite(tensors)
+    finite = torch.tensor(float(bad is None))
+    if group is not None:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
+    return bad, bool(finite.item())
+
+
+def _tensor_leaves(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a state dict, in the order ``_with_tensors`` replaces them."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensor_leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensor_leaves(value)
+
+
+def _with_tensors(tree: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """``tree`` with its tensors replaced by ``tensors`` (in ``_tensor_leaves`` order) and its
+    other leaves copied: a snapshot that the loop's next steps cannot change."""
+    if isinstance(tree, (int, float, str, type(None))):  # most leaves (hyperparameters)
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return next(tensors)
+    if isinstance(tree, dict):
+        return {key: _with_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_with_tensors(value, tensors) for value in tree]
+    if isinstance(tree, tuple):
+        return tuple(_with_tensors(value, tensors) for value in tree)
+    return copy.deepcopy(tree)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _Staging:
+    """CPU copies of a state dict's tensors for asynchronous saves, in one flat buffer per dtype
+    (pinned when the state is on CUDA), allocated at the first save and reused by the next ones.
+
+    A save then costs one ``_foreach_copy_`` per device and dtype (DCP's own staging deep-copies
+    the state dict, ~1,000 tensors one by one), and DCP gets a state dict that is already on the
+    CPU. DTensors keep their mesh and placements: the staged
+    one wraps the CPU copy of the local shard under the original's spec (``from_local`` would
+    move it back to the mesh's device). Not thread-safe; the caller must not stage again while
+    a write of the previous staged dict is in flight."""
+
+    def __init__(self) -> None:
+        self._layout: list[tuple[torch.dtype, torch.Size]] = []
+        self._views: list[torch.Tensor] = []
+
+    def _allocate(self, local: list[torch.Tensor]) -> None:
+        """One buffer per dtype for ``local`` (the tensors as this rank holds them), and a view
+        into it for each."""
+        offsets: list[int] = []
+        sizes: dict[torch.dtype, int] = {}
+        for t in local:
+            offsets.append(sizes.get(t.dtype, 0))
+            sizes[t.dtype] = offsets[-1] + t.numel()
+        pin = any(t.is_cuda for t in local)
+        buffers = {
+            dtype: torch.empty(size, dtype=dtype, pin_memory=pin) for dtype, size in sizes.items()
+        }
+        self._views = [
+            buffers[t.dtype][offset : offset + t.numel()].view(t.shape)
+            for t, offset in zip(local, offsets, strict=True)
+        ]
+        self._layout = [(t.dtype, t.shape) for t in local]
+
+    @torch.no_grad()
+    def stage(self, state: dict) -> dict:
+        """A copy of ``state`` whose tensors are views into the reused CPU buffers, complete
+        when this returns (on CUDA, after one stream sync)."""
+        tensors = list(_tensor_leaves(state))
+        local = [_local(t) for t in tensors]
+        if [(t.dtype, t.shape) for t in local] != self._layout:
+            self._allocate(local)
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
+        for view, t in zip(self._views, local, strict=True):
+            targets, sources = groups.setdefault((t.device, t.dtype), ([], []))
+            targets.append(view)
+            sources.append(t)
+        cuda = any(device.type == "cuda" for device, _ in groups)
+        for targets, sources in groups.values():
+            torch._foreach_copy_(targets, sources, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        staged = (
+            DTensor(view, t._spec, requires_grad=False) if isinstance(t, DTensor) else view
+            for view, t in zip(self._views, tensors, strict=True)
+        )
+        return _with_tensors(state, staged)
 
 
 def _existing(path: Path) -> Path:
@@ -349,6 +462,14 @@ def _remove_all(paths: list[Path]) -> None:
 
 
 @dataclass
+class _Written:
+    """What a background write of one rank found (``_Pending.future``'s result)."""
+
+    nonfinite: str | None = None  # this rank's first non-finite tensor: nothing was written
+    error: dict | None = None  # a failed write (``_describe``)
+
+
+@dataclass
 class _Pending:
     """A save whose files are being written into ``tmp``, finalized by ``_finalize``."""
 
@@ -357,7 +478,7 @@ class _Pending:
     state_json: str
     started: float
     error: dict | None = None  # a failure of this rank's own writes (the RNG file)
-    future: Future | None = None  # DCP's background write (async_save), None once written
+    future: Future[_Written] | None = None  # the background write (async_save)
 
 
 class CheckpointManager:
@@ -365,7 +486,8 @@ class CheckpointManager:
 
     ``async_save``: ``save`` returns once the state is copied to CPU memory; the files are
     written in the background and the checkpoint is finalized by ``poll``, ``wait`` or the next
-    ``save``. Every rank must make the same calls at the same steps (they are collectives).
+    ``save``, any of which raises NonFiniteState if the copy was not finite. Every rank must make
+    the same calls at the same steps (they are collectives).
     """
 
     def __init__(self, run_dir: Path, keep: int = 3, async_save: bool = False) -> None:
@@ -374,20 +496,12 @@ class CheckpointManager:
         self.directory = Path(run_dir) / "checkpoints"
         self.keep = keep
         self._pending: _Pending | None = None
-        self._deleting: threading.Thread | None = None
-        self._stager: DefaultStager | None = None
+        self._deleting: list[threading.Thread] = []
+        self._staging: _Staging | None = None
         self._group: dist.ProcessGroup | None = None
         if async_save:
-            cuda = torch.cuda.is_available()
-            # Staged buffers are kept and reused by the next save: one save is in flight at most.
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,  # copied before the loop moves on, so never torn
-                    use_non_blocking_copy=cuda,
-                )
-            )
+            # One save is in flight at most: the next one first finalizes it, then restages.
+            self._staging = _Staging()
             if dist.is_initialized():
                 self._group = dist.new_group(backend="gloo")
 
@@ -495,8 +609,8 @@ class CheckpointManager:
         Synchronous unless ``async_save``: then the checkpoint is complete once finalized by
         ``poll``, ``wait`` or the next ``save`` (which first finalizes the one in flight). A step
         that already has a complete checkpoint is left as it is. Raises NonFiniteState, having
-        written nothing, if a parameter or optimizer state is not finite, and
-        CheckpointSaveError if the files cannot be written.
+        written nothing, if a parameter or optimizer state is not finite (asynchronous saves:
+        the finalize raises it), and CheckpointSaveError if the files cannot be written.
         """
         started = time.perf_counter()
         try:
@@ -509,12 +623,10 @@ class CheckpointManager:
         self.wait()
         model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
         state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
-        bad = _first_nonfinite(state)
-        if bad is not None:
-            raise NonFiniteState(
-                f"not saving checkpoint step_{step}: {bad} holds non-finite values (NaN or inf); "
-                f"the last good checkpoint {self._intact()} is kept"
-            )
+        if self._staging is None:  # an asynchronous save checks its copy in the background
+            bad = _first_nonfinite(state)
+            if bad is not None:
+                raise NonFiniteState(self._refusal(step, bad))
         final = self.directory / f"step_{step}"
         made: str | dict | None = None
         if _rank() == 0 and not (final / MARKER).is_file():
@@ -531,17 +643,11 @@ class CheckpointManager:
         if isinstance(made, dict):
             raise CheckpointSaveError(self._failure_line(step, made, self.directory))
         pending = _Pending(step, self.directory / made, state_json, started)
-        try:
-            _write_rng(pending.tmp)
-        except OSError as exc:
-            pending.error = _describe(exc, pending.tmp)
-        if self._stager is not None:
-            pending.future = dcp.async_save(
-                state,
-                checkpoint_id=pending.tmp,
-                process_group=self._group,
-                async_stager=self._stager,
-            )
+        if self._staging is not None:
+            staged = self._staging.stage(state)
+            writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
+            pending.future = writer.submit(self._write, pending.tmp, staged, _rng_state())
+            writer.shutdown(wait=False)  # its thread ends with this write
             self._pending = pending
             if _rank() == 0:
                 log.info(
@@ -551,11 +657,32 @@ class CheckpointManager:
                 )
             return final
         try:
+            _write_rng(pending.tmp, _rng_state())
+        except OSError as exc:
+            pending.error = _describe(exc, pending.tmp)
+        try:
             dcp.save(state, checkpoint_id=pending.tmp)
         except (CheckpointException, OSError) as exc:
             pending.error = pending.error or _describe(exc, pending.tmp)
         self._finalize(pending)
         return final
+
+    def _write(self, tmp: Path, staged: dict, rng: dict[str, Any]) -> _Written:
+        """The background write of an asynchronous save: the RNG file, then, if every rank's
+        staged copy is finite, DCP's files (a collective over this manager's gloo group)."""
+        written = _Written()
+        try:
+            _write_rng(tmp, rng)
+        except OSError as exc:
+            written.error = _describe(exc, tmp)
+        written.nonfinite, finite = _staged_nonfinite(staged, self._group)
+        if not finite:
+            return written
+        try:
+            dcp.save(staged, checkpoint_id=tmp, process_group=self._group)
+        except (CheckpointException, OSError) as exc:
+            written.error = written.error or _describe(exc, tmp)
+        return written
 
     def poll(self) -> None:
         """Finalize the save in flight if every rank's write is done; else leave it running.
@@ -575,20 +702,24 @@ class CheckpointManager:
     def finish(self) -> None:
         """The end of a job: the save in flight finalized and pruned checkpoints deleted."""
         self.wait()
-        if self._deleting is not None:
-            self._deleting.join()
-            self._deleting = None
+        for thread in self._deleting:
+            thread.join()
+        self._deleting = []
 
     def _finalize(self, pending: _Pending) -> None:
         """Once every rank's files are durable, rank 0 marks and renames the directory; if any
-        rank failed, rank 0 removes it and every rank raises the same CheckpointSaveError."""
+        rank's state was not finite or its write failed, rank 0 removes it and every rank raises
+        the same NonFiniteState or CheckpointSaveError."""
         self._pending = None
         error = pending.error
         if pending.future is not None:
-            try:
-                pending.future.result()
-            except (CheckpointException, OSError) as exc:
-                error = error or _describe(exc, pending.tmp)
+            written = pending.future.result()
+            error = error or written.error
+            nonfinite = _first_of_ranks(written.nonfinite)
+            if nonfinite is not None:
+                if _rank() == 0:
+                    shutil.rmtree(pending.tmp, ignore_errors=True)
+                raise NonFiniteState(self._refusal(pending.step, nonfinite))
         error = _first_of_ranks(error)
         final = self.directory / f"step_{pending.step}"
         if error is None:
@@ -620,6 +751,12 @@ class CheckpointManager:
     def _intact(self) -> str:
         complete, _ = self._scan()
         return complete[max(complete)].name if complete else "(none yet)"
+
+    def _refusal(self, step: int, nonfinite: str) -> str:
+        return (
+            f"not saving checkpoint step_{step}: {nonfinite} holds non-finite values (NaN or "
+            f"inf); the last good checkpoint {self._intact()} is kept"
+        )
 
     def _failure_line(self, step: int, failure: dict, where: Path) -> str:
         """``checkpoint step_40 not saved: no space left on device on /mnt (0 B free) writing
@@ -658,12 +795,11 @@ class CheckpointManager:
         if not trash:
             return
         log.info("removing old checkpoints: %s", ", ".join(p.name for p in doomed))
-        if self._deleting is not None:
-            self._deleting.join()
-        self._deleting = threading.Thread(
+        thread = threading.Thread(
             target=_remove_all, args=(trash,), name="checkpoint-prune", daemon=True
         )
-        self._deleting.start()
+        thread.start()  # not waiting for the previous one: the finalize is on the loop's path
+        self._deleting = [t for t in self._deleting if t.is_alive()] + [thread]
 
     # loading ----------------------------------------------------------------------------------
 
