@@ -825,20 +825,26 @@ def test_a_disk_that_fills_up_ends_the_job_in_one_line(corpus, disk_for_one_chec
 
 
 @pytest.mark.slow
-def test_non_finite_weights_are_never_saved(tmp_path, corpus):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_non_finite_weights_are_never_saved(tmp_path, corpus, async_save):
     """A parameter made infinite on rank 0 after step 3 (as an overflowing update would):
     step_4 is not saved on any rank, the job ends as diverged (exit 3) in one line, step_2 is
-    kept, and the next job resumes from it."""
+    kept, and the next job resumes from it. An async save learns it from its background check
+    as the save is finalized (the next step) and ends the same way."""
     run_dir = tmp_path / "run"
     common = ("train.max_steps=6", "checkpoint.interval=2", "checkpoint.keep=1",
-              "wandb.enabled=false")  # fmt: skip
+              "wandb.enabled=false", f"checkpoint.async_save={async_save}")  # fmt: skip
     first = train(run_dir, corpus, *common, "debug.inject_nonfinite_params=[3]", nproc=2,
                   check=False)  # fmt: skip
     assert first.returncode != 0 and "exitcode  : 3" in first.stderr, first.stderr[-3000:]
     errors = [line for line in first.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "step 4: not saving checkpoint step_4: " in errors[0], errors
+    learned = "5" if async_save else "4"
+    assert len(errors) == 1, errors
+    assert f"step {learned}: not saving checkpoint step_4: " in errors[0], errors
     assert "non-finite values" in errors[0] and "step_2 is kept" in errors[0], errors
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_2"]
+    if async_save:
+        return  # resuming from step_2 is the same path either way
     second = train(run_dir, corpus, *common, nproc=2)
     assert "at step 2" in second.stderr and (run_dir / "checkpoints" / "step_6").is_dir()
 

@@ -70,6 +70,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -490,7 +491,15 @@ class CheckpointManager:
     the same calls at the same steps (they are collectives).
     """
 
-    def __init__(self, run_dir: Path, keep: int = 3, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        keep: int = 3,
+        async_save: bool = False,
+        timeout: timedelta | None = None,
+    ) -> None:
+        """``timeout``: of the background saves' gloo group (the trainer gives every process
+        group the same, ``train.watchdog.process_group_timeout``); None: gloo's default."""
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1 (the checkpoint to resume from)")
         self.directory = Path(run_dir) / "checkpoints"
@@ -503,7 +512,7 @@ class CheckpointManager:
             # One save is in flight at most: the next one first finalizes it, then restages.
             self._staging = _Staging()
             if dist.is_initialized():
-                self._group = dist.new_group(backend="gloo")
+                self._group = dist.new_group(backend="gloo", timeout=timeout)
 
     @property
     def pending(self) -> bool:

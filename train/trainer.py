@@ -253,7 +253,10 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.checkpoints = CheckpointManager(
-            self.run_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+            self.run_dir,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+            timeout=process_group_timeout(cfg.train.hang_timeout_s),
         )
         coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
@@ -339,6 +342,23 @@ class Trainer:
         say(f"resumed from {latest} at step {self.step}")
         return latest
 
+    def diverged(self, error: NonFiniteState) -> TrainingDiverged:
+        """A checkpoint refused for non-finite values, as it was saved (sync) or as its
+        background check is finalized (async): the job ends as diverged, exit 3."""
+        return TrainingDiverged(
+            f"step {self.step}: {error}. Lower optim.lr or raise optim.warmup_steps"
+        )
+
+    def finalize_save(self, wait: bool) -> None:
+        """Complete a background save once every rank wrote it (``wait``: wait for it)."""
+        try:
+            if wait:
+                self.checkpoints.finish()
+            else:
+                self.checkpoints.poll()
+        except NonFiniteState as error:
+            raise self.diverged(error) from None
+
     def save(self) -> None:
         """Save the current state (in the background with checkpoint.async_save); weights or
         optimizer states that are not finite are never saved: the job ends as diverged."""
@@ -349,9 +369,7 @@ class Trainer:
                 self.step, self.model, self.optimizer, self.scheduler, self.trainer_state()
             )
         except NonFiniteState as error:
-            raise TrainingDiverged(
-                f"step {self.step}: {error}. Lower optim.lr or raise optim.warmup_steps"
-            ) from None
+            raise self.diverged(error) from None
         if self.checkpoints.pending:
             say(f"checkpoint {path.name}: being written in the background")
         else:
@@ -582,7 +600,7 @@ class Trainer:
         try:
             reason = self.train_until_stop(metrics)
             self.save()
-            self.checkpoints.finish()  # a job ends only once its checkpoint is complete
+            self.finalize_save(wait=True)  # a job ends only once its checkpoint is complete
         except TrainingDiverged:
             self.finish_good_save()
             metrics.close({"final_step": self.step, "stop_reason": "diverged"})
@@ -602,10 +620,11 @@ class Trainer:
         return 0
 
     def finish_good_save(self) -> None:
-        """On divergence: a save still being written held finite weights; complete it."""
+        """On divergence: complete a save still being written if its check finds it finite
+        (it holds weights from before the divergence), else leave it refused."""
         try:
             self.checkpoints.finish()
-        except CheckpointSaveError as error:
+        except (CheckpointSaveError, NonFiniteState) as error:
             say(str(error))
 
     def not_saved(self, error: CheckpointSaveError) -> int:
@@ -660,7 +679,7 @@ class Trainer:
                 self.signalled = self.stop.signalled(result["stop_flag"])
                 if log_now:
                     metrics.log(self.step, self.log_record(result, lr, peak))
-                self.checkpoints.poll()  # finalize a background save once every rank wrote it
+                self.finalize_save(wait=False)
             per_run = cfg.train.max_steps_per_run
             if why is None and per_run and self.step - first_step >= per_run:
                 why = f"step budget of this job (train.max_steps_per_run={per_run})"
