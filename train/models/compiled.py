@@ -102,7 +102,7 @@ def describe_graphs(counts: dict[str, int]) -> str:
 def region_input(tensor: Any, dims: tuple[int, ...]) -> Any:
     """``tensor`` (or None) as a region receives it: not a view, ``dims`` marked dynamic (a
     dimension of size 1 may still specialize: the batch of one)."""
-    if not isinstance(tensor, torch.Tensor) or not dims:
+    if not isinstance(tensor, torch.Tensor):
         return tensor
     if tensor._base is not None:
         tensor = tensor.clone()
