@@ -3,22 +3,40 @@ PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 PY := $(VENV)/bin/python
+WHEELHOUSE = $(VENV)/wheelhouse
 TORCH_VERSION ?= 2.13.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox
 PYTEST_ARGS ?=
+# Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
+PIP_OPTIONS ?=
 
-.PHONY: setup setup-system setup-slurm corpus corpus-long corpus-asr demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr demo test test-fast bench cluster-up cluster-down lint clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(WHEELHOUSE)/.complete
 
 # torch first (the CPU wheel pinned here) only when none is importable, so a cluster's own
-# torch build is kept; then the project with its open ranges.
-$(VENV)/.installed: pyproject.toml
+# torch build is kept; then the project with its open ranges. tests/test_wheel.py builds a
+# fresh environment with `make setup-torch VENV=...`, the same steps.
+setup-torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q $(PIP_OPTIONS) --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_OPTIONS) torch==$(TORCH_VERSION)
+
+$(VENV)/.installed: pyproject.toml
+	$(MAKE) --no-print-directory setup-torch
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
+
+# Every package of the environment but torch and the project, as wheels: the local index that
+# tests/test_wheel.py installs the project's wheel from, with no network, so the dependencies
+# that pyproject.toml declares are resolved as a user's pip would resolve them.
+$(WHEELHOUSE)/.complete: $(VENV)/.installed
+	$(PY) -m pip freeze --all --exclude-editable | grep -v '^torch[ =@]' > $(VENV)/wheelhouse.txt
+	$(PY) -m pip wheel -q --no-deps -w $(WHEELHOUSE) -r $(VENV)/wheelhouse.txt
+	touch $@
+
+print-%:
+	@echo '$($*)'
 
 # Debian packages: SLURM and munge for the loopback cluster, slurmdbd and MariaDB for its
 # accounting (`cluster up --accounting`, used by the tests), espeak-ng and sox for the corpus.

@@ -1,9 +1,11 @@
 """The toolkit as a user installs it: a wheel, in a fresh environment, used outside the checkout.
 
-The wheel is built from a copy of the working tree and installed with ``--no-deps`` into a new
-virtual environment that sees the project environment's packages (torch, hydra, submitit...)
-through a path file, but not the checkout: every command runs from an empty directory, so the
-templates, Hydra configs and recipes can only come from the wheel.
+The wheel is built from a copy of the working tree. A new virtual environment gets torch the
+way ``make setup`` installs it (``make setup-torch``), then the wheel with the dependencies that
+pyproject.toml declares, resolved by pip with no network from the wheelhouse ``make setup``
+keeps: a dependency missing from pyproject fails ``pip check``, an import or a command here.
+Every command runs from an empty directory, so the templates, Hydra configs and recipes can only
+come from the wheel.
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, missing_capability
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +39,19 @@ def run(argv: list[str | Path], cwd: Path, env: dict[str, str] | None = None) ->
     return completed.stdout
 
 
+def wheelhouse() -> Path:
+    """``make setup``'s wheelhouse for the environment that runs the tests."""
+    where = run(["make", "-s", "-C", REPO, f"VENV={sys.prefix}", "print-WHEELHOUSE"], REPO)
+    found = Path(where.strip())
+    if not (found / ".complete").is_file():
+        missing_capability(f"no wheelhouse at {found}: run make setup")
+    return found
+
+
 @pytest.fixture(scope="module")
 def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The bin folder of a fresh environment holding the wheel and no other project file."""
+    """The bin folder of a fresh environment holding torch, the wheel and its dependencies, and
+    no other project file."""
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     files = run(["git", "ls-files", "-z", "-co", "--exclude-standard"], REPO).split("\0")
@@ -51,14 +62,12 @@ def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
          root / "dist", source], root)  # fmt: skip
     [wheel] = (root / "dist").glob("*.whl")
+    # Offline; no byte-compiling of torch's thousands of files (what is imported compiles then).
+    offline = ["--no-index", "--find-links", str(wheelhouse()), "--no-compile"]
     venv = root / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", venv], root)
-    python = venv / "bin" / "python"
-    site = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root)
-    # A plain path line: the project environment's own .pth files (the editable install of the
-    # checkout among them) are not read, so only its third-party packages are seen.
-    Path(site.strip(), "project_packages.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", wheel], root)
+    run(["make", "-s", "-C", REPO, f"VENV={venv}", f"PIP_OPTIONS={' '.join(offline)}",
+         "setup-torch"], root)  # fmt: skip
+    run([venv / "bin" / "python", "-m", "pip", "install", "-q", *offline, wheel], root)
     return venv / "bin"
 
 
@@ -66,6 +75,23 @@ def user_env(venv_bin: Path, home: Path) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name != "SLURM_CONF"}
     env.update(PATH=f"{venv_bin}{os.pathsep}{env['PATH']}", ORCH_HOME=str(home))
     return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **OFFLINE}
+
+
+# Imports every module the wheel ships (but __main__, which would run): one whose dependency
+# pyproject does not declare fails here, wherever a command would first meet it.
+IMPORT_ALL = """
+import importlib, importlib.metadata as metadata
+[ours] = metadata.packages_distributions()["orchestrator"]
+for file in metadata.distribution(ours).files:
+    if file.suffix == ".py" and file.name != "__main__.py":
+        importlib.import_module(".".join(file.with_suffix("").parts).removesuffix(".__init__"))
+"""
+
+
+def test_the_wheel_brings_the_dependencies_it_imports(venv_bin: Path, tmp_path: Path) -> None:
+    env = user_env(venv_bin, tmp_path / "home")
+    run([venv_bin / "python", "-m", "pip", "check"], tmp_path, env)
+    run([venv_bin / "python", "-c", IMPORT_ALL], tmp_path, env)
 
 
 def test_the_installed_wheel_works_from_an_empty_directory(
