@@ -329,10 +329,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         backend = backend_for(manifest)
         statuses = backend.statuses(manifest.job_ids())
         found = results[manifest.chain_id]
+        unreachable = (backend.unreachable, backend.accounting_unreachable)
         if args.json:
-            payloads.append(status_payload(manifest, statuses, found, backend.unreachable))
+            payloads.append(status_payload(manifest, statuses, found, *unreachable))
         else:
-            print_status(manifest, statuses, found, backend.unreachable)
+            print_status(manifest, statuses, found, *unreachable)
     if labels is None:
         if args.json:
             print(json.dumps(payloads[0]))
@@ -351,9 +352,11 @@ def status_payload(
     statuses: dict[str, JobStatus],
     results: RunResults,
     unreachable: str | None = None,
+    accounting_unreachable: str | None = None,
 ) -> dict:
     payload = summary(manifest, statuses)
     payload["controller_unreachable"] = unreachable
+    payload["accounting_unreachable"] = accounting_unreachable
     progress = last_progress(manifest)
     for job in payload["jobs"]:
         status = statuses.get(job["job_id"])
@@ -380,6 +383,13 @@ def unreachable_notice(unreachable: str) -> str:
     )
 
 
+def accounting_notice(unreachable: str) -> str:
+    return (
+        f"accounting (slurmdbd) unreachable ({unreachable}): jobs that left the queue are read "
+        "from scontrol while it remembers them, else from the manifest and the run dir"
+    )
+
+
 def job_reason(job: JobRecord, status: JobStatus | None) -> str:
     """The scheduler's reason, after what the chain hook made of the job (its outcome, and for
     a replacement the job it replaces)."""
@@ -398,10 +408,13 @@ def print_status(
     statuses: dict[str, JobStatus],
     results: RunResults,
     unreachable: str | None = None,
+    accounting_unreachable: str | None = None,
 ) -> None:
     print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
     if unreachable:
         print(unreachable_notice(unreachable))
+    if accounting_unreachable:
+        print(accounting_notice(accounting_unreachable))
     problem = disk_problem(Path(manifest.run_dir))
     if problem:
         print(f"warning: {problem}")

@@ -214,3 +214,40 @@ def test_dead_accounting_daemons_are_restarted(faulty: Faulty) -> None:
         return output.strip() == "COMPLETED"
 
     wait_for("the job in accounting", recorded, timeout=30)
+
+
+def test_status_answers_while_accounting_is_down(faulty: Faulty, tmp_path: Path) -> None:
+    """slurmdbd stopped under a finished chain: status still reads the jobs (from scontrol, which
+    remembers them for MinJobAge) and says once that accounting is unreachable; `cluster up`
+    restarts slurmdbd alone and sacct answers again."""
+    directory, env = faulty.directory, faulty.env
+    chain = launch(env, tmp_path, num_jobs=2, nodes=1, hold_s=0)["chain_id"]
+    wait_chain(env, chain)
+    os.kill(cluster.daemon_pids(directory)["slurmdbd"], signal.SIGTERM)
+    try:
+        wait_for("slurmdbd stopped", lambda: cluster.daemon_pids(directory)["slurmdbd"] is None)
+        started = time.monotonic()
+        status = status_json(env, chain)
+        took = time.monotonic() - started
+        assert took < 8, f"status took {took:.1f} s with accounting gone"
+        assert status["controller_unreachable"] is None
+        assert "Connection refused" in status["accounting_unreachable"], status
+        assert [(job["state"], job["exit_code"], job["source"]) for job in status["jobs"]] == [
+            ("COMPLETED", 0, "scontrol")
+        ] * 2
+        text = run_tool("orchestrator", "status", chain, env=env, timeout=60)
+        assert text.returncode == 0, text.stderr
+        notices = [line for line in text.stdout.splitlines() if "unreachable" in line]
+        assert len(notices) == 1, text.stdout
+        assert notices[0].startswith("accounting (slurmdbd) unreachable ("), text.stdout
+    finally:
+        again = cluster_cli("up", "--dir", directory)
+    assert again.returncode == 0, again.stderr
+    assert "restarting slurmdbd;" in again.stderr
+
+    def accounted() -> bool:
+        status = status_json(env, chain)
+        sources = [job["source"] for job in status["jobs"]]
+        return status["accounting_unreachable"] is None and sources == ["sacct", "sacct"]
+
+    wait_for("the chain read from accounting again", accounted, timeout=30)

@@ -70,6 +70,9 @@ class Backend(Protocol):
     # Why the scheduler did not answer the last statuses() call, whose states then came from
     # accounting or the run dir; None when it answered (or there is no scheduler to ask).
     unreachable: str | None
+    # Why accounting (slurmdbd) did not answer the last statuses() call; None when it answered
+    # or the cluster keeps none.
+    accounting_unreachable: str | None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:
@@ -99,6 +102,7 @@ class BatchScriptBackend:
 
     label: ClassVar[str]
     unreachable: str | None = None
+    accounting_unreachable: str | None = None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:

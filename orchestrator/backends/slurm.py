@@ -48,6 +48,7 @@ class SlurmBackend(BatchScriptBackend):
     def __init__(self, run_dir: Path | None = None) -> None:
         self.run_dir = run_dir  # where a job's log and metrics tell what SLURM cannot
         self.unreachable: str | None = None
+        self.accounting_unreachable: str | None = None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> SlurmBackend:
@@ -101,7 +102,8 @@ class SlurmBackend(BatchScriptBackend):
 
         A controller that does not answer ``scontrol ping`` is not queried at all (a dead one
         would make every command wait): states then come from sacct, which slurmdbd answers
-        without it, and the run dir, and ``unreachable`` says why.
+        without it, and the run dir, and ``unreachable`` says why. A slurmdbd that does not
+        answer leaves scontrol (for MinJobAge) and the run dir: ``accounting_unreachable``.
         """
         if not job_ids:
             return {}
@@ -115,12 +117,18 @@ class SlurmBackend(BatchScriptBackend):
                     raise
                 self.unreachable = str(error).splitlines()[0]
         rest = [job_id for job_id in job_ids if job_id not in found]
-        accounted = sacct_statuses(rest)
-        why = (
-            f"controller unreachable ({self.unreachable})"
-            if self.unreachable
-            else "SLURM no longer knows the job and keeps no accounting"
-        )
+        self.accounting_unreachable = None
+        try:
+            accounted = sacct_statuses(rest)
+        except SchedulerError as error:
+            self.accounting_unreachable = sacct_problem(error)
+            accounted = {}
+        if self.unreachable:
+            why = f"controller unreachable ({self.unreachable})"
+        elif self.accounting_unreachable:
+            why = "SLURM no longer knows the job and accounting is unreachable"
+        else:
+            why = "SLURM no longer knows the job and keeps no accounting"
         for job_id in rest:
             status = accounted.get(job_id)
             if status is None or (status.state not in FINISHED_STATES and not self.unreachable):
@@ -195,11 +203,20 @@ def status_from_fields(job_id: str, fields: dict[str, str]) -> JobStatus:
 
 
 SACCT_FORMAT = "JobIDRaw,State,ExitCode,Elapsed,NodeList,Reason"
+# sacct's error on a cluster that keeps no accounting at all: nothing is down there.
+NO_ACCOUNTING = "accounting storage is disabled"
+
+
+def sacct_problem(error: SchedulerError) -> str:
+    """sacct's failure in one line: its last (``Problem talking to the database: ...``)."""
+    last = str(error).strip().splitlines()[-1]
+    return last.removeprefix("sacct failed: ").removeprefix("sacct: error: ")
 
 
 def sacct_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
     """What accounting recorded for the jobs, in one sacct call; empty where the cluster keeps
-    no accounting (sacct: "accounting storage is disabled") or slurmdbd does not answer."""
+    no accounting (sacct: "accounting storage is disabled"). Raises SchedulerError when
+    slurmdbd does not answer, for status to say so."""
     if not job_ids:
         return {}
     try:
@@ -216,8 +233,10 @@ def sacct_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
             timeout_s=QUERY_TIMEOUT_S,
             attempts=1,
         )
-    except SchedulerError:
-        return {}
+    except SchedulerError as error:
+        if NO_ACCOUNTING in str(error):
+            return {}
+        raise
     found: dict[str, JobStatus] = {}
     for line in output.splitlines():
         job_id, state, exit_code, elapsed, nodes, reason = (line.split("|") + [""] * 6)[:6]

@@ -87,6 +87,7 @@ class SubmititBackendBase:
     auto: ClassVar[bool] = False
     executor: ClassVar[str]  # submitit's executor: slurm | local
     unreachable: str | None = None
+    accounting_unreachable: str | None = None  # scontrol and result files only, never sacct
 
     def __init__(self, folder: Path, executor_params: dict[str, Any] | None = None) -> None:
         self.folder = Path(folder).expanduser().absolute()
