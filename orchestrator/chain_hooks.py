@@ -12,15 +12,17 @@ trainer's end-of-job record (train/job_end.py), the launcher's exit status or SL
 
 - finished (max_steps): the chain is complete; its queued jobs are cancelled while pending;
 - diverged: the chain stops the same way, its reason in the manifest; no retry is spent;
+- blocked (the trainer's exit 2, config refused, or 4, checkpoints cannot be saved): a new job
+  would fail the same way, so the chain stops the same way too; no retry is spent;
 - stopped (a signal or a budget, after saving) or completed (exit 0, no record): nothing to do;
 - failed (an error, or no record and a non-zero status, or killed without running ``end``):
   one replacement job is queued at the end of the chain while ``--retries`` allow.
 
 ``end`` covers a job that lives to run it; a job killed with its batch shell (node failure,
 SIGKILL, the time limit) is judged by ``start`` of the next job of the chain, which afterany
-starts anyway. ``start`` exits CHAIN_ENDED_EXIT when the chain is already complete or
-diverged: the job must then exit 0 without training. ``end`` prints the job's outcome as the
-log's last line (orchestrator/backends/run_dir.py reads it).
+starts anyway. ``start`` exits CHAIN_ENDED_EXIT when the chain is already complete,
+diverged or blocked: the job must then exit 0 without training. ``end`` prints the job's
+outcome as the log's last line (orchestrator/backends/run_dir.py reads it).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from orchestrator.seeds import chain_seeds
 from orchestrator.slurm_commands import run_slurm
 from train.job_end import read_job_end
 
-CHAIN_ENDED_EXIT = 100  # `start`: the chain is complete or diverged, do not train
+CHAIN_ENDED_EXIT = 100  # `start`: the chain has ended (CHAIN_ENDINGS), do not train
 ACTIVE_BACKEND = "slurm"  # the backend whose chains the hook looks after
 # SLURM's states of a job that has ended (or is ending: its dependants may already start).
 ENDED_STATES = (
@@ -72,6 +74,8 @@ BLOCKED = {
     2: "the trainer's config or layout is refused",
     4: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
 }
+# Outcomes that end the whole chain (its queued jobs are cancelled), and the status each gives it.
+CHAIN_ENDINGS = {"finished": "complete", "diverged": "diverged", "blocked": "blocked"}
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ class ChainKeeper:
 
     @property
     def has_ended(self) -> bool:
-        return self.manifest.status in ("complete", "diverged")
+        return self.manifest.status in CHAIN_ENDINGS.values()
 
     def judge_current(self, status: int) -> None:
         """``end``: the current job has ended with the launcher's ``status``."""
@@ -191,7 +195,7 @@ class ChainKeeper:
         for job, ending in endings:
             if job.then or self.has_ended:
                 continue
-            if ending.outcome in ("finished", "diverged"):
+            if ending.outcome in CHAIN_ENDINGS:
                 self.end_chain(job, ending)
             elif ending.outcome == "failed":
                 self.replace(job, ending, ended_ids)
@@ -210,7 +214,7 @@ class ChainKeeper:
         self.backend.cancel(last_first(ids))
         for other in pending:
             other.outcome = "not_started"
-        status = "complete" if ending.outcome == "finished" else "diverged"
+        status = CHAIN_ENDINGS[ending.outcome]
         self.manifest.status = status
         self.manifest.ended = (
             f"job {job.index} (id {job.job_id}): {ending.detail}; "

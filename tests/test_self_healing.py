@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.backends.run_dir import EXIT_LINE, STOPPED_LINE, run_dir_status
-from orchestrator.chain_hooks import judge, outcome_line
+from orchestrator.chain_hooks import BLOCKED, judge, outcome_line
 from orchestrator.seeds import chain_seeds
 from tests.helpers import REPO, launch_json, run_tool, wait_chain, write_sub
 from tests.test_trainer import launch_training
@@ -257,6 +257,35 @@ def wait_manifest_settled(run_dir: Path, count: int, timeout: float = 60) -> dic
         time.sleep(0.5)
 
 
+def tiny_training_chain(
+    run_dir: Path, corpus: Path, jobs: int, retries: int, *overrides: str
+) -> dict:
+    """``auto_launch`` of the tiny FSDP2 recipe (2 ranks) on ``corpus``, W&B offline."""
+    return launch_json(
+        f"-n{jobs}",
+        "--retries",
+        str(retries),
+        "--run-dir",
+        str(run_dir),
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        *overrides,
+        cwd=REPO,
+    )
+
+
+def assert_never_ran(run_dir: Path, job_ids: list[str]) -> None:
+    """The jobs were cancelled while pending: no log, no node, no run time."""
+    for job_id in job_ids:
+        assert not list((run_dir / "logs").glob(f"*-{job_id}.out")), "a cancelled job ran"
+        state, nodes, elapsed = sacct_run(job_id).split("|")
+        assert state.startswith("CANCELLED"), state
+        assert (nodes, elapsed) == ("None assigned", "00:00:00"), "a cancelled job ran"
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_finished_training_cancels_the_queued_rest(slurm_cluster, tmp_path, corpus):
@@ -288,11 +317,7 @@ def test_finished_training_cancels_the_queued_rest(slurm_cluster, tmp_path, corp
         "signal": None,
         "exit_code": 0,
     }
-    for job_id in ids[1:]:
-        assert not list((run_dir / "logs").glob(f"*-{job_id}.out")), "a cancelled job ran"
-        state, nodes, elapsed = sacct_run(job_id).split("|")
-        assert state.startswith("CANCELLED"), state
-        assert (nodes, elapsed) == ("None assigned", "00:00:00"), "a cancelled job ran"
+    assert_never_ran(run_dir, ids[1:])
 
 
 @pytest.mark.slurm
@@ -301,21 +326,14 @@ def test_diverged_training_stops_the_chain_without_retries(slurm_cluster, tmp_pa
     """Non-finite steps end job 0 as diverged (exit 3): the chain stops, its reason in the
     manifest, and no retry is spent although two were allowed."""
     run_dir = tmp_path / "run"
-    summary = launch_json(
-        "-n3",
-        "--retries",
-        "2",
-        "--run-dir",
-        str(run_dir),
-        "recipes/train_tiny_fsdp2.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=offline",
+    summary = tiny_training_chain(
+        run_dir,
+        corpus,
+        3,
+        2,
         "train.max_steps=20",
         "train.nonfinite_limit=2",
         "debug.inject_nonfinite_steps=[2,3]",
-        cwd=REPO,
     )
     final = wait_chain(summary["chain_id"], timeout=150)
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "CANCELLED", "CANCELLED"]
@@ -334,24 +352,49 @@ def test_diverged_training_stops_the_chain_without_retries(slurm_cluster, tmp_pa
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_unsavable_checkpoints_block_the_chain_without_retries(
+    slurm_cluster, tmp_path, corpus, small_disk
+):
+    """The run dir's checkpoints are on a read-only disk: job 0's trainer exits 4 before its
+    first step, the chain is blocked, no retry is spent although two were allowed, and the
+    queued jobs are cancelled before they start (each would fail the same way)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(small_disk)
+    summary = tiny_training_chain(run_dir, corpus, 3, 2)
+    final = wait_chain(summary["chain_id"], timeout=150)
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "CANCELLED", "CANCELLED"]
+    manifest = manifest_of(run_dir)
+    ids = [job["job_id"] for job in manifest["jobs"]]
+    assert manifest["status"] == "blocked"
+    assert manifest["ended"] == (
+        f"job 0 (id {ids[0]}): {BLOCKED[4]} (exit 4); no retry: fix it and queue again; "
+        f"cancelled 2 queued job(s): {ids[1]} {ids[2]}"
+    )
+    assert [(job["outcome"], job["replaces"]) for job in manifest["jobs"]] == [
+        ("blocked", None),
+        ("not_started", None),
+        ("not_started", None),
+    ]
+    record = json.loads((run_dir / "job_ends" / f"0-{ids[0]}.json").read_text())
+    assert (record["reason"], record["exit_code"], record["step"]) == ("error", 4, 0)
+    assert_never_ran(run_dir, ids[1:])
+    status = run_tool("orchestrator", "status", summary["chain_id"]).stdout.splitlines()
+    assert "blocked" in status[0], status
+    assert any(line.startswith("warning: the run dir's disk is read-only") for line in status)
+    [row] = [line for line in status if line.split()[:2] == ["0", ids[0]]]
+    assert row.split()[3] == "FAILED" and row.endswith("blocked"), row
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_scancel_during_training_is_reported_as_a_clean_stop(slurm_cluster, tmp_path, corpus):
     """scancel: the ranks save on SIGTERM and torchrun exits 1 on its own signal; the log's last
     line says the training stopped after saving, and the hook spends no retry on it."""
     run_dir = tmp_path / "run"
-    summary = launch_json(
-        "-n1",
-        "--retries",
-        "1",
-        "--run-dir",
-        str(run_dir),
-        "recipes/train_tiny_fsdp2.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=offline",
-        "train.max_steps=500",
-        "checkpoint.interval=1000",
-        cwd=REPO,
+    summary = tiny_training_chain(
+        run_dir, corpus, 1, 1, "train.max_steps=500", "checkpoint.interval=1000"
     )
     job_id = summary["jobs"][0]["job_id"]
     metrics = run_dir / "metrics.jsonl"
