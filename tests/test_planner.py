@@ -7,6 +7,7 @@ in tests/test_planner_memory.py (state) and tests/test_planner_activations.py (a
 from __future__ import annotations
 
 import json
+import resource
 import time
 
 import pytest
@@ -15,6 +16,8 @@ from orchestrator.planner.cluster import Cluster, gpu_preset
 from orchestrator.planner.search import LONG_SEQUENCE, PlanRequest, plan
 from orchestrator.planner.shapes import model_preset
 from tests.helpers import run_tool
+
+PLAN_256_GPUS = ("plan", "--model", "llama_70b", "--gpus", "256", "--global-batch", "512", "--json")
 
 
 def request(model: str, gpus: int, **kw) -> PlanRequest:
@@ -95,16 +98,32 @@ def test_moe_layouts_use_expert_parallelism():
     assert any(item.layout.ep > 1 for item in result.feasible)
 
 
-def test_plan_answers_in_under_a_second_for_256_gpus():
-    req = request("llama_70b", 256, global_batch=512)
-    fastest = min(_timed(req) for _ in range(3))  # the least disturbed of three
-    assert fastest < 1.0, f"{fastest:.2f} s"
-
-
-def _timed(req: PlanRequest) -> float:
-    started = time.perf_counter()
-    plan(req)
-    return time.perf_counter() - started
+def test_the_plan_command_answers_in_under_a_second_without_torch():
+    """``orchestrator plan`` as a user runs it, the console script end to end (interpreter,
+    imports, every layout of a 70B model on 256 GPUs, output), within the docs' second. Its own
+    CPU time, the best of two runs: on an idle machine that is its wall time, and on a busy one
+    (two cores shared with other tests) the other processes' share does not count. The first
+    run lists its imports (``-X importtime``): torch must not be among them."""
+    seconds, imported = [], set()
+    for env in ({"PYTHONPROFILEIMPORTTIME": "1"}, {}):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        done = run_tool("orchestrator", *PLAN_256_GPUS, env=env)
+        wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert done.returncode == 0, done.stderr
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        seconds.append((cpu, wall))
+        imported |= {
+            line.rsplit("|", 1)[-1].strip()
+            for line in done.stderr.splitlines()
+            if line.startswith("import time:")
+        }
+    assert json.loads(done.stdout)["layouts_priced"] > 2000
+    assert "orchestrator.planner.search" in imported
+    assert not [name for name in imported if name.split(".")[0] == "torch"]
+    cpu, wall = min(seconds)
+    assert cpu < 1.0, f"{cpu:.2f} s of CPU ({wall:.2f} s wall)"
 
 
 def test_cli_prints_the_best_layout_as_overrides_and_recipe_lines():

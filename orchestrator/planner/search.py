@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 
 from orchestrator.planner.activations import (
     ActivationLayout,
+    ActivationTerms,
     Microbatch,
     activation_bytes,
+    activation_terms,
+    in_flight,
 )
 from orchestrator.planner.cluster import GIB, Cluster
 from orchestrator.planner.inventory import inventory, stage_param_counts
@@ -270,13 +273,13 @@ def estimate(
         element_bytes=request.element_bytes,
     )
     worst: dict[str, float] = {}
-    activations: dict[tuple, float] = {}
+    terms: dict[tuple, ActivationTerms] = {}
     for rank, state in enumerate(states):
         blocks = cfg.n_layers if plan is None else plan.split[rank]
         part = (blocks, rank == 0, plan is None or rank == layout.pp - 1)
-        if part not in activations:
-            activations[part] = activation_bytes(cfg, batch, act_layout, *part).peak
-        act = activations[part]
+        if part not in terms:
+            terms[part] = activation_terms(cfg, batch, act_layout, part)
+        act = terms[part].peak(in_flight(act_layout, rank))
         memory = {
             "params": state.params,
             "grads": state.grads,

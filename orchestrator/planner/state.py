@@ -9,7 +9,11 @@ it (``orchestrator.planner.inventory``) and counts what the trainer allocates fo
 - AdamW (fused): two fp32 moments per parameter in its unpadded local shape, and one fp32
   step count per tensor.
 
-The trainer's ``memory`` record of metrics.jsonl measures the same three figures per rank.
+The figure is that of a pipeline stage's busiest rank: TP rank 0 (the largest ``torch.chunk``
+piece) and FSDP shard 0, which is never short of its ``ceil(n / shards)`` rows. The other
+ranks of the stage hold as much (padded parameters and gradients) or less (shorter TP pieces,
+unpadded moments). The trainer's ``memory`` record of metrics.jsonl measures the same three
+figures per rank; tests/test_planner_memory.py holds them equal.
 """
 
 from __future__ import annotations
@@ -117,20 +121,16 @@ def local_shape(tensor: ParamTensor, dims: ParallelDims, tp_rank: int) -> list[i
     return shape
 
 
-def fsdp_shard(
-    tensor: ParamTensor, shape: list[int], dims: ParallelDims, n_experts: int
-) -> tuple[int, int]:
-    """(padded, unpadded) elements of this rank's FSDP2 shard of a tensor of local ``shape``."""
+def fsdp_shard(tensor: ParamTensor, shape: list[int], dims: ParallelDims, n_experts: int) -> int:
+    """Elements of FSDP2 shard 0 of a tensor of local ``shape``: ``ceil(rows / shards)`` rows.
+    (FSDP2 gives rank r rows [r * that, (r + 1) * that), padding the rows past the end.)"""
     if tensor.expert:
         shards = dims.efsdp
         dim = 1 if dims.efsdp * dims.ep > n_experts else 0
     else:
         shards, dim = dims.dp_shard * dims.cp, 0
     rest = math.prod(shape[:dim] + shape[dim + 1 :])
-    padded_rows = math.ceil(shape[dim] / shards)
-    # Shards of one size: FSDP2 gives rank r rows [r * padded, (r + 1) * padded) of the tensor,
-    # and the rows past its end are padding; the busiest (rank 0) holds a full shard.
-    return padded_rows * rest, min(padded_rows, shape[dim]) * rest
+    return math.ceil(shape[dim] / shards) * rest
 
 
 def state_bytes(
@@ -143,17 +143,14 @@ def state_bytes(
     pp_rank: int = 0,
     tp_rank: int = 0,
 ) -> StateBytes:
-    """One rank's parameter, gradient and optimizer-state bytes (rank 0 of its FSDP group: the
-    ranks of a group differ only in how much of their padded shard is real)."""
+    """The parameter, gradient and optimizer-state bytes of pipeline rank ``pp_rank``, TP rank
+    ``tp_rank``, FSDP shard 0."""
     fsdp = uses_fsdp(dims, strategy, bf16)
     params = grads = optimizer = 0
     for tensor, count in held(inventory, plan, pp_rank):
         shape = local_shape(tensor, dims, tp_rank)
-        if fsdp:
-            padded, real = fsdp_shard(tensor, shape, dims, n_experts)
-        else:
-            padded = real = math.prod(shape)
-        params += count * padded * FP32
-        grads += count * padded * FP32
-        optimizer += count * (ADAM_MOMENTS * real + 1) * FP32
+        local = fsdp_shard(tensor, shape, dims, n_experts) if fsdp else math.prod(shape)
+        params += count * local * FP32
+        grads += count * local * FP32
+        optimizer += count * (ADAM_MOMENTS * local + 1) * FP32
     return StateBytes(params, grads, optimizer)
