@@ -15,10 +15,15 @@ from pathlib import Path
 
 import jiwer
 import pytest
+from hydra import compose, initialize_config_module
 from lhotse import CutSet
+from omegaconf import OmegaConf
 
+from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from tests.helpers import launch_json, run_tool, wait_chain
 from train.data import load_cuts
+from train.evaluate import preflight
+from train.trainer import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones
@@ -182,6 +187,8 @@ def test_an_external_manifest_with_audio_only(dense_run, corpus, tmp_path):
 
 
 def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
+    """Each refusal is one ConfigError line from preflight (checked in this process); the
+    command turns one into exit 2 and a single ``error:`` line on every rank's behalf."""
     empty = tmp_path / "empty.jsonl.gz"
     CutSet.from_cuts([]).to_file(empty)
     unlabelled = tmp_path / "unlabelled.jsonl.gz"
@@ -195,10 +202,17 @@ def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
         ([f"run_dir={dense_run}", "parallel.cp=2"], "context parallelism has nothing to split"),
     ]
     for args, message in cases:
-        result = run_module("train.evaluate", *args)
-        assert result.returncode == 2, (args, result.stderr[-2000:])
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and message in errors[0], (args, result.stderr[-2000:])
+        with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
+            raw = compose("evaluate", overrides=args)
+        with pytest.raises(ConfigError, match=message) as refused:
+            preflight(OmegaConf.to_object(raw))
+        assert "\n" not in str(refused.value)
+    args, message = cases[-1]
+    result = run_module("train.evaluate", *args, nproc=2)
+    assert result.returncode != 0, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "exitcode  : 2" in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.slurm
