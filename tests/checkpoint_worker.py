@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tests.dist_equivalence_worker import full_params, synthetic_batch
+from tests.synthetic import full_params, synthetic_batch
 from train.checkpoint import CheckpointManager
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline

@@ -4,7 +4,7 @@ The layout tests run tests/checkpoint_worker.py under torchrun (gloo, CPU): the 
 3 AdamW steps at FSDP2 x TP 2x2 and is saved, then loaded at 2x2, at FSDP2 4x1 and into one
 plain process. Loaded parameters must equal the saved ones bitwise. One more step from the loaded
 state must match one more step from the in-memory state: exactly enough at the same layout, and
-within the tolerance of tests/test_parallel_equivalence.py elsewhere (the step's gradients are
+within the tolerance of tests/test_trainer_equivalence.py elsewhere (the step's gradients are
 summed in another order). An optimizer state that failed to load would move parameters by ~lr.
 The other tests run the manager in this process, with no process group and with a group of one.
 """

@@ -71,7 +71,7 @@ def test_every_region_stays_within_its_graph_budget(preset, ac, one_rank_meshes,
     """Dense and MoE, each activation checkpointing mode: at most 4 graphs per region over
     varied shapes, B=1 and no_grad passes, and the numbers of eager. Dynamo's guards decide the
     graph count whatever compiles the graphs: AOT autograd without inductor here (inductor's
-    numbers: the entrypoint test above and test_parallel_equivalence's compiled layouts)."""
+    numbers: the entrypoint test above and test_trainer_equivalence's compiled layouts)."""
     monkeypatch.setattr(compiled_module, "BACKEND", "aot_eager")
     torch._dynamo.reset()
     cfg, cpu = get_preset(preset), torch.device("cpu")

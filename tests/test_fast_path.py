@@ -1,6 +1,6 @@
 """The pieces of the GPU fast path that run anywhere: FLOPs and peaks for MFU, mixed-precision
 numerics, the device-side skip of non-finite steps, foreach clipping, and initialization by
-parameter name. (Compiled blocks and every layout's equivalence: test_parallel_equivalence.py.)
+parameter name. (Compiled blocks and every layout's equivalence: test_trainer_equivalence.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.dist_equivalence_worker import synthetic_batch
+from tests.synthetic import synthetic_batch
 from train.flops import PEAK_FLOPS_ENV, llm_weights_per_position, peak_flops, step_flops
 from train.models.build import build_model
 from train.models.init import canonical_name, init_weights, name_seed

@@ -10,7 +10,9 @@ PRESETS: dict[str, SALMConfig] = {
     "tiny_moe": SALMConfig(n_experts=4, top_k=2, moe_hidden=64),
     # CPU pipeline tests: enough LLM blocks for two stages on each of two ranks.
     "tiny_deep": SALMConfig(n_layers=4),
-    "tiny_moe_deep": SALMConfig(n_layers=4, n_experts=4, top_k=2, moe_hidden=64),
+    # CPU layout tests: 4 KV heads so that tp=4 divides them, 6 LLM blocks for 3 pipeline ranks
+    # of 2 virtual stages each.
+    "tiny_layouts": SALMConfig(n_layers=6, n_kv_heads=4),
     # CPU sweeps: big enough for learning curves to differ between settings.
     "small": SALMConfig(
         enc_dim=192,
