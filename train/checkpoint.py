@@ -51,6 +51,13 @@ optimizer states that are not finite are never written (``NonFiniteState``: rais
 or for an asynchronous save by the finalize, which removes the temporary directory instead of
 marking it). Old checkpoints are pruned by renaming them to ``.trash-*`` and deleting those in a
 background thread, so no rank waits for the deletion.
+
+For tests only: with ``ORCH_TEST_CHECKPOINT_PAUSES`` (``PAUSE_ENV``) set to a directory, a test
+arms a pause at step N by writing a number of seconds to ``DIR/step_N``. Rank 0 then pauses the
+finalize of that step's save (sync or async) for that long, with every rank's files written and
+no marker yet, after renaming the file to ``DIR/step_N.paused``, which then says where it paused:
+the moment for the test to kill the job and tear the save. Each armed file pauses one save (the
+next job's save of the same step goes through). Unset, it costs one environment lookup per save.
 """
 
 from __future__ import annotations
@@ -108,6 +115,10 @@ _DISK_PROBLEMS = {
     errno.EPERM: ("operation not permitted", "fix the permissions or move the run dir"),
 }
 _PROBE_BYTES = 1 << 16  # written and fsynced at start: a full or read-only disk refuses it
+# Tests only (the module docstring): the directory of armed pauses, and what an armed file is
+# renamed to when its pause begins.
+PAUSE_ENV = "ORCH_TEST_CHECKPOINT_PAUSES"
+PAUSED_SUFFIX = ".paused"
 
 
 class CheckpointError(RuntimeError):
@@ -457,6 +468,26 @@ def _describe(exc: BaseException, where: Path) -> dict:
     return {"errno": _disk_errno(where), "path": None, "reason": reason}
 
 
+def _pause_if_armed(armed: Path, pending: _Pending) -> None:
+    """The test hook (``PAUSE_ENV``): if ``armed/step_N`` exists for this save, disarm it by
+    renaming it to ``step_N.paused`` (holding the line below, so a test that sees the file can
+    read it whole), then sleep its number of seconds before the marker is written."""
+    arm = armed / f"step_{pending.step}"
+    try:
+        seconds = float(arm.read_text())
+    except FileNotFoundError:
+        return
+    how = "written in the background" if pending.future is not None else "written"
+    line = (
+        f"checkpoint write paused at {pending.tmp} for {seconds:g} s: its files {how}, "
+        f"no {MARKER} marker yet ({PAUSE_ENV})"
+    )
+    _write_durably(arm, f"{line}\n")
+    arm.rename(arm.with_name(f"{arm.name}{PAUSED_SUFFIX}"))
+    log.warning(line)
+    time.sleep(seconds)
+
+
 def _remove_all(paths: list[Path]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
@@ -745,6 +776,8 @@ class CheckpointManager:
 
     def _complete(self, pending: _Pending, final: Path) -> dict | None:
         """Rank 0: state.json, then the marker, then the rename; the failure, if any."""
+        if PAUSE_ENV in os.environ:
+            _pause_if_armed(Path(os.environ[PAUSE_ENV]), pending)
         try:
             _write_durably(pending.tmp / STATE_FILE, pending.state_json)
             _fsync_dir(pending.tmp)
