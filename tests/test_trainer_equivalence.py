@@ -6,7 +6,9 @@ every step, ``global_counts``, the step runners, fused AdamW with its ``found_in
 weight decay, ``clip_grad_norm`` grouping gradients by mesh and summing over pipeline stages, a
 clip small enough that every step is clipped, warm-up then cosine decay, ``read_back``'s
 reductions, and the final DCP checkpoint. Losses, gradient norms (before clipping) and tokens
-per step, and the final weights, must match a single-process run.
+per step, the final weights and the validation loss of the dev split (each rank's share of its
+batches, reduced over data-parallel, context-parallel and pipeline ranks), must match a
+single-process run.
 
 Which single process: data-parallel ranks read every ``dp``-th batch of one shuffled order
 (lhotse's ``rank``/``world_size``), so a step of ``dp`` ranks with ``grad_accum`` batches each
@@ -52,6 +54,7 @@ COMMON = (
     "optim.weight_decay=0.1",
     f"optim.grad_clip={GRAD_CLIP}",
     "checkpoint.interval=100",
+    "eval.interval=100",  # one validation pass, as the job ends
     "wandb.enabled=false",
 )
 LOSS_RTOL = 1e-5
@@ -128,6 +131,7 @@ CASES = {
 class Trained:
     steps: list[dict]  # per step: loss, grad_norm, tokens_seen
     weights: dict[str, torch.Tensor]
+    validation: dict  # val_loss and val_tokens of the final weights over the dev split
     params_bytes: list[int]  # per rank
     log: str  # rank 0's stderr
 
@@ -140,10 +144,16 @@ def run(run_dir: Path, corpus: Path, preset: str, nproc: int, *overrides: str) -
         for row in rows
         if "loss" in row
     ]
+    [validation] = [
+        {key: row[key] for key in ("step", "val_loss", "val_tokens")}
+        for row in rows
+        if "val_loss" in row
+    ]
     memory = [row["memory"] for row in _all_rows(run_dir) if "memory" in row]
     return Trained(
         steps,
         final_weights(run_dir, STEPS, run_dir.parent),
+        validation,
         [rank["params_bytes"] for rank in memory[0]],
         done.stderr,
     )
@@ -177,6 +187,8 @@ def test_layout_trains_like_one_process(name, reference, corpus, tmp_path):
     assert all(s["grad_norm"] > GRAD_CLIP for s in want.steps), "clipping never clipped"
     assert want.steps[-1]["loss"] < want.steps[0]["loss"], "the reference did not train"
     assert [s["tokens_seen"] for s in got.steps] == [s["tokens_seen"] for s in want.steps]
+    assert got.validation["val_tokens"] == want.validation["val_tokens"]
+    assert got.validation["val_loss"] == pytest.approx(want.validation["val_loss"], rel=LOSS_RTOL)
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(
             torch.tensor([s[key] for s in got.steps], dtype=torch.float64),
