@@ -19,12 +19,15 @@ with the number of ranks. One reference run per model and number of batches per 
 every layout that reads as many. All runs stay inside the first epoch, whose last batches lhotse
 deals out differently to different numbers of ranks.
 
-Tolerance (fp32): losses and gradient norms rtol 1e-5, weights atol 2e-5 after 4 AdamW steps at
-lr 3e-3. Sharded reductions and matmuls change the summation order; the worst measured were 1.7e-7
-on losses, 1.3e-6 on gradient norms and 3.9e-6 on weights (FSDP x TP), 5-8x inside the bounds.
-A gradient left partial or a norm not summed over the pipeline moves the norm by far more than
-1e-5 and the weights by ~lr; a wrong loss scale, which AdamW's update would hide, shows in the
-norm. The compiled case (inductor, full activation checkpointing) holds to the same bounds.
+Tolerance (fp32): losses, gradient norms and validation losses rtol 1e-5, weights atol 1e-4
+after 4 AdamW steps at lr 3e-3. Sharded reductions and matmuls change the summation order; the
+worst measured were 1.7e-7 on losses and 1.3e-6 on gradient norms (FSDP x TP), and 1.5e-5 on a
+weight (pp3 interleaved: a projector element whose gradient is near zero, where AdamW's division
+by the gradient's RMS magnifies summation noise), 7-8x inside the bounds. A gradient left
+partial or a norm not summed over the pipeline moves the norm by far more than 1e-5 (the pipeline
+sum skipped: 1.6e-3 on the loss at step 4) and weights by up to ~lr; a wrong loss scale, which
+AdamW's update would hide, shows in the norm. The compiled case (inductor, full activation
+checkpointing) holds to the same bounds.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ COMMON = (
     "wandb.enabled=false",
 )
 LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 2e-5
+WEIGHT_ATOL = 1e-4
 
 
 @dataclass(frozen=True)
