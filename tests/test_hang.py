@@ -1,6 +1,7 @@
 """A rank that stops mid-training (SIGSTOP: it cannot act, its peer waits in a collective) ends
-the job within ``train.hang_timeout_s`` with exit code 5, not at the job's time limit; a stop
-signal shortens the wait; and the chain's next job resumes from the last checkpoint."""
+the job within ``train.hang_timeout_s`` with exit code 5, not at the job's time limit, whichever
+rank it is and whether it stops in a step, a checkpoint save or validation; a stop signal shortens
+the wait; and the chain's next job resumes from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -10,19 +11,25 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
 import pytest
 
+from orchestrator.chain_hooks import judge
 from tests.helpers import FINISHED, REPO, chain_status, run_tool, wait_chain
 from tests.test_trainer import launch_training, metrics, metrics_or_empty, train
-from train.watchdog import SIGNAL_PATIENCE_S
+from train.config import DebugConfig, TrainConfig, validate
+from train.job_end import read_job_end
+from train.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs a rank that its SIGTERM did not end after this long
 MARGIN_S = 30  # polling, teardown and a loaded 2-core machine
-HUNG_LINE = "error: rank 0: the job is hung"
+HANG_TIMEOUT_S = 15  # above any step, save or validation of the tiny model on a loaded machine
+HUNG_LINE = "error: rank 0: the job is hung"  # rank 1 stopped
+JOB_ID = "4242"  # a SLURM job id for the end-of-job record (train/job_end.py) outside SLURM
 
 
 def wait_for_step(run_dir: Path, step: int, still_running=lambda: True, timeout: float = 240):
@@ -34,9 +41,52 @@ def wait_for_step(run_dir: Path, step: int, still_running=lambda: True, timeout:
         time.sleep(0.5)
 
 
+@contextmanager
+def two_ranks(
+    run_dir: Path, corpus: Path, log: Path, *overrides: str
+) -> Iterator[subprocess.Popen]:
+    """2-rank training under torchrun, W&B off, stderr in ``log``, as job 0 of a SLURM job (so
+    rank 0 would write its end-of-job record); on the way out no process of it is left, stopped
+    ones included (the ranks have sessions of their own)."""
+    argv = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+        *("-m", "train", f"run_dir={run_dir}", f"data.corpus={corpus}"),
+        *("data.max_duration=8", "wandb.enabled=false", "train.max_steps=1000", *overrides),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": JOB_ID, "ORCH_JOB_INDEX": "0"}
+    with log.open("w") as stderr:
+        torchrun = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        yield torchrun
+    finally:
+        if torchrun.poll() is None:
+            for child in psutil.Process(torchrun.pid).children(recursive=True):
+                with suppress(psutil.Error):
+                    child.kill()
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+
+
 def rank_processes(torchrun: int) -> dict[int, psutil.Process]:
     """torchrun's workers by rank (their RANK environment variable)."""
     return {int(child.environ()["RANK"]): child for child in psutil.Process(torchrun).children()}
+
+
+def rank_stopped(torchrun: int) -> list[psutil.Process]:
+    """torchrun's workers that are stopped (SIGSTOP)."""
+    found = []
+    for rank in psutil.Process(torchrun).children():
+        with suppress(psutil.Error):  # gone meanwhile
+            if rank.status() == psutil.STATUS_STOPPED:
+                found.append(rank)
+    return found
 
 
 def job_ranks(chain: str, job_index: int, rank: int) -> list[psutil.Process]:
@@ -60,62 +110,85 @@ def test_a_negative_hang_timeout_is_refused(tmp_path, corpus):
     assert completed.returncode == 2 and "error: train.hang_timeout_s" in completed.stderr
 
 
+def test_an_unknown_stop_phase_is_refused():
+    with pytest.raises(ValueError, match=r"debug\.stop_in=sleep: choose one of save, validation"):
+        validate(TrainConfig(debug=DebugConfig(stop_in="sleep")))
+
+
 @pytest.mark.parametrize(
-    ("hang_timeout_s", "usr1"),
-    [(15, False), pytest.param(600, True, marks=pytest.mark.slow)],
-    ids=["timeout", "usr1"],
+    ("stopped", "hang_timeout_s", "usr1"),
+    [(0, HANG_TIMEOUT_S, False), pytest.param(1, 600, True, marks=pytest.mark.slow)],
+    ids=["rank0-timeout", "rank1-usr1"],
 )
-def test_a_stopped_rank_ends_the_run(tmp_path, corpus, hang_timeout_s, usr1):
-    """Rank 1 SIGSTOPped after step 3: rank 0's watchdog ends the run with one line and exit 5,
-    after hang_timeout_s (or, once USR1 came, after SIGNAL_PATIENCE_S in a step), and torchrun
-    removes the stopped rank. Without the watchdog gloo would wait 30 minutes."""
+def test_a_stopped_rank_ends_the_run(tmp_path, corpus, stopped, hang_timeout_s, usr1):
+    """A rank SIGSTOPped after step 3: the other rank's watchdog ends the run with one line and
+    exit 5, after hang_timeout_s (or, once USR1 came, after SIGNAL_PATIENCE_S in a step), and
+    torchrun removes the stopped rank. Without the watchdog gloo would wait 30 minutes. Rank 0,
+    stopped or ended by its watchdog, writes no end-of-job record, and none is needed: the
+    chain's hook judges the job failed from the launcher's status (the next job resumes)."""
     run_dir, log = tmp_path / "run", tmp_path / "stderr.log"
-    argv = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
-        *("-m", "train", f"run_dir={run_dir}", f"data.corpus={corpus}", "data.max_duration=8"),
-        *("wandb.enabled=false", "train.max_steps=1000", "checkpoint.interval=2"),
-        f"train.hang_timeout_s={hang_timeout_s}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("w") as stderr:
-        torchrun = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    stopped = None
-    ranks: dict[int, psutil.Process] = {}
-    try:
+    overrides = ("checkpoint.interval=2", f"train.hang_timeout_s={hang_timeout_s}")
+    with two_ranks(run_dir, corpus, log, *overrides) as torchrun:
         wait_for_step(run_dir, 3, lambda: torchrun.poll() is None)
         ranks = rank_processes(torchrun.pid)
-        stopped = ranks[1]
-        stopped.suspend()
+        ranks[stopped].suspend()
         paused = time.monotonic()
         if usr1:
-            ranks[0].send_signal(signal.SIGUSR1)
+            ranks[1 - stopped].send_signal(signal.SIGUSR1)
         expected = SIGNAL_PATIENCE_S if usr1 else hang_timeout_s
         with suppress(subprocess.TimeoutExpired):
             torchrun.wait(timeout=expected + TORCHRUN_KILL_S + MARGIN_S)
         took = time.monotonic() - paused
         returncode = torchrun.poll()
-    finally:
-        for rank in ranks.values():  # they have sessions of their own: never leave one behind
-            with suppress(psutil.Error):
-                rank.kill()
-        if torchrun.poll() is None:
-            os.killpg(torchrun.pid, signal.SIGKILL)
-            torchrun.wait()
     stderr = log.read_text()
     assert returncode is not None, f"still running {took:.0f} s after the stop: {stderr[-3000:]}"
     assert returncode != 0 and "exitcode  : 5" in stderr, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(HUNG_LINE), stderr[-3000:]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith(f"error: rank {1 - stopped}: the job is hung"), errors[0]
     assert f"train.hang_timeout_s={hang_timeout_s}" in errors[0]
     assert ("SIGUSR1 came" in errors[0]) == usr1, errors[0]
     assert took > expected - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
+    record = read_job_end(run_dir, "0", JOB_ID)
+    assert judge(record, returncode, "", True).outcome == "failed", record
+
+
+@pytest.mark.parametrize(
+    ("stop_in", "stopped", "overrides"),
+    [("save", 1, ("checkpoint.interval=2",)), ("validation", 0, ("eval.interval=2",))],
+    ids=["rank1-save", "rank0-validation"],
+)
+def test_a_rank_hung_in_a_save_or_validation_ends_the_run(
+    tmp_path, corpus, stop_in, stopped, overrides
+):
+    """A rank stops itself (debug.stop_in: SIGSTOP) as it begins its first save, or validation,
+    at step 2. The other rank waits for it inside that phase; its watchdog names the phase and
+    exits 5 after hang_timeout_s."""
+    run_dir, log = tmp_path / "run", tmp_path / "stderr.log"
+    faulty = (f"debug.stop_in={stop_in}", f"debug.stop_rank={stopped}")
+    timeout = f"train.hang_timeout_s={HANG_TIMEOUT_S}"
+    with two_ranks(run_dir, corpus, log, timeout, *faulty, *overrides) as torchrun:
+        deadline = time.monotonic() + 240
+        while not rank_stopped(torchrun.pid):
+            assert torchrun.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no rank stopped: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        paused = time.monotonic()
+        while "the job is hung" not in log.read_text():
+            in_time = time.monotonic() - paused < HANG_TIMEOUT_S + MARGIN_S
+            assert in_time and torchrun.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        took = time.monotonic() - paused
+        for rank in rank_stopped(torchrun.pid):  # sooner than torchrun would (tested above)
+            rank.kill()
+        returncode = torchrun.wait(timeout=MARGIN_S)
+    stderr = log.read_text()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith(f"error: rank {1 - stopped}: the job is hung: no progress for ")
+    assert f" s in {STOPPABLE[stop_in]} after step 2 ({timeout})" in errors[0], errors[0]
+    assert took > HANG_TIMEOUT_S - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
+    assert returncode != 0 and "exitcode  : 5" in stderr, stderr[-3000:]
 
 
 @pytest.mark.slurm

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from orchestrator.seeds import SEED_LIMIT
 from train.parallel_dims import STRATEGIES
+from train.watchdog import STOPPABLE
 
 AC_MODES = ("none", "full", "selective")
 MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
@@ -114,6 +115,11 @@ class DebugConfig:
     # ... and at these steps, after the update, rank 0 fills a parameter with inf (as an
     # overflowing update would): the checkpoint guard must refuse to save it.
     inject_nonfinite_params: list[int] = field(default_factory=list)
+    # ... and rank ``stop_rank`` stops itself (SIGSTOP, as a frozen node would) as it begins its
+    # first ``stop_in`` ("save" or "validation"; "": never): a rank hung inside a phase the hang
+    # watchdog watches besides steps (tests/test_hang.py).
+    stop_in: str = ""
+    stop_rank: int = 0
 
 
 @dataclass
@@ -201,6 +207,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"train.grad_accum={cfg.train.grad_accum}: must be at least 1")
     if cfg.train.hang_timeout_s < 0:
         raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
+    if cfg.debug.stop_in not in ("", *STOPPABLE):
+        raise ValueError(f"debug.stop_in={cfg.debug.stop_in}: choose one of {', '.join(STOPPABLE)}")
     if cfg.train.max_steps_per_run < 0:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
     if cfg.eval.interval < 0 or cfg.eval.max_duration < 0:

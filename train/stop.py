@@ -9,6 +9,7 @@ next job of the chain resumes from that checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import signal
 import time
 
@@ -24,6 +25,12 @@ class StopRequest:
     def install(self) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
+        # As the interpreter exits, Python puts back the default action of every signal it
+        # handled, and USR1's terminates. The batch script passes USR1 on every 5 s until the
+        # training has exited, so one landing then would kill a rank that saved and is exiting
+        # cleanly (torchrun: exit 1, the job FAILED). From exit on it is ignored again, as the
+        # ranks started.
+        atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.signal_name = signal.Signals(signum).name

@@ -271,7 +271,8 @@ class Trainer:
                 PAD_ID,
             )
         self.validated_step = -1
-        self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank)
+        stop_in = cfg.debug.stop_in if cfg.debug.stop_rank == self.rank else None
+        self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank, stop_in)
         self.signalled = False  # a stop signal (not a budget) ended training
         self.coords = mesh_coordinates(dims, self.rank)
         self.step = 0

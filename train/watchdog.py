@@ -45,6 +45,7 @@ RESTORE = "loading the checkpoint"
 STEP = "a training step"
 SAVE = "a checkpoint save"
 VALIDATION = "validation"
+STOPPABLE = {"save": SAVE, "validation": VALIDATION}  # debug.stop_in's phases
 
 
 def process_group_timeout(hang_timeout_s: float) -> timedelta | None:
@@ -69,11 +70,14 @@ class Watchdog:
     """``with Watchdog(timeout_s, rank):`` watches the loop; ``beat`` marks progress.
 
     ``timeout_s`` 0 turns it off. Enter it from the main thread (it sets the signal wakeup fd).
+    ``stop_in`` (a ``STOPPABLE`` name) is a test's fault (``debug.stop_in``): the rank stops
+    itself with SIGSTOP as it begins its first phase of that kind, a real hang at a chosen point.
     """
 
-    def __init__(self, timeout_s: float, rank: int) -> None:
+    def __init__(self, timeout_s: float, rank: int, stop_in: str | None = None) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
+        self._stop_in = STOPPABLE[stop_in] if stop_in else None
         self._last = Beat(time.monotonic(), 0, START)
         self._slowest: dict[str, float] = {}  # the longest of each phase so far
         self._signal: tuple[str, float] | None = None  # (name, time) of the first stop signal
@@ -89,6 +93,9 @@ class Watchdog:
         if last.phase != START:
             self._slowest[last.phase] = max(self._slowest.get(last.phase, 0.0), now - last.time)
         self._last = Beat(now, step, phase)
+        if phase == self._stop_in:
+            self._stop_in = None
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def __enter__(self) -> Watchdog:
         if self.timeout_s <= 0:
