@@ -4,16 +4,23 @@ The SLURM tests run on the loopback cluster; the first few need no SLURM."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from orchestrator import cluster, processes
 from orchestrator.backends.run_dir import EXIT_LINE, STOPPED_LINE, run_dir_status
 from orchestrator.chain_hooks import BLOCKED, judge, outcome_line
 from orchestrator.seeds import chain_seeds
+from tests.conftest import cluster_cli
 from tests.helpers import REPO, launch_json, run_tool, wait_chain, write_sub
 from tests.test_trainer import launch_training
 from train.job_end import job_end_record
@@ -422,3 +429,139 @@ def test_scancel_during_training_is_reported_as_a_clean_stop(slurm_cluster, tmp_
         f"[orch] training stopped on SIGTERM after saving step {record['step']} ("
     ), log[-3000:]
     assert "training exited with status" not in log
+
+
+def hook_env(run_dir: Path, chain_id: str, job_id: str) -> dict[str, str]:
+    """What a batch script of the chain hands its hook (its own job id not in the manifest)."""
+    return {
+        **os.environ,
+        "ORCH_RUN_DIR": str(run_dir),
+        "ORCH_CHAIN_ID": chain_id,
+        "SLURM_JOB_ID": job_id,
+        "PYTHONPATH": str(REPO),
+    }
+
+
+@pytest.mark.slurm
+def test_hooks_judging_one_failure_at_once_queue_one_replacement(slurm_cluster, tmp_path):
+    """Job 0 dies without its end hook, so whichever hook runs next judges it. Three start hooks
+    run at the same moment, as three batch scripts starting together would: the chain lock lets
+    one of them judge and replace it, and the others find it judged. Retries are not what stops
+    them: three were allowed."""
+    recipe = write_sub(tmp_path / "at_once.sub", HOOKED_BODY)  # the jobs' name in the queue
+    run_dir = tmp_path / "run"
+    summary = launch_json(
+        "-n1", "--retries", "3", "--run-dir", str(run_dir), str(recipe), env={"KILL_AT": "0"}
+    )
+    chain_id = summary["chain_id"]
+    assert [job["state"] for job in wait_chain(chain_id, timeout=60)["jobs"]] == ["FAILED"]
+    hooks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.chain_hooks", "start"],
+            env=hook_env(run_dir, chain_id, f"9999{n}"),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(3)
+    ]
+    said = [hook.communicate(timeout=60)[0] for hook in hooks]
+    assert [hook.returncode for hook in hooks] == [0, 0, 0], said
+    assert sum("to replace job 0: retry 1 of 3" in out for out in said) == 1, said
+    assert sum("queued job" in out for out in said) == 1, said
+    jobs = manifest_of(run_dir)["jobs"]
+    assert [(job["index"], job["replaces"]) for job in jobs] == [(0, None), (1, 0)], jobs
+    final = wait_chain(chain_id, timeout=60)
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
+    # SLURM agrees (it keeps ended jobs for MinJobAge): no job of that name beyond the two.
+    queued = subprocess.run(
+        ["squeue", "--states=all", "--name=at_once", "--noheader", "--format=%i"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
+    assert sorted(queued) == sorted(job["job_id"] for job in jobs), queued
+    assert (run_dir / "ran").read_text().split()[::2] == ["0", "1"]
+
+
+def lose_node(directory: Path, node: str, job_id: str) -> None:
+    """The node dies under the job, as a power loss would: its slurmd first, then the job's
+    slurmstepds (before their children, so none reports the job's end), then what they ran;
+    on the loopback cluster killing slurmd alone would leave the job running. slurmctld would
+    mark the silent node DOWN within ~15 s (test_cluster_faults.py); told at once, it ends the
+    job NODE_FAIL the same way, without that wait."""
+    os.kill(cluster.daemon_pids(directory)[f"slurmd-{node}"], signal.SIGKILL)
+    live = list(processes.live_processes())
+    stepds = [p for p in live if f"[{job_id}." in " ".join(processes.command_line(p.pid))]
+    tasks = [p for p in live if processes.environment(p).get("SLURM_JOB_ID") == job_id]
+    for process in [*stepds, *tasks]:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    down = ["scontrol", "update", f"nodename={node}", "state=down", "reason=lost in a test"]
+    subprocess.run(down, check=True, timeout=30)
+
+
+def newest_complete(run_dir: Path) -> int:
+    steps = [int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step_*/COMPLETE")]
+    return max(steps)
+
+
+def resumed_from(run_dir: Path, step: int) -> str:
+    """The trainer's log line on resuming from checkpoint ``step`` of the run dir."""
+    return f"resumed from {run_dir / 'checkpoints' / f'step_{step}'} at step {step}"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_training_job_whose_node_fails_is_replaced(slurm_cluster, tmp_path, corpus):
+    """Job 0's node dies mid-training (its batch shell with it, so no end hook runs). SLURM ends
+    it NODE_FAIL; job 1, started by afterany on the other node, resumes from the newest complete
+    checkpoint and, judging job 0 at its start, queues one replacement; that resumes from job 1's
+    last save and finishes the training (8 steps, at most 4 per job)."""
+    run_dir = tmp_path / "run"
+    summary = tiny_training_chain(
+        run_dir,
+        corpus,
+        2,
+        1,
+        "train.max_steps=8",
+        "train.max_steps_per_run=4",
+        "checkpoint.interval=2",
+    )
+    chain_id, job0 = summary["chain_id"], summary["jobs"][0]["job_id"]
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists():
+        assert time.monotonic() < deadline, "job 0 saved no checkpoint"
+        time.sleep(0.1)
+    node = subprocess.run(
+        ["squeue", "-h", "-j", job0, "-o", "%N"], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
+    try:
+        lose_node(slurm_cluster.directory, node, job0)
+        resumed = newest_complete(run_dir)
+        assert resumed < 4, "job 0 ended its budget before its node was lost"
+        final = wait_chain(chain_id, timeout=240)
+    finally:
+        again = cluster_cli("up", "--dir", str(slurm_cluster.directory))
+    assert again.returncode == 0 and f"restarting slurmd-{node};" in again.stderr, again.stderr
+    assert [job["state"] for job in final["jobs"]] == ["NODE_FAIL", "COMPLETED", "COMPLETED"]
+    manifest = manifest_of(run_dir)
+    jobs = manifest["jobs"]
+    assert manifest["status"] == "complete", manifest
+    assert [(job["outcome"], job["replaces"]) for job in jobs] == [
+        ("failed", None),
+        ("stopped", None),
+        ("finished", 0),
+    ]
+    assert jobs[2]["reason"] == "ended NODE_FAIL without running its end hook"
+    assert jobs[2]["dependency"] == f"afterany:{jobs[1]['job_id']}"
+    logs = [
+        run_tool("orchestrator", "logs", chain_id, "--job", str(index)).stdout for index in (1, 2)
+    ]
+    assert resumed_from(run_dir, resumed) in logs[0]
+    assert "to replace job 0: retry 1 of 1" in logs[0]
+    assert [log.count("[orch] chain: queued job") for log in logs] == [1, 0]
+    assert resumed_from(run_dir, resumed + 4) in logs[1]
+    status = run_tool("orchestrator", "status", chain_id).stdout
+    assert "complete" in status.splitlines()[0], status
+    assert "replaces job 0 (ended NODE_FAIL without running its end hook)" in status, status
