@@ -37,6 +37,9 @@ from tests.test_trainer import metrics, train
 from train import checkpoint
 from train.checkpoint import (
     MARKER,
+    PAUSE_ENV,
+    PAUSED_SUFFIX,
+    WRITE_PAUSE_PREFIX,
     CheckpointError,
     CheckpointManager,
     CheckpointSaveError,
@@ -755,14 +758,23 @@ def _assert_same_state(a: dict, b: dict) -> None:
 def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpus):
     """Two FSDP ranks: with checkpoint.async_save the losses, every checkpoint and the final
     weights are bitwise those of synchronous saves; a job resumed from a checkpoint written in
-    the background while training went on (step_4) continues exactly."""
+    the background while training went on (step_4) continues exactly. Step 2's write is held
+    for a few seconds (the test hook PAUSE_ENV) while steps 3 and 4 change every weight in
+    place: it must write the staged copy of step 2, not the live tensors."""
     common = ("seed=5", "train.max_steps=8", "checkpoint.interval=2", "checkpoint.keep=10",
               "wandb.enabled=false")  # fmt: skip
     sync, async_ = tmp_path / "sync", tmp_path / "async"
     train(sync, corpus, *common, nproc=2)
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    held = pauses / f"{WRITE_PAUSE_PREFIX}step_2"
+    held.write_text("4\n")
     first = train(async_, corpus, *common, "checkpoint.async_save=true",
-                  "train.max_steps_per_run=5", nproc=2)  # fmt: skip
+                  "train.max_steps_per_run=5", nproc=2, env={PAUSE_ENV: str(pauses)})  # fmt: skip
     assert "step_2: being written in the background" in first.stderr
+    assert (
+        "its staged copy not yet written" in held.with_name(held.name + PAUSED_SUFFIX).read_text()
+    )
     for step in (2, 4, 5):
         assert (async_ / "checkpoints" / f"step_{step}" / MARKER).is_file(), step
         if step != 5:

@@ -56,8 +56,11 @@ For tests only: with ``ORCH_TEST_CHECKPOINT_PAUSES`` (``PAUSE_ENV``) set to a di
 arms a pause at step N by writing a number of seconds to ``DIR/step_N``. Rank 0 then pauses the
 finalize of that step's save (sync or async) for that long, with every rank's files written and
 no marker yet, after renaming the file to ``DIR/step_N.paused``, which then says where it paused:
-the moment for the test to kill the job and tear the save. Each armed file pauses one save (the
-next job's save of the same step goes through). Unset, it costs one environment lookup per save.
+the moment for the test to kill the job and tear the save. ``DIR/write_step_N`` instead pauses
+an asynchronous save's background thread before DCP writes the staged copy, while training goes
+on and changes the live weights: the staged copy must still be written. Each armed file pauses
+one save (the next job's save of the same step goes through). Unset, it costs one environment
+lookup per save.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ _PROBE_BYTES = 1 << 16  # written and fsynced at start: a full or read-only disk
 # renamed to when its pause begins.
 PAUSE_ENV = "ORCH_TEST_CHECKPOINT_PAUSES"
 PAUSED_SUFFIX = ".paused"
+WRITE_PAUSE_PREFIX = "write_"  # + the step's name: a pause before an async save's DCP write
 
 
 class CheckpointError(RuntimeError):
@@ -468,20 +472,15 @@ def _describe(exc: BaseException, where: Path) -> dict:
     return {"errno": _disk_errno(where), "path": None, "reason": reason}
 
 
-def _pause_if_armed(armed: Path, pending: _Pending) -> None:
-    """The test hook (``PAUSE_ENV``): if ``armed/step_N`` exists for this save, disarm it by
-    renaming it to ``step_N.paused`` (holding the line below, so a test that sees the file can
-    read it whole), then sleep its number of seconds before the marker is written."""
-    arm = armed / f"step_{pending.step}"
+def _pause_if_armed(arm: Path, tmp: Path, what: str) -> None:
+    """The test hook (``PAUSE_ENV``): if ``arm`` exists, disarm it by renaming it to
+    ``<arm>.paused`` (holding the line below, so a test that sees the file can read it whole),
+    then sleep its number of seconds."""
     try:
         seconds = float(arm.read_text())
     except FileNotFoundError:
         return
-    how = "written in the background" if pending.future is not None else "written"
-    line = (
-        f"checkpoint write paused at {pending.tmp} for {seconds:g} s: its files {how}, "
-        f"no {MARKER} marker yet ({PAUSE_ENV})"
-    )
+    line = f"checkpoint write paused at {tmp} for {seconds:g} s: {what} ({PAUSE_ENV})"
     _write_durably(arm, f"{line}\n")
     arm.rename(arm.with_name(f"{arm.name}{PAUSED_SUFFIX}"))
     log.warning(line)
@@ -686,7 +685,7 @@ class CheckpointManager:
         if self._staging is not None:
             staged = self._staging.stage(state)
             writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
-            pending.future = writer.submit(self._write, pending.tmp, staged, _rng_state())
+            pending.future = writer.submit(self._write, step, pending.tmp, staged, _rng_state())
             writer.shutdown(wait=False)  # its thread ends with this write
             self._pending = pending
             if _rank() == 0:
@@ -707,7 +706,7 @@ class CheckpointManager:
         self._finalize(pending)
         return final
 
-    def _write(self, tmp: Path, staged: dict, rng: dict[str, Any]) -> _Written:
+    def _write(self, step: int, tmp: Path, staged: dict, rng: dict[str, Any]) -> _Written:
         """The background write of an asynchronous save: the RNG file, then, if every rank's
         staged copy is finite, DCP's files (a collective over this manager's gloo group)."""
         written = _Written()
@@ -718,6 +717,12 @@ class CheckpointManager:
         written.nonfinite, finite = _staged_nonfinite(staged, self._group)
         if not finite:
             return written
+        if PAUSE_ENV in os.environ and _rank() == 0:  # the other ranks wait in dcp.save
+            _pause_if_armed(
+                Path(os.environ[PAUSE_ENV]) / f"{WRITE_PAUSE_PREFIX}step_{step}",
+                tmp,
+                "its staged copy not yet written, training going on",
+            )
         try:
             dcp.save(staged, checkpoint_id=tmp, process_group=self._group)
         except (CheckpointException, OSError) as exc:
@@ -777,7 +782,12 @@ class CheckpointManager:
     def _complete(self, pending: _Pending, final: Path) -> dict | None:
         """Rank 0: state.json, then the marker, then the rename; the failure, if any."""
         if PAUSE_ENV in os.environ:
-            _pause_if_armed(Path(os.environ[PAUSE_ENV]), pending)
+            how = "written in the background" if pending.future is not None else "written"
+            _pause_if_armed(
+                Path(os.environ[PAUSE_ENV]) / f"step_{pending.step}",
+                pending.tmp,
+                f"its files {how}, no {MARKER} marker yet",
+            )
         try:
             _write_durably(pending.tmp / STATE_FILE, pending.state_json)
             _fsync_dir(pending.tmp)
