@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from train.stop import ignore_usr1_from_exit
+
 
 class StopRequest:
     """Set from a signal handler; acted on at a step boundary, where all ranks agree."""
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest()
     signal.signal(signal.SIGUSR1, stop.handle)
     signal.signal(signal.SIGTERM, stop.handle)
+    ignore_usr1_from_exit()
 
     device = init_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -16,6 +16,14 @@ import time
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
+def ignore_usr1_from_exit() -> None:
+    """As the interpreter exits, Python puts back the default action of every signal it
+    handled, and USR1's terminates. The batch script passes USR1 on every 5 s until the
+    training has exited, so one landing then would kill a rank that stopped cleanly (exit 138;
+    torchrun: exit 1, the job FAILED). From exit on it is ignored again, as the ranks started."""
+    atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
+
+
 class StopRequest:
     def __init__(self, max_time_per_run: float = 0.0) -> None:
         self.signal_name: str | None = None
@@ -25,12 +33,7 @@ class StopRequest:
     def install(self) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
-        # As the interpreter exits, Python puts back the default action of every signal it
-        # handled, and USR1's terminates. The batch script passes USR1 on every 5 s until the
-        # training has exited, so one landing then would kill a rank that saved and is exiting
-        # cleanly (torchrun: exit 1, the job FAILED). From exit on it is ignored again, as the
-        # ranks started.
-        atexit.register(signal.signal, signal.SIGUSR1, signal.SIG_IGN)
+        ignore_usr1_from_exit()
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.signal_name = signal.Signals(signum).name
