@@ -213,9 +213,15 @@ def test_a_chain_goes_on_after_a_rank_hangs(slurm_cluster, tmp_path, corpus):
     stopped.suspend()
     paused = time.monotonic()
     try:
+        while not any(HUNG_LINE in log.read_text() for log in (run_dir / "logs").glob("*.out")):
+            assert time.monotonic() - paused < hang_timeout_s + 2 * MARGIN_S, (
+                "no watchdog fired while a rank was stopped"
+            )
+            time.sleep(0.5)
+        stopped.kill()  # sooner than torchrun would (test_a_stopped_rank_ends_the_run)
         while chain_status(chain)["jobs"][0]["state"] not in FINISHED:
-            assert time.monotonic() - paused < hang_timeout_s + TORCHRUN_KILL_S + 2 * MARGIN_S, (
-                "job 0 still runs with a stopped rank"
+            assert time.monotonic() - paused < hang_timeout_s + 3 * MARGIN_S, (
+                "job 0 still runs after its watchdog fired"
             )
             time.sleep(1)
         final = wait_chain(chain, timeout=400)
