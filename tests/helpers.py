@@ -67,6 +67,35 @@ def launch_json(*args: str, cwd: Path | None = None, env: dict | None = None) ->
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+def tiny_training_chain(
+    run_dir: Path,
+    corpus: Path,
+    jobs: int,
+    retries: int,
+    *overrides: str,
+    env: dict | None = None,
+    launch_args: tuple[str, ...] = (),
+) -> dict:
+    """``auto_launch`` of the tiny FSDP2 recipe (2 ranks) on ``corpus``, W&B offline; ``env``
+    reaches the jobs (sbatch exports the submitting environment)."""
+    return launch_json(
+        f"-n{jobs}",
+        "--retries",
+        str(retries),
+        "--run-dir",
+        str(run_dir),
+        *launch_args,
+        "recipes/train_tiny_fsdp2.yaml",
+        "--",
+        f"data.corpus={corpus}",
+        "data.max_duration=8",
+        "wandb.mode=offline",
+        *overrides,
+        cwd=REPO,
+        env=env,
+    )
+
+
 def chain_status(chain: str) -> dict:
     completed = run_tool("orchestrator", "status", chain, "--json")
     assert completed.returncode == 0, completed.stderr

@@ -29,7 +29,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO, launch_json, queue_ids, run_tool, wait_chain, wait_gone
+from tests.helpers import (
+    queue_ids,
+    run_tool,
+    tiny_training_chain,
+    wait_chain,
+    wait_gone,
+)
 from tests.test_trainer import metrics
 from train.checkpoint import MARKER, PAUSE_ENV, PAUSED_SUFFIX
 
@@ -56,23 +62,17 @@ def launch(
 ) -> dict:
     """``auto_launch`` of the tiny FSDP2 recipe (2 ranks) saving every ``INTERVAL`` steps;
     ``env`` reaches the jobs (sbatch exports the submitting environment)."""
-    return launch_json(
-        f"-n{jobs}",
-        "--retries",
-        str(retries),
-        "--run-dir",
-        str(run_dir),
-        "--no-plan-check",  # the planner is not under test here: its check costs ~6 s of CPU
-        "recipes/train_tiny_fsdp2.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=offline",
+    return tiny_training_chain(
+        run_dir,
+        corpus,
+        jobs,
+        retries,
         f"checkpoint.interval={INTERVAL}",
         "checkpoint.keep=10",  # every loaded checkpoint is still there to inspect
         *overrides,
-        cwd=REPO,
         env=env,
+        # the planner is not under test here: its check costs ~6 s of CPU
+        launch_args=("--no-plan-check",),
     )
 
 

@@ -21,7 +21,7 @@ from orchestrator.backends.run_dir import EXIT_LINE, STOPPED_LINE, run_dir_statu
 from orchestrator.chain_hooks import BLOCKED, judge, outcome_line
 from orchestrator.seeds import chain_seeds
 from tests.conftest import cluster_cli
-from tests.helpers import REPO, launch_json, run_tool, wait_chain, write_sub
+from tests.helpers import REPO, launch_json, run_tool, tiny_training_chain, wait_chain, write_sub
 from tests.test_trainer import launch_training
 from train.job_end import job_end_record
 
@@ -262,26 +262,6 @@ def wait_manifest_settled(run_dir: Path, count: int, timeout: float = 60) -> dic
             return manifest
         assert time.monotonic() < deadline, manifest
         time.sleep(0.5)
-
-
-def tiny_training_chain(
-    run_dir: Path, corpus: Path, jobs: int, retries: int, *overrides: str
-) -> dict:
-    """``auto_launch`` of the tiny FSDP2 recipe (2 ranks) on ``corpus``, W&B offline."""
-    return launch_json(
-        f"-n{jobs}",
-        "--retries",
-        str(retries),
-        "--run-dir",
-        str(run_dir),
-        "recipes/train_tiny_fsdp2.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=offline",
-        *overrides,
-        cwd=REPO,
-    )
 
 
 def assert_never_ran(run_dir: Path, job_ids: list[str]) -> None:
