@@ -19,6 +19,7 @@ import jinja2
 from orchestrator.errors import UsageError
 from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
 from orchestrator.resources import packaged_templates
+from train.launch_env import PORT_BASE, PORT_SPAN
 
 _CONTRACT_REFERENCE = re.compile(r"\$\{(" + "|".join(CONTRACT_VARIABLES) + r")\}")
 
@@ -73,7 +74,7 @@ def render_recipe(spec: Recipe) -> str:
     where = f"${TEMPLATE_DIR_ENV} or the orchestrator package"
     try:
         template = template_environment().get_template(name)
-        return template.render(recipe=spec)
+        return template.render(recipe=spec, port_base=PORT_BASE, port_span=PORT_SPAN)
     except jinja2.TemplateNotFound as error:
         raise UsageError(f"template {error.name} not found in {where}") from error
     except jinja2.TemplateError as error:

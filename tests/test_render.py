@@ -20,6 +20,7 @@ from orchestrator.recipe import load_recipe
 from orchestrator.render import render_recipe, shell_word
 from orchestrator.scripts import prepare_script
 from orchestrator.slurm_time import parse_time_minutes
+from train.launch_env import port_for
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -55,6 +56,20 @@ def test_rendered_recipe_matches_golden_file(name: str) -> None:
         golden.write_text(text)
     assert text == golden.read_text(), f"rendering changed; see the module docstring for {golden}"
     subprocess.run(["bash", "-n", str(golden)], check=True)
+
+
+@pytest.mark.parametrize("job_id", ["1", "18818", "32767", "123456789"])
+def test_the_rendezvous_port_is_one_rule_below_the_ephemeral_ports(job_id: str) -> None:
+    """The batch script and the srun/submitit members (train.launch_env) pick the same port, and
+    never one in Linux's ephemeral range: in a CI run, a port there was held by an outgoing socket
+    of the job before, and neither node's torchrun could host the rendezvous."""
+    text = prepare_script(REPO / "recipes" / "smoke_2node.yaml").text
+    (line,) = [line for line in text.splitlines() if line.startswith("export MASTER_PORT=")]
+    shell = f"SLURM_JOB_ID={job_id}; {line}; echo $MASTER_PORT"
+    port = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    assert port.stdout.strip() == port_for(job_id)
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    assert 1024 < int(port_for(job_id)) < min(int(ephemeral[0]), 32768)
 
 
 def test_prepared_yaml_has_directives_and_resources() -> None:
