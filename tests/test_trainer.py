@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,9 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from tests.helpers import REPO, launch_json, run_tool, wait_chain
+from train.config import register
+from train.job_end import read_job_end
+from train.trainer import ConfigError, preflight
 
 
 def train(
@@ -135,12 +142,34 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
         (["eval.interval=5", "eval.split=heldout"], {}, "cuts_heldout.jsonl.gz does not exist"),
     ],
 )
-def test_bad_configs_stop_before_training(tmp_path, corpus, overrides, env, message):
-    completed = train(tmp_path / "run", corpus, *overrides, env=env, check=False)
-    assert completed.returncode == 2, completed.stderr[-2000:]
+def test_bad_configs_stop_before_training(tmp_path, corpus, overrides, env, message, monkeypatch):
+    """Each refusal is one ConfigError line from ``preflight``, which runs before any process
+    group or model exists (checked in this process: the command's side is the test below)."""
+    for name, value in {"WORLD_SIZE": "1", **env}.items():
+        monkeypatch.setenv(name, value)
+    register()
+    with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
+        raw = compose(
+            "tiny_fsdp2",
+            overrides=[f"run_dir={tmp_path / 'run'}", f"data.corpus={corpus}", *overrides],
+        )
+    with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+        preflight(OmegaConf.to_object(raw))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_refused_config_exits_2_with_one_error_line_and_trains_nothing(tmp_path, corpus):
+    """What the chain's hook reads: exit 2, one ``error:`` line, an end record, no checkpoint."""
+    run_dir = tmp_path / "run"
+    overrides = ("parallel.pp=2", "parallel.pp_microbatches=1")
+    job = {"SLURM_JOB_ID": "77", "ORCH_JOB_INDEX": "0"}
+    completed = train(run_dir, corpus, *overrides, nproc=2, env=job, check=False)
+    assert completed.returncode != 0 and "exitcode  : 2" in completed.stderr, completed.stderr
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], completed.stderr[-2000:]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert len(errors) == 1 and "fewer than pp" in errors[0], completed.stderr[-2000:]
+    record = read_job_end(run_dir, "0", "77")
+    assert record is not None and (record["reason"], record["exit_code"]) == ("error", 2)
+    assert not (run_dir / "checkpoints").exists()
 
 
 def test_unknown_config_key_is_refused(tmp_path, corpus):
