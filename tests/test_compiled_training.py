@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from train.mesh import build_meshes
-from train.models import compiled as compiled_module
 from train.models.build import build_model
 from train.models.compiled import GRAPHS_PER_REGION, graph_counts
 from train.models.parallelize import ParallelizeOptions
@@ -67,12 +66,11 @@ def losses_and_grads(model, batches) -> list[torch.Tensor]:
     ("preset", "ac"),
     [("tiny", "full"), ("tiny_moe", "selective")],
 )
-def test_every_region_stays_within_its_graph_budget(preset, ac, one_rank_meshes, monkeypatch):
+def test_every_region_stays_within_its_graph_budget(preset, ac, one_rank_meshes):
     """Dense and MoE, each activation checkpointing mode: at most 4 graphs per region over
     varied shapes, B=1 and no_grad passes, and the numbers of eager. Dynamo's guards decide the
     graph count whatever compiles the graphs: AOT autograd without inductor here (inductor's
-    numbers: the entrypoint test above and test_trainer_equivalence's compiled layouts)."""
-    monkeypatch.setattr(compiled_module, "BACKEND", "aot_eager")
+    numbers on real batches: tests/test_gpu_check.py)."""
     torch._dynamo.reset()
     cfg, cpu = get_preset(preset), torch.device("cpu")
     compiled = build_model(
@@ -80,7 +78,7 @@ def test_every_region_stays_within_its_graph_budget(preset, ac, one_rank_meshes,
         cpu,
         1234,
         one_rank_meshes,
-        ParallelizeOptions(activation_checkpointing=ac, compile=True),
+        ParallelizeOptions(activation_checkpointing=ac, compile=True, compile_backend="aot_eager"),
     )
     eager = build_model(
         cfg, cpu, 1234, one_rank_meshes, ParallelizeOptions(activation_checkpointing=ac)

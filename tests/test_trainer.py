@@ -139,6 +139,7 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
         (["strategy=zero3"], {}, "strategy"),
         (["data.corpus=/nonexistent/corpus"], {}, "make_corpus"),
         (["train.max_steps=0"], {}, "max_steps"),
+        (["compile=true", "compile_backend=inductr"], {}, "not a torch.compile backend"),
         (["eval.interval=5", "eval.split=heldout"], {}, "cuts_heldout.jsonl.gz does not exist"),
     ],
 )

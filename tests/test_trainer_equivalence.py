@@ -26,8 +26,8 @@ weight (pp3 interleaved: a projector element whose gradient is near zero, where 
 by the gradient's RMS magnifies summation noise), 7-8x inside the bounds. A gradient left
 partial or a norm not summed over the pipeline moves the norm by far more than 1e-5 (the pipeline
 sum skipped: 1.6e-3 on the loss at step 4) and weights by up to ~lr; a wrong loss scale, which
-AdamW's update would hide, shows in the norm. The compiled case (inductor, full activation
-checkpointing) holds to the same bounds.
+AdamW's update would hide, shows in the norm. The compiled case (dynamo and AOT autograd, full
+activation checkpointing) holds to the same bounds.
 """
 
 from __future__ import annotations
@@ -112,9 +112,10 @@ CASES = {
     "ep2": Case(MOE, 2, 2, ("parallel.dp_shard=2", "parallel.ep=2")),
     "ep2_tp2": Case(MOE, 4, 2, ("parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2")),
     "pp2_ep2": Case(MOE, 4, 2, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2")),
-    # The GPU recipes' path with inductor: full AC under TP, the combination that once failed in
-    # AOT autograd. One case: each costs minutes of inductor on two cores (MoE regions' graphs
-    # and numbers under aot_eager: tests/test_compiled_training.py).
+    # The GPU recipes' path compiled: full AC under TP, the combination that once failed in AOT
+    # autograd. Dynamo's tracing and AOT autograd without inductor's code generation, which costs
+    # two minutes on two cores (inductor's numbers on real batches: tests/test_gpu_check.py; MoE
+    # regions: tests/test_compiled_training.py).
     "compiled_fsdp2_tp2_full_ac": Case(
         DENSE,
         4,
@@ -123,6 +124,7 @@ CASES = {
             "parallel.dp_shard=2",
             "parallel.tp=2",
             "compile=true",
+            "compile_backend=aot_eager",
             "activation_checkpointing=full",
         ),
         shard_fraction=0.4,

@@ -128,6 +128,9 @@ class TrainConfig:
     run_dir: str = "runs/local"  # recipes pass $ORCH_RUN_DIR, shared by every job of a chain
     strategy: str = "fsdp2"
     compile: bool = False  # torch.compile each block, fullgraph (an MoE block around its dispatch)
+    # What compiles the graphs: inductor generates kernels; aot_eager runs dynamo's guards and
+    # AOT autograd without code generation (to tell a numerics problem from a tracing one).
+    compile_backend: str = "inductor"
     activation_checkpointing: str = "none"  # none | full | selective (keep matmul outputs)
     mixed_precision: bool = True  # bf16 on CUDA: FSDP2 params / fp32 reduce, or ddp autocast
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -107,6 +107,11 @@ def preflight(cfg: TrainConfig) -> tuple[ParallelDims, PipelinePlan | None]:
         validate(cfg)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"compile_backend={cfg.compile_backend}: not a torch.compile backend; "
+            "use inductor (the default) or aot_eager"
+        )
     dims = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     return dims, plan_for(cfg, dims)
 
@@ -236,6 +241,7 @@ class Trainer:
             strategy=cfg.strategy,
             activation_checkpointing=cfg.activation_checkpointing,
             compile=cfg.compile,
+            compile_backend=cfg.compile_backend,
             mixed_precision=cfg.mixed_precision,
         )
         self.pp_group = self.meshes.pp.get_group() if plan is not None else None

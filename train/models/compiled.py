@@ -36,9 +36,6 @@ from typing import Any
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-# What compiles the graphs. Tests of the graph budget swap in "aot_eager" (dynamo's guards and
-# AOT autograd, without inductor's code generation, which costs minutes on two CPU cores).
-BACKEND = "inductor"
 # Graphs a region may need under this policy: (training, validation) x (batch 1, batch > 1).
 GRAPHS_PER_REGION = 4
 
@@ -46,10 +43,12 @@ GRAPHS_PER_REGION = 4
 _REGIONS: dict[tuple[str, types.CodeType], types.CodeType] = {}
 
 
-def compile_region(fn: Callable, region: str, dynamic: Sequence[tuple[int, ...]]) -> Callable:
-    """``fn`` (a function or a bound method) compiled with ``fullgraph=True`` under the code
-    object of ``region``: every callable compiled for the same region and function shares its
-    graphs, and no other region spends its recompile budget.
+def compile_region(
+    fn: Callable, region: str, dynamic: Sequence[tuple[int, ...]], backend: str = "inductor"
+) -> Callable:
+    """``fn`` (a function or a bound method) compiled by ``backend`` with ``fullgraph=True``
+    under the code object of ``region``: every callable compiled for the same region and
+    function shares its graphs, and no other region spends its recompile budget.
 
     ``dynamic[i]`` lists the dimensions of positional argument ``i`` that vary between batches.
     They are marked as the call enters the region, after any hook that replaced the arguments
@@ -67,7 +66,7 @@ def compile_region(fn: Callable, region: str, dynamic: Sequence[tuple[int, ...]]
     compiled = torch.compile(
         own if bound_to is None else types.MethodType(own, bound_to),
         fullgraph=True,
-        backend=BACKEND,
+        backend=backend,
     )
 
     def enter(*args: Any, **kwargs: Any) -> Any:

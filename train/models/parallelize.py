@@ -89,6 +89,7 @@ class ParallelizeOptions:
     strategy: str = "fsdp2"  # "fsdp2" (FSDP, or HSDP with dp_replicate > 1) or "ddp"
     activation_checkpointing: str = "none"  # one of AC_MODES
     compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend (see TrainConfig)
     mixed_precision: bool = True  # bf16 compute on CUDA: FSDP2 params, or autocast under ddp
 
 
@@ -122,7 +123,7 @@ def parallelize(
             apply_ac(layers, options.activation_checkpointing)
     if options.compile:
         for layers, region in zip(blocks, block_regions(model), strict=True):
-            apply_compile(layers, region)
+            apply_compile(layers, region, options.compile_backend)
     if options.strategy == "ddp":
         replicate(model, device_mesh=meshes.dp)
     elif needs_fsdp(meshes, options):
@@ -296,9 +297,9 @@ def _checkpointed(fn: Callable, options: dict) -> Callable:
 _BLOCK_DIMS = ((0, 1), (0,), (0,), (0, 1), (0, 1))
 
 
-def apply_compile(layers: nn.ModuleList | nn.ModuleDict, region: str) -> None:
-    """Compile each block of ``layers`` in place with ``fullgraph=True`` (a graph break fails
-    loudly), under the code object of ``region`` (see ``train.models.compiled``).
+def apply_compile(layers: nn.ModuleList | nn.ModuleDict, region: str, backend: str) -> None:
+    """Compile each block of ``layers`` in place by ``backend`` with ``fullgraph=True`` (a graph
+    break fails loudly), under the code object of ``region`` (see ``train.models.compiled``).
 
     A dense block compiles its (checkpointed) forward; FSDP's and the wrappers' hooks run
     around it in eager. An MoE block compiles as its pieces around the token dispatcher (see
@@ -307,13 +308,13 @@ def apply_compile(layers: nn.ModuleList | nn.ModuleDict, region: str) -> None:
     """
     for _, block in _items(layers):
         if block.moe is None:  # a Block, or its checkpoint wrapper (which forwards ``moe``)
-            block.forward = compile_region(block.forward, region, _BLOCK_DIMS)
+            block.forward = compile_region(block.forward, region, _BLOCK_DIMS, backend)
             continue
-        block.mix = compile_region(block.mix, "moe_mix", _BLOCK_DIMS[:4])
+        block.mix = compile_region(block.mix, "moe_mix", _BLOCK_DIMS[:4], backend)
         moe = block.moe
-        moe.route = compile_region(moe.route, "moe_route", ((0, 1), (0, 1)))
-        moe.combine = compile_region(moe.combine, "moe_combine", ((0,), (0,), (0,)))
-        moe.experts.compute = compile_region(moe.experts.compute, "moe_experts", ((0,),))
+        moe.route = compile_region(moe.route, "moe_route", ((0, 1), (0, 1)), backend)
+        moe.combine = compile_region(moe.combine, "moe_combine", ((0,), (0,), (0,)), backend)
+        moe.experts.compute = compile_region(moe.experts.compute, "moe_experts", ((0,),), backend)
 
 
 def fsdp_mixed_precision(meshes: Meshes, options: ParallelizeOptions) -> bool:
