@@ -8,8 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.test_trainer import metrics, train
+from tests.test_metrics import base_env, of_type, wandb_records
+from tests.test_trainer import final_weights, metrics, train
 from train.batch_hash import batch_hash
 from train.data import (
     DataPosition,
@@ -127,22 +129,48 @@ def test_a_position_past_the_epoch_end_leaves_the_epoch_empty(tiny_corpus):
 )
 def test_resumed_jobs_train_exactly_as_one(tmp_path, corpus, shar, num_workers):
     """2 ranks: one job of E+2 steps == three jobs stopped one step before the end of rank 0's
-    first epoch (E steps) and one step after it, all with the same seed: losses bitwise equal.
-    Each rank's position is saved (on Shar they differ). Mid-epoch positions and a stop exactly
-    at the epoch's end are covered in process above."""
+    first epoch (E steps) and one step after it, all with the same seed: losses and final
+    weights bitwise equal, although only the split run validates (every 3 steps and as each job
+    ends). Each rank's position is saved (on Shar they differ). A fourth job finds training
+    finished. The jobs' offline W&B files form one run whose history goes on where the job
+    before stopped. Mid-epoch positions and a stop exactly at the epoch's end are covered in
+    process above."""
     data = (f"data.shar={str(shar).lower()}", f"data.num_workers={num_workers}")
     rank_0 = loader_for(corpus, shar, num_workers, dp_rank=0, max_duration=8.0, buckets=4)
     epoch = sum(1 for _ in rank_0(0, None))  # rank 0's first epoch, in steps
-    steps = (f"train.max_steps={epoch + 2}", "checkpoint.interval=1000", "checkpoint.keep=10")
+    last = epoch + 2
+    steps = (f"train.max_steps={last}", "checkpoint.interval=1000", "checkpoint.keep=10")
     common = ("seed=7", *steps, *data)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    train(whole, corpus, *common, nproc=2)
+    train(whole, corpus, *common, "wandb.enabled=false", nproc=2)
     stops = [0, epoch - 1, epoch + 1]
+    env = base_env(tmp_path)
     for budget in [*(b - a for a, b in itertools.pairwise(stops)), 0]:
-        train(split, corpus, *common, f"train.max_steps_per_run={budget}", nproc=2)
+        job = train(
+            split,
+            corpus,
+            *common,
+            "eval.interval=3",
+            f"train.max_steps_per_run={budget}",
+            nproc=2,
+            env=env,
+        )
+    assert "resumed from" in job.stderr
+    finished = train(split, corpus, *common, "eval.interval=3", nproc=2, env=env)
+    assert f"training already finished at step {last}" in finished.stderr
+
     losses = [(m["step"], m["loss"]) for m in metrics(whole) if "loss" in m]
-    assert [step for step, _ in losses] == list(range(1, epoch + 3))
+    assert [step for step, _ in losses] == list(range(1, last + 1))
     assert [(m["step"], m["loss"]) for m in metrics(split) if "loss" in m] == losses
+    a, b = final_weights(whole, last, tmp_path), final_weights(split, last, tmp_path)
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    # Every 3 steps and as each job ends (not the job that found training finished).
+    validation = [m for m in metrics(split) if "val_loss" in m]
+    ends = {epoch - 1, epoch + 1, last}
+    assert [m["step"] for m in validation] == sorted(set(range(3, last + 1, 3)) | ends)
+    assert all(m["val_split"] == "dev" and m["val_tokens"] > 0 for m in validation)
+
     # Rank 0's position: its epoch's last batch already counts as the start of the next epoch.
     for step, rank_0 in ((epoch - 1, (0, epoch - 1)), (epoch + 1, (1, 1))):
         state = json.loads((split / "checkpoints" / f"step_{step}" / "state.json").read_text())
@@ -151,3 +179,12 @@ def test_resumed_jobs_train_exactly_as_one(tmp_path, corpus, shar, num_workers):
         assert (positions[0]["epoch"], positions[0]["batch_in_epoch"]) == rank_0
     # On Shar the ranks are at different positions, so resuming rank 1 at rank 0's would fail.
     assert (positions[0] != positions[1]) == shar
+
+    # The W&B run id travels in the checkpoint: every job's offline file is one run's.
+    run_id = state["trainer_state"]["wandb_run_id"]
+    run_files = sorted((split / "wandb").glob("offline-run-*/run-*.wandb"))  # by start time
+    jobs = [wandb_records(path, tmp_path) for path in run_files]
+    assert {run["run_id"] for records in jobs for run in of_type(records, "run")} == {run_id}
+    history = [{row["step"]["num"] for row in of_type(records, "history")} for records in jobs]
+    expected = [set(range(1, epoch)), {epoch, epoch + 1}, {last}]
+    assert history[:3] == expected and not any(history[3:]), history

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer import train
-from train.checkpoint import STATE_FILE
 from train.metrics import (
     METRICS_FILE,
     MetricsLogger,
@@ -211,26 +209,6 @@ def test_wandb_offline_chain_is_one_continuous_run(chain: Chain) -> None:
     assert config["jobs/0/seed"] == 111 and config["jobs/1/seed"] == 222
     assert config["jobs/0/slurm_job_id"] == "1001" and config["jobs/1/slurm_job_id"] == "1002"
     assert config["layout"] == "dp2 tp1" and config["model"] == {"dim": 64}
-
-
-def test_resumed_trainer_jobs_log_to_one_wandb_run(tmp_path: Path, corpus: Path) -> None:
-    """Two real ``python -m train`` jobs, the second resuming the first's checkpoint: the run id
-    travels in the checkpoint (``wandb_run_id``), so both jobs' offline files belong to one W&B
-    run and its history goes on at the step after job 0's last, none logged twice."""
-    run_dir, env = tmp_path / "run", base_env(tmp_path)
-    for _ in range(2):  # steps 1-2, then 3-4
-        train(run_dir, corpus, "train.max_steps=4", "train.max_steps_per_run=2", env=env)
-    saved = json.loads((run_dir / "checkpoints" / "step_4" / STATE_FILE).read_text())
-    run_id = saved["trainer_state"]["wandb_run_id"]
-    run_files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # by start time
-    assert len(run_files) == 2, run_files
-    jobs = [wandb_records(path, tmp_path) for path in run_files]
-    assert [[run["run_id"] for run in of_type(records, "run")] for records in jobs] == [
-        [run_id],
-        [run_id],
-    ]
-    steps = [[row["step"]["num"] for row in of_type(records, "history")] for records in jobs]
-    assert steps == [[1, 2], [3, 4]], steps
 
 
 def test_no_secret_lands_in_any_file(tmp_path: Path) -> None:

@@ -179,36 +179,6 @@ def test_unknown_config_key_is_refused(tmp_path, corpus):
     assert "learning_rate" in completed.stderr
 
 
-@pytest.mark.slow
-def test_resume_is_exact(tmp_path, corpus):
-    """10 steps in one job == 5 + 5 over two jobs, same seed: losses and weights, bitwise, and
-    validation (on in the two jobs only) changes neither."""
-    common = ("seed=7", "train.max_steps=10", "checkpoint.interval=100")
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    train(whole, corpus, *common, nproc=2)
-    validated = (*common, "eval.interval=3")
-    first = train(split, corpus, *validated, "train.max_steps_per_run=5", nproc=2)
-    assert "stopping at step 5" in first.stderr
-    second = train(split, corpus, *validated, nproc=2)
-    assert "resumed from" in second.stderr
-    third = train(split, corpus, *validated, nproc=2)
-    assert "training already finished at step 10" in third.stderr
-
-    whole_losses = [(m["step"], m["loss"]) for m in metrics(whole)]
-    split_losses = [(m["step"], m["loss"]) for m in metrics(split) if "loss" in m]
-    assert [step for step, _ in split_losses] == list(range(1, 11))
-    assert split_losses == whole_losses
-    # Every 3 steps and as each job ends (not the job that found training finished).
-    validation = [m for m in metrics(split) if "val_loss" in m]
-    assert [m["step"] for m in validation] == [3, 5, 6, 9, 10]
-    assert all(m["val_split"] == "dev" and m["val_tokens"] > 0 for m in validation)
-    assert validation[-1]["val_loss"] < validation[0]["val_loss"]
-    a, b = final_weights(whole, 10, tmp_path), final_weights(split, 10, tmp_path)
-    assert a.keys() == b.keys() and a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 def read_hashes(run_dir: Path) -> dict[int, list[dict]]:
     by_rank = {}
     for path in sorted((run_dir / "batch_hashes").glob("rank*.jsonl")):
