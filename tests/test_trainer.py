@@ -33,11 +33,13 @@ def train(
     env: dict | None = None,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    args = [
-        "-m",
-        "train",
-        "--config-name",
-        config,
+    args = ["-m", "train", "--config-name", config, *train_overrides(run_dir, corpus, *overrides)]
+    return run_ranks(args, nproc, env, check)
+
+
+def train_overrides(run_dir: Path, corpus: Path, *overrides: str) -> list[str]:
+    """The test corpus with short batches and W&B offline, then ``overrides``."""
+    return [
         f"run_dir={run_dir}",
         f"data.corpus={corpus}",
         "data.max_duration=8",
@@ -45,6 +47,12 @@ def train(
         "optim.warmup_steps=2",
         *overrides,
     ]
+
+
+def run_ranks(
+    args: list[str], nproc: int, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` as ``nproc`` ranks under torchrun (one process: no torchrun)."""
     if nproc > 1:
         argv = [
             sys.executable,

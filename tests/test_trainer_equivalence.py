@@ -1,7 +1,10 @@
 """The trainer's own step, at every parallel layout, trains exactly like one process.
 
-Each case is one ``python -m train`` launch (torchrun, gloo, fp32) of a few steps on the session
-corpus, through everything a user's job runs: the lhotse sampler with batches that change shape
+Each case is one ``Trainer`` run (torchrun, gloo, fp32) of a few steps on the session corpus;
+the cases of one world size run one after another in one process group
+(tests/trainer_runs_worker.py), which pays torch's start-up on every rank once, not per case, and
+the compiled case is its own ``python -m train``. Each run goes through everything a user's job
+runs: the lhotse sampler with batches that change shape
 every step, ``global_counts``, the step runners, fused AdamW with its ``found_inf`` on DTensors,
 weight decay, ``clip_grad_norm`` grouping gradients by mesh and summing over pipeline stages, a
 clip small enough that every step is clipped, warm-up then cosine decay, ``read_back``'s
@@ -39,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_trainer import final_weights, metrics, train
+from tests.test_trainer import final_weights, metrics, run_ranks, train, train_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -142,8 +145,7 @@ class Trained:
     log: str  # rank 0's stderr
 
 
-def run(run_dir: Path, corpus: Path, preset: str, nproc: int, *overrides: str) -> Trained:
-    done = train(run_dir, corpus, *COMMON, f"model.preset={preset}", *overrides, nproc=nproc)
+def read_trained(run_dir: Path, log: str) -> Trained:
     rows = metrics(run_dir)
     steps = [
         {key: row[key] for key in ("step", "loss", "grad_norm", "tokens_seen")}
@@ -161,7 +163,7 @@ def run(run_dir: Path, corpus: Path, preset: str, nproc: int, *overrides: str) -
         final_weights(run_dir, STEPS, run_dir.parent),
         validation,
         [rank["params_bytes"] for rank in memory[0]],
-        done.stderr,
+        log,
     )
 
 
@@ -169,25 +171,89 @@ def _all_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def train_together(
+    where: Path, corpus: Path, nproc: int, runs: dict[str, tuple[str, tuple[str, ...]]]
+) -> dict[str, Trained]:
+    """Each of ``runs`` (name: preset and overrides) trained by one process group of ``nproc``
+    ranks, one after another (tests/trainer_runs_worker.py): start-up is paid once."""
+    dirs = {name: where / name for name in runs}
+    spec = {
+        "config": "tiny_fsdp2",
+        "runs": [
+            train_overrides(dirs[name], corpus, *COMMON, f"model.preset={preset}", *overrides)
+            for name, (preset, overrides) in runs.items()
+        ],
+    }
+    where.mkdir(parents=True)
+    (where / "spec.json").write_text(json.dumps(spec))
+    done = run_ranks(["-m", "tests.trainer_runs_worker", str(where / "spec.json")], nproc)
+    return {name: read_trained(dirs[name], done.stderr) for name in runs}
+
+
+def alone(case: Case) -> bool:
+    """The compiled case runs as its own ``python -m train``: dynamo's state is per process."""
+    return "compile=true" in case.overrides
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
-    """One single-process run per (model, batches per step), made on first use."""
+    """One single-process run per (model, batches per step), all made in one process on first
+    use."""
     runs: dict[tuple[str, int], Trained] = {}
 
     def get(preset: str, batches: int) -> Trained:
-        if (preset, batches) not in runs:
-            run_dir = tmp_path_factory.mktemp("reference") / f"{preset}-{batches}"
-            runs[preset, batches] = run(run_dir, corpus, preset, 1, f"train.grad_accum={batches}")
+        if not runs:
+            wanted = {(c.preset, c.batches_per_step) for c in CASES.values()}
+            trained = train_together(
+                tmp_path_factory.mktemp("reference") / "runs",
+                corpus,
+                1,
+                {f"{p}-{n}": (p, (f"train.grad_accum={n}",)) for p, n in sorted(wanted)},
+            )
+            runs.update({(p, n): trained[f"{p}-{n}"] for p, n in wanted})
         return runs[preset, batches]
 
     return get
 
 
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, corpus):
+    """Every case of one world size trained by one process group, on first use."""
+    runs: dict[str, Trained] = {}
+
+    def get(name: str) -> Trained:
+        case = CASES[name]
+        if name in runs:
+            return runs[name]
+        where = tmp_path_factory.mktemp(f"layouts-{name}")
+        if alone(case):
+            run_dir = where / name
+            done = train(
+                run_dir,
+                corpus,
+                *COMMON,
+                f"model.preset={case.preset}",
+                *case.overrides,
+                nproc=case.nproc,
+            )
+            runs[name] = read_trained(run_dir, done.stderr)
+        else:
+            group = {
+                other: (c.preset, c.overrides)
+                for other, c in CASES.items()
+                if c.nproc == case.nproc and not alone(c)
+            }
+            runs.update(train_together(where / "runs", corpus, case.nproc, group))
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_layout_trains_like_one_process(name, reference, corpus, tmp_path):
+def test_layout_trains_like_one_process(name, reference, layouts):
     case = CASES[name]
     want = reference(case.preset, case.batches_per_step)
-    got = run(tmp_path / name, corpus, case.preset, case.nproc, *case.overrides)
+    got = layouts(name)
 
     assert [s["step"] for s in want.steps] == list(range(1, STEPS + 1))
     assert all(s["grad_norm"] > GRAD_CLIP for s in want.steps), "clipping never clipped"

@@ -1,0 +1,47 @@
+"""Several trainer runs in one process group, one after another: each a ``Trainer`` built from
+the packaged config and its overrides and run to its end, as ``python -m train`` runs one.
+
+``tests/test_trainer_equivalence.py`` trains ~20 layouts for a few steps each; started one
+process group per run, process start-up (torch's import on every rank) was most of each case's
+time. Here the ranks start once per world size. What the command adds around the trainer (the
+launch variables, the end-of-job record, exit codes) is tested by tests/test_trainer.py.
+
+Usage: ``[torchrun --nproc-per-node=N] python -m tests.trainer_runs_worker SPEC.json``, where
+SPEC holds ``{"config": NAME, "runs": [[override, ...], ...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
+from train.config import register
+from train.stop import StopRequest
+from train.trainer import Trainer, init_distributed, preflight
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    register()
+    device = init_distributed()
+    with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
+        for overrides in spec["runs"]:
+            cfg = OmegaConf.to_object(compose(spec["config"], overrides=overrides))
+            dims, plan = preflight(cfg)
+            stop = StopRequest(cfg.train.max_time_per_run)
+            stop.install()
+            code = Trainer(cfg, dims, plan, device, stop).run()
+            if code:
+                raise SystemExit(f"run {overrides} ended with exit code {code}")
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
