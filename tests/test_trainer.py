@@ -49,6 +49,22 @@ def train_overrides(run_dir: Path, corpus: Path, *overrides: str) -> list[str]:
     ]
 
 
+def train_together(
+    runs: dict[Path, tuple[str, ...]], corpus: Path, nproc: int, config: str = "tiny_fsdp2"
+) -> subprocess.CompletedProcess[str]:
+    """Each run (its run dir: its overrides) trained by one process group of ``nproc`` ranks, one
+    after another (tests/trainer_runs_worker.py): the ranks' start-up is paid once, not per run.
+    The spec lands beside the first run dir."""
+    spec = {
+        "config": config,
+        "runs": [train_overrides(run_dir, corpus, *args) for run_dir, args in runs.items()],
+    }
+    path = next(iter(runs)).parent / f"{next(iter(runs)).name}.runs.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    return run_ranks(["-m", "tests.trainer_runs_worker", str(path)], nproc)
+
+
 def run_ranks(
     args: list[str], nproc: int, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
@@ -198,18 +214,11 @@ def read_hashes(run_dir: Path) -> dict[int, list[dict]]:
 @pytest.mark.slow
 def test_seed_contract_from_batch_hashes(tmp_path, corpus):
     """dp_shard 2 x tp 2: equal within TP groups, different across DP ranks and across seeds."""
-    runs = {}
-    for name, seed in (("a", 11), ("a_again", 11), ("b", 12)):
-        runs[name] = tmp_path / name
-        train(
-            runs[name],
-            corpus,
-            f"seed={seed}",
-            "train.max_steps=3",
-            "debug.batch_hashes=true",
-            nproc=4,
-            config="tiny_tp",
-        )
+    seeds = {"a": 11, "a_again": 11, "b": 12}
+    runs = {name: tmp_path / name for name in seeds}
+    common = ("train.max_steps=3", "debug.batch_hashes=true")
+    args = {runs[name]: (f"seed={seed}", *common) for name, seed in seeds.items()}
+    train_together(args, corpus, nproc=4, config="tiny_tp")
     hashes = {name: read_hashes(run_dir) for name, run_dir in runs.items()}
     a = hashes["a"]
     assert sorted(a) == [0, 1, 2, 3]

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_trainer import final_weights, metrics, run_ranks, train, train_overrides
+from tests.test_trainer import final_weights, metrics, train, train_together
 
 pytestmark = pytest.mark.slow
 
@@ -171,22 +171,20 @@ def _all_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_together(
+def train_cases(
     where: Path, corpus: Path, nproc: int, runs: dict[str, tuple[str, tuple[str, ...]]]
 ) -> dict[str, Trained]:
     """Each of ``runs`` (name: preset and overrides) trained by one process group of ``nproc``
-    ranks, one after another (tests/trainer_runs_worker.py): start-up is paid once."""
+    ranks, one after another: start-up is paid once."""
     dirs = {name: where / name for name in runs}
-    spec = {
-        "config": "tiny_fsdp2",
-        "runs": [
-            train_overrides(dirs[name], corpus, *COMMON, f"model.preset={preset}", *overrides)
+    done = train_together(
+        {
+            dirs[name]: (*COMMON, f"model.preset={preset}", *overrides)
             for name, (preset, overrides) in runs.items()
-        ],
-    }
-    where.mkdir(parents=True)
-    (where / "spec.json").write_text(json.dumps(spec))
-    done = run_ranks(["-m", "tests.trainer_runs_worker", str(where / "spec.json")], nproc)
+        },
+        corpus,
+        nproc,
+    )
     return {name: read_trained(dirs[name], done.stderr) for name in runs}
 
 
@@ -204,7 +202,7 @@ def reference(tmp_path_factory, corpus):
     def get(preset: str, batches: int) -> Trained:
         if not runs:
             wanted = {(c.preset, c.batches_per_step) for c in CASES.values()}
-            trained = train_together(
+            trained = train_cases(
                 tmp_path_factory.mktemp("reference") / "runs",
                 corpus,
                 1,
@@ -243,7 +241,7 @@ def layouts(tmp_path_factory, corpus):
                 for other, c in CASES.items()
                 if c.nproc == case.nproc and not alone(c)
             }
-            runs.update(train_together(where / "runs", corpus, case.nproc, group))
+            runs.update(train_cases(where / "runs", corpus, case.nproc, group))
         return runs[name]
 
     return get
