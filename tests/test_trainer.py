@@ -276,32 +276,12 @@ def test_chain_resumes_after_a_stop_signal(slurm_cluster, tmp_path, corpus):
     assert not list((run_dir / "logs").glob(f"*-{final['jobs'][2]['job_id']}.out"))
 
 
-@pytest.mark.slow
-def test_pipeline_stages_train_on_identical_batches(tmp_path, corpus):
-    """pp=2 with 2 accumulated batches per step: the startup line names each stage's blocks,
-    both stages read the same batches (hashes with their pp coordinate), the loss comes back
-    from the last stage, and a second job resumes the pipeline from its checkpoint."""
-    run_dir = tmp_path / "run"
-    common = ("seed=5", "train.max_steps=4", "train.grad_accum=2", "debug.batch_hashes=true")
-    first = train(run_dir, corpus, *common, "train.max_steps_per_run=2", nproc=2, config="tiny_pp")
-    assert "stage 0 on pp rank 0: encoder+projector+embeddings, blocks 0-0" in first.stderr
-    assert "stage 1 on pp rank 1: blocks 1-1, norm+head+loss" in first.stderr
-    second = train(run_dir, corpus, *common, nproc=2, config="tiny_pp")
-    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in second.stderr
-    rows = metrics(run_dir)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert all(math.isfinite(row["loss"]) and 0 < row["loss"] < 20 for row in rows)
-    assert all(row["tokens_per_s"] > 0 for row in rows)
-    hashes = read_hashes(run_dir)
-    assert [row["coords"]["pp"] for row in (hashes[0][0], hashes[1][0])] == [0, 1]
-    assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
-    assert len({r["hash"] for r in hashes[0]}) == 4, "each step reads new batches"
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
-    """3 jobs of pp=2 over the loopback cluster's two nodes, 2 steps each, resuming."""
+    """3 jobs of pp=2 over the loopback cluster's two nodes, 2 steps of 2 accumulated batches
+    each, resuming: the startup line names each stage's blocks, both stages read the same
+    batches (hashes with their pp coordinate), and the loss comes back from the last stage."""
     run_dir = tmp_path / "run"
     summary = launch_training(
         3,
@@ -310,6 +290,8 @@ def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
         corpus,
         "train.max_steps=6",
         "train.max_steps_per_run=2",
+        "train.grad_accum=2",
+        "debug.batch_hashes=true",
     )
     final = wait_chain(summary["chain_id"], timeout=400)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
@@ -317,9 +299,16 @@ def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
     rows = metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(1, 7))
     assert [row["job_index"] for row in rows] == [0, 0, 1, 1, 2, 2]
+    assert all(math.isfinite(row["loss"]) and 0 < row["loss"] < 20 for row in rows)
+    assert all(row["tokens_per_s"] > 0 for row in rows)
     logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
+    assert "stage 0 on pp rank 0: encoder+projector+embeddings, blocks 0-0" in logs
     assert "stage 1 on pp rank 1: blocks 1-1, norm+head+loss" in logs
     assert f"resumed from {run_dir}/checkpoints/step_4 at step 4" in logs
+    hashes = read_hashes(run_dir)
+    assert [row["coords"]["pp"] for row in (hashes[0][0], hashes[1][0])] == [0, 1]
+    assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
+    assert len({r["hash"] for r in hashes[0]}) == 6, "each step reads new batches"
 
 
 @pytest.mark.slurm
