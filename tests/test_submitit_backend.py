@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -201,9 +202,21 @@ def process_gone(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] == "Z"
 
 
-def test_local_cancel_ends_the_job_and_everything_its_script_started(local_backend, tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_local_cancel_ends_the_job_and_everything_its_script_started(
+    local_backend, tmp_path, sigint
+):
+    """Also when the submitting process ignores SIGINT, as a shell's background job or nohup
+    does: the controller inherits that and ignores submitit's cancel (SIGINT), which left the
+    job running in full-suite runs started with ``&``."""
     script = write_sub(tmp_path / "sleep.sub", CANCEL_BODY)
-    job_id = local_backend.submit(job_request(tmp_path, 0, 1, None, "afterany", script=script))
+    request = job_request(tmp_path, 0, 1, None, "afterany", script=script)
+    handler = signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        job_id = local_backend.submit(request)
+    finally:
+        signal.signal(signal.SIGINT, before)
     child = tmp_path / "child.pid"
     deadline = time.monotonic() + 20
     while not child.exists() or not child.read_text().strip():

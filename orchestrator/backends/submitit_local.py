@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 from submitit import JobEnvironment, LocalExecutor, LocalJob
 
 from orchestrator.backends.base import FINISHED_STATES, JobRequest, JobStatus
@@ -29,10 +30,13 @@ from orchestrator.backends.submitit_common import (
     script_directives,
     update_parameters,
 )
-from orchestrator.processes import alive, command_line
+from orchestrator.processes import alive, command_line, terminate, with_descendants
 from orchestrator.sbatch_directives import parse_signal
 from orchestrator.slurm_time import parse_time_minutes
 
+# How long a cancelled job's controller gets to stop its task on SIGINT (it takes ~1 s) before
+# the backend ends the job's processes itself.
+CANCEL_GRACE_S = 3.0
 NEVER_RUN_SUFFIX = "_dependency_never_satisfied.json"
 CANCELLED_SUFFIX = "_cancelled"
 POLL_S = 0.5
@@ -76,6 +80,7 @@ class SubmititLocalBackend(SubmititBackendBase):
         return job.job_id
 
     def cancel(self, job_ids: list[str]) -> None:
+        asked = []
         for job_id in job_ids:
             if not self._controller_running(job_id):
                 continue
@@ -85,6 +90,15 @@ class SubmititLocalBackend(SubmititBackendBase):
             else:
                 # What LocalJob.cancel sends, for a job another process started.
                 os.kill(int(job_id), signal.SIGINT)
+            asked.append(job_id)
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while any(self._controller_running(job_id) for job_id in asked):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for job_id in asked:
+            if self._controller_running(job_id):
+                end_controller(int(job_id))
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
         return {job_id: self._status(job_id) for job_id in job_ids}
@@ -103,9 +117,10 @@ class SubmititLocalBackend(SubmititBackendBase):
         if self._controller_running(job_id):
             return JobStatus(job_id, "RUNNING", nodes="localhost")
         result = self.result_status(job_id)
-        if result is not None:
+        cancelled = (self.folder / f"{job_id}{CANCELLED_SUFFIX}").exists()
+        if result is not None and not (cancelled and result.state == "FAILED"):
             return result
-        if (self.folder / f"{job_id}{CANCELLED_SUFFIX}").exists():
+        if cancelled:  # a script that a cancel ended fails on the way out: still a cancel
             return JobStatus(job_id, "CANCELLED")
         return JobStatus(job_id, "FAILED", reason="ended without a result (killed or timed out)")
 
@@ -121,3 +136,17 @@ class SubmititLocalBackend(SubmititBackendBase):
         if not job_id.isdigit():
             return False
         return alive(int(job_id)) and str(self.folder) in command_line(int(job_id))
+
+
+def end_controller(pid: int) -> None:
+    """End a job whose controller ignored SIGINT: one started from a process that ignores SIGINT
+    (a shell's background job, nohup) inherits that, and Python then installs no handler.
+    The script and everything it started get SIGTERM first (a training saves and stops, as on a
+    cluster's cancel), then SIGKILL after STOP_TIMEOUT_S; then the task and the controller,
+    which pass SIGTERM on without stopping, are killed. No result file: the job reads CANCELLED."""
+    try:
+        tasks = [task.pid for task in psutil.Process(pid).children()]
+    except psutil.Error:
+        return
+    terminate([child for child in with_descendants(tasks) if child not in tasks])
+    terminate([pid, *tasks], timeout_s=1.0)
