@@ -572,14 +572,23 @@ def _wait_for(condition, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def saved_twice(tmp_path_factory) -> tuple[Path, dict]:
+    """Two FSDP ranks' run with checkpoints at steps 1 and 2, and its weights at each."""
+    where = tmp_path_factory.mktemp("saved_twice")
+    run_dir = where / "run"
+    _worker("save-two", "--run-dir", str(run_dir), "--out", str(where / "saved.pt"), world=2)
+    return run_dir, torch.load(where / "saved.pt")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", ["distcp of rank 1", "rng file of rank 1"])
-def test_all_ranks_skip_a_checkpoint_that_fails_on_one(tmp_path, broken):
+def test_all_ranks_skip_a_checkpoint_that_fails_on_one(tmp_path, saved_twice, broken):
     """Two FSDP ranks: the newest checkpoint fails to load on rank 1 only (a torn data file,
     or its own RNG file): both ranks load the previous one, with one warning."""
     run_dir = tmp_path / "run"
-    _worker("save-two", "--run-dir", str(run_dir), "--out", str(tmp_path / "saved.pt"), world=2)
-    saved = torch.load(tmp_path / "saved.pt")
+    shutil.copytree(saved_twice[0], run_dir)
+    saved = saved_twice[1]
     newest = run_dir / "checkpoints" / "step_2"
     victim = newest / "__1_0.distcp" if broken.startswith("distcp") else newest / "rng"
     if victim.name == "rng":

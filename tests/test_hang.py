@@ -27,7 +27,7 @@ from train.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs a rank that its SIGTERM did not end after this long
 MARGIN_S = 30  # polling, teardown and a loaded 2-core machine
-HANG_TIMEOUT_S = 15  # above any step, save or validation of the tiny model on a loaded machine
+HANG_TIMEOUT_S = 10  # 8x the slowest step, save or validation of the tiny model here (1.2 s)
 HUNG_LINE = "error: rank 0: the job is hung"  # rank 1 stopped
 JOB_ID = "4242"  # a SLURM job id for the end-of-job record (train/job_end.py) outside SLURM
 
@@ -202,7 +202,7 @@ def test_a_chain_goes_on_after_a_rank_hangs(slurm_cluster, tmp_path, corpus):
     """2 jobs of 2-rank training on the loopback cluster: a rank of job 0 stopped after step 6
     ends job 0 within hang_timeout_s (its time limit is 10 minutes), FAILED with exit 5 named,
     and job 1 resumes from the last checkpoint and finishes, losing at most one interval."""
-    run_dir, hang_timeout_s, interval = tmp_path / "run", 20, 4
+    run_dir, hang_timeout_s, interval = tmp_path / "run", HANG_TIMEOUT_S, 4
     summary = launch_training(
         2,
         run_dir,
