@@ -39,11 +39,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tests.planner_cases import Case
 from train import trainer as trainer_module
-from train.config import TrainConfig
+from train.config import TrainConfig, parallel_dims
 from train.models import parallelize
 from train.models.moe import local_shard
 from train.stop import StopRequest
-from train.trainer import Trainer, init_distributed, parallel_dims, plan_for
+from train.trainer import Trainer, init_distributed, plan_for
 
 DATA_SEED = 7
 

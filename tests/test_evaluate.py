@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from tests.helpers import launch_json, run_tool, wait_chain
+from train.config import ConfigError
 from train.data import load_cuts
 from train.evaluate import preflight
-from train.trainer import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones

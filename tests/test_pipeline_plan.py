@@ -6,11 +6,11 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from train.config import register
+from train.config import parallel_dims, register
 from train.models.pipeline import pipeline_plan
 from train.models.presets import get_preset
 from train.pipeline_plan import balanced_split, plan_pipeline
-from train.trainer import parallel_dims, plan_for
+from train.trainer import plan_for
 
 BLOCKS = [10] * 8
 

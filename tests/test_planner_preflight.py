@@ -24,6 +24,8 @@ TOO_BIG = ("model.preset=llm_1b", "data.max_duration=3600", "data.corpus=/nonexi
 
 @pytest.mark.slurm
 def test_a_layout_that_cannot_fit_is_refused_with_nothing_queued(empty_queue, tmp_path):
+    """Refused on the login node without torch: the check composes the trainer's config and
+    prices its layout with torch-free modules (``-X importtime`` lists what was imported)."""
     done = run_tool(
         "auto_launch",
         "-n3",
@@ -33,8 +35,16 @@ def test_a_layout_that_cannot_fit_is_refused_with_nothing_queued(empty_queue, tm
         "--",
         *TOO_BIG,
         cwd=REPO,
+        env={"PYTHONPROFILEIMPORTTIME": "1"},
     )
     assert done.returncode == 2, done.stderr + done.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "orchestrator.planner.preflight" in imported and "train.config" in imported
+    assert not [name for name in imported if name.split(".")[0] == "torch"]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr
     assert "error: plan check: " in errors[0]

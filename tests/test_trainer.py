@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from tests.helpers import REPO, launch_json, run_tool, wait_chain
-from train.config import register
+from train.config import ConfigError, register
 from train.job_end import read_job_end
-from train.trainer import ConfigError, preflight
+from train.trainer import preflight
 
 
 def train(

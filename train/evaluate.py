@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from train.checkpoint import MARKER, STATE_FILE, CheckpointError, CheckpointManager
-from train.config import ParallelConfig
+from train.config import ConfigError, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.mesh import build_meshes
@@ -46,7 +46,7 @@ from train.models.pipeline import pipeline_plan
 from train.models.presets import get_preset
 from train.models.salm import ByteTokenizer
 from train.parallel_dims import ParallelDims
-from train.trainer import ConfigError, init_distributed, say
+from train.trainer import init_distributed, say
 from train.validation import rank_share
 from train.wer import ErrorCounts, normalize, score_pair
 

@@ -25,7 +25,14 @@ from torch.distributed.tensor import DTensor
 
 from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
-from train.config import TrainConfig, data_path, validate, validation_path
+from train.config import (
+    ConfigError,
+    TrainConfig,
+    data_path,
+    parallel_dims,
+    validate,
+    validation_path,
+)
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
@@ -52,10 +59,6 @@ EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next
 EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): previous intact
 
 
-class ConfigError(ValueError):
-    """A bad config or layout, found before training starts: exit code 2."""
-
-
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite steps: exit code 3, the last good checkpoint kept."""
 
@@ -63,24 +66,6 @@ class TrainingDiverged(RuntimeError):
 def say(line: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"[train] {line}", file=sys.stderr, flush=True)
-
-
-def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
-    p = cfg.parallel
-    try:
-        dims = ParallelDims(
-            world_size=world_size,
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            tp=p.tp,
-            ep=p.ep,
-            cp=p.cp,
-            pp=p.pp,
-        )
-        dims.validate(get_preset(cfg.model.preset), cfg.strategy)
-    except (ValueError, KeyError) as error:
-        raise ConfigError(str(error).strip("'\"")) from error
-    return dims
 
 
 def plan_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:

@@ -63,8 +63,7 @@ def validate_members(
 ) -> list[Any]:
     """Build each member's trainer config and run the trainer's checks for ``world_size`` ranks;
     the configs (train.config.TrainConfig), in order."""
-    from train.config import validate
-    from train.trainer import ConfigError, parallel_dims
+    from train.config import ConfigError, parallel_dims, validate
 
     configs = []
     for offset, overrides in enumerate(job_overrides):

@@ -98,7 +98,7 @@ def request_and_layout(
     cfg: TrainConfig, nodes: int, tasks_per_node: int, capacity: Capacity
 ) -> tuple[PlanRequest, Layout]:
     """The planner's view of a trainer config on ``nodes`` x ``tasks_per_node`` ranks."""
-    from train.trainer import parallel_dims
+    from train.config import parallel_dims
 
     world = nodes * tasks_per_node
     dims = parallel_dims(cfg, world)
@@ -245,7 +245,7 @@ def check_recipe(
     if capacity is None:
         announce_skipped(label)
         return
-    from train.trainer import ConfigError
+    from train.config import ConfigError
 
     try:
         cfg = compose_training_config(arguments)
