@@ -7,6 +7,7 @@ steps on a small real corpus, and reads the run dirs, manifests and queue the sw
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,7 +27,9 @@ TINY = (
 )
 
 
-def multirun(sweep_dir: Path, corpus: Path, *overrides: str, timeout: float = 300):
+def multirun(
+    sweep_dir: Path, corpus: Path, *overrides: str, timeout: float = 300, env: dict | None = None
+):
     """``python -m train -m`` from the repository root, with the sweep under ``sweep_dir``."""
     return subprocess.run(
         [
@@ -43,6 +46,7 @@ def multirun(sweep_dir: Path, corpus: Path, *overrides: str, timeout: float = 30
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -245,12 +249,22 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
 def test_bad_settings_stop_before_anything_is_queued(
     empty_queue, corpus, tmp_path, overrides, fragments
 ):
-    done = multirun(tmp_path / "sweep", corpus, *overrides, timeout=120)
+    """Refused by the submitting process, which never loads torch (a login node need not have
+    it): ``-X importtime`` lists its imports."""
+    imports = {"PYTHONPROFILEIMPORTTIME": "1"}
+    done = multirun(tmp_path / "sweep", corpus, *overrides, timeout=120, env=imports)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr[-3000:]
     assert all(fragment in errors[0] for fragment in fragments), errors
     assert queue_ids() == []
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "train.config" in imported
+    assert not [name for name in imported if name.split(".")[0] == "torch"]
 
 
 @pytest.mark.slurm

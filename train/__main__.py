@@ -15,29 +15,26 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import hydra
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
-from train.config import TrainConfig, register
+from train.config import ConfigError, TrainConfig, register
 from train.job_end import job_end_record, write_job_end
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
-from train.trainer import (
-    EXIT_DIVERGED,
-    ConfigError,
-    Trainer,
-    TrainingDiverged,
-    init_distributed,
-    preflight,
-)
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
 
 register()
 
 
-def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int) -> None:
+def record_job_end(
+    cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int, diverged: bool
+) -> None:
     """Tell the chain how this job ended (train/job_end.py): the batch script's hook decides
     from it whether the chain is complete, diverged, or needs a replacement job."""
     record = job_end_record(
@@ -46,7 +43,7 @@ def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest,
         max_steps=cfg.train.max_steps,
         signalled=trainer is not None and trainer.signalled,
         signal_name=stop.signal_name,
-        diverged=code == EXIT_DIVERGED,
+        diverged=diverged,
     )
     write_job_end(cfg.run_dir, record)
 
@@ -59,12 +56,24 @@ def main(raw: DictConfig) -> None:
     # and honoured at the first step boundary, and the time budget counts the whole job.
     stop = StopRequest(cfg.train.max_time_per_run)
     stop.install()
+    # The trainer (torch) is imported here, once the stop signal is handled: a sweep's
+    # submission (`python -m train -m ...`) runs this module without calling main, torch-free.
+    import torch.distributed as dist
+
+    from train.trainer import (
+        EXIT_DIVERGED,
+        Trainer,
+        TrainingDiverged,
+        init_distributed,
+        preflight,
+    )
+
     try:
         dims, plan = preflight(cfg)
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-            record_job_end(cfg, None, stop, 2)
+            record_job_end(cfg, None, stop, 2, diverged=False)
         sys.exit(2)
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer: Trainer | None = None
@@ -78,7 +87,7 @@ def main(raw: DictConfig) -> None:
         code = EXIT_DIVERGED
     finally:
         if dist.get_rank() == 0:
-            record_job_end(cfg, trainer, stop, code)
+            record_job_end(cfg, trainer, stop, code, diverged=code == EXIT_DIVERGED)
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.
     if code:
