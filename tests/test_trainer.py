@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
+from orchestrator.planner.preflight import compose_training_config
 from tests.helpers import REPO, launch_json, run_tool, wait_chain
-from train.config import ConfigError, register
+from train.config import ConfigError
 from train.job_end import read_job_end
 from train.trainer import preflight
 
@@ -172,14 +170,11 @@ def test_bad_configs_stop_before_training(tmp_path, corpus, overrides, env, mess
     group or model exists (checked in this process: the command's side is the test below)."""
     for name, value in {"WORLD_SIZE": "1", **env}.items():
         monkeypatch.setenv(name, value)
-    register()
-    with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
-        raw = compose(
-            "tiny_fsdp2",
-            overrides=[f"run_dir={tmp_path / 'run'}", f"data.corpus={corpus}", *overrides],
-        )
+    cfg = compose_training_config(
+        [f"run_dir={tmp_path / 'run'}", f"data.corpus={corpus}", *overrides]
+    )
     with pytest.raises(ConfigError, match=re.escape(message)) as refused:
-        preflight(OmegaConf.to_object(raw))
+        preflight(cfg)
     assert "\n" not in str(refused.value)
 
 
@@ -198,12 +193,8 @@ def test_a_refused_config_exits_2_with_one_error_line_and_trains_nothing(tmp_pat
 
 
 def test_unknown_config_key_is_refused():
-    register()
-    with (
-        initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None),
-        pytest.raises(ConfigCompositionException, match="learning_rate"),
-    ):
-        compose("tiny_fsdp2", overrides=["optim.learning_rate=1"])
+    with pytest.raises(ConfigCompositionException, match="learning_rate"):
+        compose_training_config(["optim.learning_rate=1"])
 
 
 def read_hashes(run_dir: Path) -> dict[int, list[dict]]:

@@ -17,29 +17,24 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
-from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
-from train.config import register
+from orchestrator.planner.preflight import compose_training_config
 from train.stop import StopRequest
 from train.trainer import Trainer, init_distributed, preflight
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    register()
     device = init_distributed()
-    with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
-        for overrides in spec["runs"]:
-            cfg = OmegaConf.to_object(compose(spec["config"], overrides=overrides))
-            dims, plan = preflight(cfg)
-            stop = StopRequest(cfg.train.max_time_per_run)
-            stop.install()
-            code = Trainer(cfg, dims, plan, device, stop).run()
-            if code:
-                raise SystemExit(f"run {overrides} ended with exit code {code}")
-            dist.barrier()
+    for overrides in spec["runs"]:
+        cfg = compose_training_config(["--config-name", spec["config"], *overrides])
+        dims, plan = preflight(cfg)
+        stop = StopRequest(cfg.train.max_time_per_run)
+        stop.install()
+        code = Trainer(cfg, dims, plan, device, stop).run()
+        if code:
+            raise SystemExit(f"run {overrides} ended with exit code {code}")
+        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
 from train.config import ConfigError, TrainConfig, register
-from train.job_end import job_end_record, write_job_end
+from train.job_end import EXIT_DIVERGED, job_end_record, write_job_end
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
 
@@ -32,9 +32,7 @@ if TYPE_CHECKING:
 register()
 
 
-def record_job_end(
-    cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int, diverged: bool
-) -> None:
+def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int) -> None:
     """Tell the chain how this job ended (train/job_end.py): the batch script's hook decides
     from it whether the chain is complete, diverged, or needs a replacement job."""
     record = job_end_record(
@@ -43,7 +41,7 @@ def record_job_end(
         max_steps=cfg.train.max_steps,
         signalled=trainer is not None and trainer.signalled,
         signal_name=stop.signal_name,
-        diverged=diverged,
+        diverged=code == EXIT_DIVERGED,
     )
     write_job_end(cfg.run_dir, record)
 
@@ -60,20 +58,14 @@ def main(raw: DictConfig) -> None:
     # submission (`python -m train -m ...`) runs this module without calling main, torch-free.
     import torch.distributed as dist
 
-    from train.trainer import (
-        EXIT_DIVERGED,
-        Trainer,
-        TrainingDiverged,
-        init_distributed,
-        preflight,
-    )
+    from train.trainer import Trainer, TrainingDiverged, init_distributed, preflight
 
     try:
         dims, plan = preflight(cfg)
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-            record_job_end(cfg, None, stop, 2, diverged=False)
+            record_job_end(cfg, None, stop, 2)
         sys.exit(2)
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer: Trainer | None = None
@@ -87,7 +79,7 @@ def main(raw: DictConfig) -> None:
         code = EXIT_DIVERGED
     finally:
         if dist.get_rank() == 0:
-            record_job_end(cfg, trainer, stop, code, diverged=code == EXIT_DIVERGED)
+            record_job_end(cfg, trainer, stop, code)
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.
     if code:

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 JOB_ENDS_DIR = "job_ends"
+EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
+EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): previous intact
 REASONS = ("max_steps", "signal", "budget", "diverged", "error")
 
 

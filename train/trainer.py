@@ -35,6 +35,7 @@ from train.config import (
 )
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
+from train.job_end import EXIT_NOT_SAVED
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
@@ -54,9 +55,6 @@ from train.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_gr
 
 BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
-
-EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
-EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): previous intact
 
 
 class TrainingDiverged(RuntimeError):
