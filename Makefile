@@ -7,6 +7,10 @@ WHEELHOUSE = $(VENV)/wheelhouse
 TORCH_VERSION ?= 2.13.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox
 PYTEST_ARGS ?=
+# make test runs the test modules on this many workers (pytest-xdist), a module per worker at a
+# time, longest first (tests/ledger.py); half the suite waits on daemons, timers and sockets.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
 PIP_OPTIONS ?=
 
@@ -75,10 +79,10 @@ demo: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh
 
 test: setup setup-system
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_WORKERS) -m "not slurm and not slow" $(PYTEST_ARGS)
 
 bench: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) bench/bench_chain_submit.py

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cluster, processes
+from tests import ledger
 from tests.helpers import tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +52,13 @@ def cluster_cli(
         env=env,
         timeout=timeout,
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest modules first (tests/ledger.py), so the two workers of ``make test`` finish
+    together instead of one running a long module alone at the end."""
+    seconds = ledger.recorded()
+    items.sort(key=lambda item: ledger.module_order(item.path.stem, seconds))
 
 
 @pytest.fixture(scope="session", autouse=True)
