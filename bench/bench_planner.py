@@ -90,7 +90,8 @@ def predict(preset: str, sequences: int, frames: int, tokens: int, ac: str) -> f
 
 
 def time_plan() -> float:
-    from orchestrator.planner.cluster import Cluster, gpu_preset
+    from contract.gpus import gpu_preset
+    from orchestrator.planner.cluster import Cluster
     from orchestrator.planner.search import PlanRequest, plan
     from orchestrator.planner.shapes import model_preset
 

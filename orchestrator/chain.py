@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract import job_env
+from contract.run_dir import LOGS_DIR, log_pattern
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
@@ -202,7 +204,7 @@ class ChainPlan:
                 script=self.then_script_path,
                 script_args=(),
                 job_name=self.then.job_name,
-                log_pattern=self.run_dir / "logs" / f"{self.then.job_name}-%j.out",
+                log_pattern=log_pattern(self.run_dir, self.then.job_name),
                 env=contract_env(self, index),
                 dependency_kind=THEN_DEPENDENCY,
                 after=after,
@@ -213,7 +215,7 @@ class ChainPlan:
             script=self.script_path if self.function is None else None,
             script_args=self.script_args,
             job_name=self.job_name,
-            log_pattern=self.run_dir / "logs" / f"{self.job_name}-%j.out",
+            log_pattern=log_pattern(self.run_dir, self.job_name),
             env=contract_env(self, index),
             dependency_kind=self.dependency_kind,
             after=after,
@@ -229,26 +231,26 @@ def contract_env(plan: ChainPlan, index: int) -> dict[str, str]:
 
     ORCH_NUM_JOBS counts the chain's jobs without the --then job, whose index is that number.
     """
-    return job_env(
+    return job_variables(
         plan.chain_id, index, plan.num_jobs, plan.seeds[index], plan.run_dir, plan.sweep_id
     )
 
 
-def job_env(
+def job_variables(
     chain_id: str, index: int, num_jobs: int, seed: int, run_dir: Path | str, sweep_id: str | None
 ) -> dict[str, str]:
     """The ORCH_* variables of one job; ORCH_PYTHON is the interpreter that runs the chain hook
     (this one: the orchestrator is installed in it)."""
     env = {
-        "ORCH_CHAIN_ID": chain_id,
-        "ORCH_JOB_INDEX": str(index),
-        "ORCH_NUM_JOBS": str(num_jobs),
-        "ORCH_SEED": str(seed),
-        "ORCH_RUN_DIR": str(run_dir),
-        "ORCH_PYTHON": sys.executable,
+        job_env.CHAIN_ID: chain_id,
+        job_env.JOB_INDEX: str(index),
+        job_env.NUM_JOBS: str(num_jobs),
+        job_env.SEED: str(seed),
+        job_env.RUN_DIR: str(run_dir),
+        job_env.PYTHON: sys.executable,
     }
     if sweep_id:
-        env["ORCH_SWEEP_ID"] = sweep_id
+        env[job_env.SWEEP_ID] = sweep_id
     return env
 
 
@@ -261,8 +263,8 @@ def replacement_request(manifest: Manifest, index: int, seed: int, after: str | 
         script=script,
         script_args=tuple(manifest.args),
         job_name=job_name,
-        log_pattern=Path(manifest.run_dir) / "logs" / f"{job_name}-%j.out",
-        env=job_env(
+        log_pattern=log_pattern(Path(manifest.run_dir), job_name),
+        env=job_variables(
             manifest.chain_id, index, manifest.num_jobs, seed, manifest.run_dir, manifest.sweep_id
         ),
         dependency_kind=manifest.dependency_kind,
@@ -364,7 +366,7 @@ def submit_chain(
     the manifest is whole (the local backend's hooks leave the manifest alone).
     """
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    (plan.run_dir / "logs").mkdir(exist_ok=True)
+    (plan.run_dir / LOGS_DIR).mkdir(exist_ok=True)
     with chain_lock(plan.run_dir):
         return _submit_chain(plan, backend, on_submitted)
 

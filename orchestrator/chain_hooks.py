@@ -8,7 +8,7 @@ with no orchestrator process alive.
 It reads ORCH_RUN_DIR, ORCH_CHAIN_ID and SLURM_JOB_ID (plus SLURM_CONF where SLURM needs it),
 and acts on chains of the slurm backend only. Holding the run dir's chain lock, it judges each
 ended job of the chain once (its ``outcome`` in the manifest is the idempotency key) from the
-trainer's end-of-job record (train/job_end.py), the launcher's exit status or SLURM's state:
+trainer's end-of-job record (contract/job_end.py), the launcher's exit status or SLURM's state:
 
 - finished (max_steps): the chain is complete; its queued jobs are cancelled while pending;
 - diverged: the chain stops the same way, its reason in the manifest; no retry is spent;
@@ -20,7 +20,7 @@ trainer's end-of-job record (train/job_end.py), the launcher's exit status or SL
 
 ``end`` covers a job that lives to run it; a job killed with its batch shell (node failure,
 SIGKILL, the time limit) is judged by ``start`` of the next job of the chain, which afterany
-starts anyway. ``start`` exits CHAIN_ENDED_EXIT when the chain is already complete,
+starts anyway. ``start`` exits EXIT_CHAIN_ENDED when the chain is already complete,
 diverged or blocked: the job must then exit 0 without training. ``end`` prints the job's
 outcome as the log's last line (orchestrator/backends/run_dir.py reads it).
 """
@@ -34,29 +34,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract import job_env
+from contract.job_end import (
+    EXIT_CHAIN_ENDED,
+    EXIT_CONFIG,
+    EXIT_NOT_SAVED,
+    outcome_line,
+    read_job_end,
+)
+from contract.slurm_states import END_STATES, ENDING_STATES
 from orchestrator.backends.base import dependency_spec
 from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.chain import THEN_DEPENDENCY, last_first, replacement_request
 from orchestrator.manifest import MANIFEST_NAME, JobRecord, Manifest, chain_lock
 from orchestrator.seeds import chain_seeds
 from orchestrator.slurm_commands import run_slurm
-from train.job_end import read_job_end
 
-CHAIN_ENDED_EXIT = 100  # `start`: the chain has ended (CHAIN_ENDINGS), do not train
 ACTIVE_BACKEND = "slurm"  # the backend whose chains the hook looks after
-# SLURM's states of a job that has ended (or is ending: its dependants may already start).
-ENDED_STATES = (
-    "COMPLETED",
-    "COMPLETING",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-)
+# A job has ended, or is ending (its dependants may already start).
+ENDED_STATES = END_STATES + ENDING_STATES
 # What SLURM sets for the job the hook runs in: the replacement it submits must not inherit it.
 JOB_ONLY_VARIABLES = (
     "MASTER_ADDR",
@@ -71,8 +67,8 @@ KEPT_VARIABLES = ("SLURM_CONF",)  # which cluster to talk to
 
 # Trainer exits a new job would only repeat: no replacement is queued for them.
 BLOCKED = {
-    2: "the trainer's config or layout is refused",
-    4: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
+    EXIT_CONFIG: "the trainer's config or layout is refused",
+    EXIT_NOT_SAVED: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
 }
 # Outcomes that end the whole chain (its queued jobs are cancelled), and the status each gives it.
 CHAIN_ENDINGS = {"finished": "complete", "diverged": "diverged", "blocked": "blocked"}
@@ -118,18 +114,6 @@ def judge(record: dict[str, Any] | None, status: int | None, state: str, started
     if state == "COMPLETED":
         return Ending("completed", "completed")
     return Ending("failed", f"ended {state} without running its end hook")
-
-
-def outcome_line(record: dict[str, Any] | None, status: int) -> str:
-    """The job log's last line. A stop on a signal is told as one: the launcher may report a
-    status of its own (torchrun turns SIGTERM into 1) when the training saved and stopped."""
-    if record is not None and record["reason"] == "signal" and record.get("saved"):
-        signal = record.get("signal") or "a signal"
-        stopped = f"[orch] training stopped on {signal} after saving step {record.get('step')}"
-        if status:
-            return f"{stopped} (launcher exit status {status} is its own signal handling)"
-        return f"{stopped} (exit status 0)"
-    return f"[orch] training exited with status {status}"
 
 
 def scrub_job_environment() -> None:
@@ -314,7 +298,7 @@ def run_hook(
             keeper.judge_earlier()
         if mode == "start" and keeper.has_ended:
             say(f"chain {manifest.status} ({manifest.ended}): this job does not train")
-            return CHAIN_ENDED_EXIT
+            return EXIT_CHAIN_ENDED
     return 0
 
 
@@ -323,26 +307,26 @@ def main(argv: list[str]) -> int:
     mode = argv[0] if argv else ""
     if mode == "end" and len(argv) == 2 and argv[1].isdigit():
         status = int(argv[1])
-        run_dir = os.environ.get("ORCH_RUN_DIR")
+        run_dir = os.environ.get(job_env.RUN_DIR)
         record = None
         try:
             if run_dir:
                 job_id = os.environ.get("SLURM_JOB_ID", "")
-                record = read_job_end(run_dir, os.environ.get("ORCH_JOB_INDEX", ""), job_id)
-                run_hook("end", Path(run_dir), os.environ.get("ORCH_CHAIN_ID"), job_id, status)
+                record = read_job_end(run_dir, os.environ.get(job_env.JOB_INDEX, ""), job_id)
+                run_hook("end", Path(run_dir), os.environ.get(job_env.CHAIN_ID), job_id, status)
         except Exception as error:  # the outcome line must come whatever failed
             say(f"hook failed: {type(error).__name__}: {error}")
         print(outcome_line(record, status), flush=True)
         return 0
     if mode == "start" and len(argv) == 1:
-        run_dir = os.environ.get("ORCH_RUN_DIR")
+        run_dir = os.environ.get(job_env.RUN_DIR)
         if not run_dir:
             return 0
         try:
             return run_hook(
                 "start",
                 Path(run_dir),
-                os.environ.get("ORCH_CHAIN_ID"),
+                os.environ.get(job_env.CHAIN_ID),
                 os.environ.get("SLURM_JOB_ID"),
             )
         except Exception as error:  # never keep a job from training because the hook failed

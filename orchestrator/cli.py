@@ -9,9 +9,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from contract.slurm_states import REQUEUE_GRACE_S, has_ended
 from orchestrator import __version__
 from orchestrator.backends import registry
-from orchestrator.backends.base import DEPENDENCY_KINDS, FINISHED_STATES, Backend, JobStatus
+from orchestrator.backends.base import DEPENDENCY_KINDS, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
 from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, write_scripts
 from orchestrator.chain_hooks import ACTIVE_BACKEND as RETRYING_BACKEND
@@ -213,8 +214,9 @@ def print_table(rows: list[list[str]], header: list[str]) -> None:
         )
 
 
-def index_label(job: JobRecord) -> str:
-    return f"{job.index} (then)" if job.then else str(job.index)
+def index_label(index: int, then: bool) -> str:
+    """A job's index as the tables show it: a ``--then`` job is marked."""
+    return f"{index} (then)" if then else str(index)
 
 
 def jobs_label(manifest: Manifest) -> str:
@@ -259,7 +261,7 @@ def auto_launch(args: argparse.Namespace) -> int:
     print(f"manifest {manifest.path}")
     rows = [
         [
-            index_label(job),
+            index_label(job.index, job.then),
             str(job.job_id),
             str(job.seed),
             job.dependency or "-",
@@ -333,7 +335,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.json:
             payloads.append(status_payload(manifest, statuses, found, *unreachable))
         else:
-            print_status(manifest, statuses, found, *unreachable)
+            print_status(status_payload(manifest, statuses, found, *unreachable), found)
     if labels is None:
         if args.json:
             print(json.dumps(payloads[0]))
@@ -354,18 +356,20 @@ def status_payload(
     unreachable: str | None = None,
     accounting_unreachable: str | None = None,
 ) -> dict:
+    """What ``status`` says about a chain: ``--json`` prints it, the table is drawn from it."""
     payload = summary(manifest, statuses)
+    payload["error"] = manifest.error
     payload["controller_unreachable"] = unreachable
     payload["accounting_unreachable"] = accounting_unreachable
     progress = last_progress(manifest)
-    for job in payload["jobs"]:
-        status = statuses.get(job["job_id"])
-        job["nodes"] = status.nodes if status else ""
-        job["reason"] = status.reason if status else ""
-        job["exit_code"] = status.exit_code if status else None
-        job["elapsed"] = status.elapsed if status else ""
-        job["source"] = status.source if status else ""
-        job["last_step"], job["last_loss"] = progress.get(job["index"], (None, None))
+    for row, job in zip(payload["jobs"], manifest.jobs, strict=True):
+        status = statuses.get(row["job_id"])
+        row["nodes"] = status.nodes if status else ""
+        row["reason"] = job_reason(job, status)
+        row["exit_code"] = status.exit_code if status else None
+        row["elapsed"] = status.elapsed if status else ""
+        row["source"] = status.source if status else ""
+        row["last_step"], row["last_loss"] = progress.get(job.index, (None, None))
     payload["disk_problem"] = disk_problem(Path(manifest.run_dir))
     payload["validation"] = asdict(results.validation) if results.validation else None
     payload["evaluation"] = asdict(results.evaluation) if results.evaluation else None
@@ -403,43 +407,34 @@ def job_reason(job: JobRecord, status: JobStatus | None) -> str:
     return "; ".join(parts)
 
 
-def print_status(
-    manifest: Manifest,
-    statuses: dict[str, JobStatus],
-    results: RunResults,
-    unreachable: str | None = None,
-    accounting_unreachable: str | None = None,
-) -> None:
-    print(f"chain {manifest.chain_id} ({manifest.backend}, {manifest.status})  {manifest.run_dir}")
-    if unreachable:
-        print(unreachable_notice(unreachable))
-    if accounting_unreachable:
-        print(accounting_notice(accounting_unreachable))
-    problem = disk_problem(Path(manifest.run_dir))
-    if problem:
-        print(f"warning: {problem}")
-    if manifest.error:
-        print(f"error: {manifest.error}")
+def print_status(payload: dict, results: RunResults) -> None:
+    """The chain's status as a table: ``status_payload``'s, so the two never disagree."""
+    chain, backend, run_dir = payload["chain_id"], payload["backend"], payload["run_dir"]
+    print(f"chain {chain} ({backend}, {payload['status']})  {run_dir}")
+    if payload["controller_unreachable"]:
+        print(unreachable_notice(payload["controller_unreachable"]))
+    if payload["accounting_unreachable"]:
+        print(accounting_notice(payload["accounting_unreachable"]))
+    if payload["disk_problem"]:
+        print(f"warning: {payload['disk_problem']}")
+    if payload["error"]:
+        print(f"error: {payload['error']}")
     print(f"latest: {results.describe()}")
-    progress = last_progress(manifest)
-    rows = []
-    for job in manifest.jobs:
-        status = statuses.get(job.job_id or "")
-        last_step, last_loss = progress.get(job.index, (None, None))
-        rows.append(
-            [
-                index_label(job),
-                str(job.job_id),
-                str(job.seed),
-                status.state if status else "?",
-                "-" if last_step is None else str(last_step),
-                format_loss(last_loss),
-                "-" if status is None or status.exit_code is None else str(status.exit_code),
-                (status.elapsed if status else "") or "-",
-                status.nodes if status else "",
-                job_reason(job, status),
-            ]
-        )
+    rows = [
+        [
+            index_label(job["index"], job["then"]),
+            str(job["job_id"]),
+            str(job["seed"]),
+            job["state"] or "?",
+            "-" if job["last_step"] is None else str(job["last_step"]),
+            format_loss(job["last_loss"]),
+            "-" if job["exit_code"] is None else str(job["exit_code"]),
+            job["elapsed"] or "-",
+            job["nodes"],
+            job["reason"],
+        ]
+        for job in payload["jobs"]
+    ]
     header = ["index", "job_id", "seed", "state", "step", "loss", "exit", "elapsed", "nodes"]
     print_table(rows, [*header, "reason"])
 
@@ -476,9 +471,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     for manifest in find_manifests(args.chain):
         backend = backend_for(manifest)
         statuses = backend.statuses(manifest.job_ids())
-        live = [
-            job_id for job_id, status in statuses.items() if status.state not in FINISHED_STATES
-        ]
+        live = [job_id for job_id, status in statuses.items() if not has_ended(status.state)]
         backend.cancel(last_first(live))
         print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
     return 0
@@ -517,11 +510,22 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def follow(manifest: Manifest, job: JobRecord, backend: Backend, poll_s: float = 0.5) -> None:
-    """Stream a job's log until the job has finished and the log has no more to give."""
+def follow(
+    manifest: Manifest,
+    job: JobRecord,
+    backend: Backend,
+    poll_s: float = 0.5,
+    requeue_grace_s: float = REQUEUE_GRACE_S,
+) -> None:
+    """Stream a job's log until the job has ended and the log has no more to give. A job seen
+    PREEMPTED is followed on for ``requeue_grace_s``: requeued, it is PENDING again and runs on
+    under the same id."""
     offset = 0
+    preempted_since = None
     while True:
         state = backend.statuses([job.job_id])[job.job_id].state
+        preempted = state == "PREEMPTED"
+        preempted_since = (preempted_since or time.monotonic()) if preempted else None
         path = log_path(manifest, job)
         if path is not None:
             with open(path, errors="replace") as handle:
@@ -535,7 +539,8 @@ def follow(manifest: Manifest, job: JobRecord, backend: Backend, poll_s: float =
         if backend.unreachable:
             say(f"stopped following: SLURM controller unreachable ({backend.unreachable})")
             return
-        if state in FINISHED_STATES or state == "UNKNOWN":
+        requeue_possible = preempted and time.monotonic() - preempted_since < requeue_grace_s
+        if (has_ended(state) and not requeue_possible) or state == "UNKNOWN":
             return
         time.sleep(poll_s)
 

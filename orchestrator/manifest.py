@@ -18,14 +18,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from contract import job_env
+
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
-METRICS_FILE = "metrics.jsonl"  # written by the trainer into the run dir, read by plot/status
 
 
 def orch_home() -> Path:
     """The state directory: ``$ORCH_HOME``, else ``~/.orchestrator``."""
-    return Path(os.environ.get("ORCH_HOME") or Path.home() / ".orchestrator")
+    return Path(os.environ.get(job_env.HOME) or Path.home() / ".orchestrator")
 
 
 def atomic_write_json(path: Path, payload: Any, durable: bool = True) -> None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract.run_dir import METRICS_FILE
 from orchestrator.errors import UsageError
 from orchestrator.manifest import (
-    METRICS_FILE,
     Manifest,
     find_manifests,
     sweep_index_path,

@@ -35,7 +35,8 @@ The fields (any other key is an error):
                     ``srun --container-image`` / ``--container-mounts``.
 ``env``             optional mapping NAME -> value exported before the training starts. Names
                     must be shell identifiers; names that look like secrets (``*_API_KEY``,
-                    ``*_TOKEN``, ``*PASSWORD*``, ``*SECRET*``) are refused, since secrets come from
+                    ``*_TOKEN``, ``*PASSWORD*``, ``*_ACCESS_KEY``: contract/credentials.py) are
+                    refused, since secrets come from
                     the environment at run time, never from a file in the repository; names the
                     orchestrator, SLURM or the launcher set are refused too. Values are exported
                     by the batch shell, so ``${SLURM_NODEID}`` is refused there (it would be the
@@ -75,24 +76,25 @@ from pydantic import (
     model_validator,
 )
 
+from contract import job_env
+from contract.credentials import looks_secret
+from contract.gpus import GPU_KEYS
 from orchestrator.errors import UsageError
-from orchestrator.planner.cluster import GPU_KEYS
 from orchestrator.slurm_time import parse_time_minutes
 
 CONTRACT_VARIABLES = (
     "SEED",
-    "ORCH_CHAIN_ID",
-    "ORCH_JOB_INDEX",
-    "ORCH_NUM_JOBS",
-    "ORCH_SEED",
-    "ORCH_RUN_DIR",
+    job_env.CHAIN_ID,
+    job_env.JOB_INDEX,
+    job_env.NUM_JOBS,
+    job_env.SEED,
+    job_env.RUN_DIR,
     "SLURM_JOB_ID",
     "SLURM_NODEID",
 )
 MAX_SIGNAL_GRACE = 65535  # sbatch's limit for the @time of --signal
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET_NAME = re.compile(r"(^|_)API_KEY$|(^|_)TOKEN$|PASSWORD|SECRET")
 _RESERVED_NAME = re.compile(
     r"^(SEED|ORCH_\w+|SLURM_\w+|MASTER_ADDR|MASTER_PORT|RANK|WORLD_SIZE|LOCAL_RANK"
     r"|LOCAL_WORLD_SIZE)$"
@@ -195,7 +197,7 @@ class RecipeSettings(BaseModel):
                 raise FieldProblem(
                     key, "not a shell variable name (letters, digits and _, not first a digit)"
                 )
-            if _SECRET_NAME.search(name.upper()):
+            if looks_secret(name):
                 raise FieldProblem(
                     key,
                     "looks like a secret; secrets come from the environment at run time "

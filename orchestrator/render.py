@@ -16,10 +16,11 @@ import shlex
 
 import jinja2
 
+from contract.job_end import EXIT_CHAIN_ENDED, EXITED_PREFIX
+from contract.job_env import PORT_BASE, PORT_SPAN
 from orchestrator.errors import UsageError
 from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
 from orchestrator.resources import packaged_templates
-from train.launch_env import PORT_BASE, PORT_SPAN
 
 _CONTRACT_REFERENCE = re.compile(r"\$\{(" + "|".join(CONTRACT_VARIABLES) + r")\}")
 
@@ -46,6 +47,13 @@ def shell_word(word: str) -> str:
 
 
 TEMPLATE_DIR_ENV = "ORCH_TEMPLATE_DIR"
+# The facts of contract/ that the templates write into every script.
+CONTRACT = {
+    "port_base": PORT_BASE,
+    "port_span": PORT_SPAN,
+    "exit_chain_ended": EXIT_CHAIN_ENDED,
+    "exited_prefix": EXITED_PREFIX,
+}
 
 
 def template_environment() -> jinja2.Environment:
@@ -74,7 +82,7 @@ def render_recipe(spec: Recipe) -> str:
     where = f"${TEMPLATE_DIR_ENV} or the orchestrator package"
     try:
         template = template_environment().get_template(name)
-        return template.render(recipe=spec, port_base=PORT_BASE, port_span=PORT_SPAN)
+        return template.render(recipe=spec, **CONTRACT)
     except jinja2.TemplateNotFound as error:
         raise UsageError(f"template {error.name} not found in {where}") from error
     except jinja2.TemplateError as error:

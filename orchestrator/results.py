@@ -21,16 +21,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.manifest import METRICS_FILE, Manifest
+from contract.run_dir import (
+    CHECKPOINTS_DIR,
+    EVAL_DIR,
+    METRICS_FILE,
+    STEP_DIR,
+    not_writable,
+    room_shortfall,
+)
+from orchestrator.manifest import Manifest
 
-EVAL_DIR = "eval"
 EVAL_SUMMARY = "summary.json"
 
 
@@ -132,9 +137,8 @@ def evaluations(run_dir: Path) -> list[Evaluation]:
     """Every evaluation whose summary parses, by step (one still being written is left out)."""
     found = []
     for folder in (Path(run_dir) / EVAL_DIR).glob("step_*"):
-        number = folder.name.removeprefix("step_")
-        if number.isdigit():
-            evaluation = read_evaluation(folder / EVAL_SUMMARY, int(number))
+        if match := STEP_DIR.fullmatch(folder.name):
+            evaluation = read_evaluation(folder / EVAL_SUMMARY, int(match.group(1)))
             if evaluation is not None:
                 found.append(evaluation)
     return sorted(found, key=lambda evaluation: evaluation.step)
@@ -202,18 +206,14 @@ def disk_problem(run_dir: Path) -> str | None:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
-    checkpoints = run_dir / "checkpoints"
+    checkpoints = run_dir / CHECKPOINTS_DIR
     where = checkpoints if checkpoints.is_dir() else run_dir
-    if os.statvfs(where).f_flag & os.ST_RDONLY or not os.access(where, os.W_OK):
+    if not_writable(where):
         return f"the run dir's disk is read-only or not writable ({where}): nothing can be saved"
-    complete = [d for d in where.glob("step_*") if (d / "COMPLETE").is_file()]
-    if not complete:
+    shortfall = room_shortfall(checkpoints)
+    if shortfall is None:
         return None
-    newest = max(complete, key=lambda d: int(d.name.removeprefix("step_")))
-    needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-    free = shutil.disk_usage(where).free
-    if free >= needed:
-        return None
+    free, needed, newest = shortfall
     return (
         f"the run dir's disk is full: {free / 2**20:.1f} MiB free under {where}, the last "
         f"checkpoint ({newest.name}) took {needed / 2**20:.1f} MiB; jobs end at their first save "

@@ -1,6 +1,5 @@
-"""Job seeds for a chain.
+"""Job seeds for a chain, below contract.job_env.SEED_LIMIT.
 
-Seeds stay below 2**31 so that a trainer adding small offsets never passes numpy's 2**32 limit.
 A chain with ``--seed S`` is reproducible: job k's seed comes from a SeedSequence keyed on (S, k),
 a collision-free derivation, never ``S + k`` arithmetic.
 """
@@ -9,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 
-SEED_LIMIT = 2**31
+from contract.job_env import SEED_LIMIT
 
 
 def validate_base_seed(seed: int) -> None:

@@ -32,11 +32,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from contract.run_dir import MARKER
 from tests.helpers import fill_disk, tmpfs
 from tests.test_trainer import metrics, train
 from train import checkpoint
 from train.checkpoint import (
-    MARKER,
     PAUSE_ENV,
     PAUSED_SUFFIX,
     WRITE_PAUSE_PREFIX,

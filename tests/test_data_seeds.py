@@ -10,9 +10,10 @@ import torch
 from lhotse import CutSet
 from lhotse.dataset.dataloading import LHOTSE_PROCESS_SEED
 
+from contract.job_env import SEED_LIMIT
 from train.batch_hash import append_batch_hash, batch_hash
 from train.data import batches_forever, build_dataloader, make_worker_init_fn
-from train.seeding import SEED_LIMIT, rank_data_seed, sampler_seed
+from train.seeding import rank_data_seed, sampler_seed
 
 REPO = Path(__file__).resolve().parents[1]
 PAD_ID = 256

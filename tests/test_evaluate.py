@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_module
 from lhotse import CutSet
 from omegaconf import OmegaConf
 
-from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
+from contract.configs import PACKAGED_CONFIGS
 from tests.helpers import launch_json, run_tool, wait_chain
 from train.config import ConfigError
 from train.data import load_cuts

@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from contract.run_dir import MARKER, scan_checkpoints
 from tests.helpers import (
     queue_ids,
     run_tool,
@@ -37,13 +38,12 @@ from tests.helpers import (
     wait_gone,
 )
 from tests.test_trainer import metrics
-from train.checkpoint import MARKER, PAUSE_ENV, PAUSED_SUFFIX
+from train.checkpoint import PAUSE_ENV, PAUSED_SUFFIX
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 PAUSED_AT = re.compile(r"checkpoint write paused at (\S+) for \S+ s: its files ([a-z ]+),")
-STEP_DIR = re.compile(r"step_(\d+)")
 INTERVAL = 2  # checkpoint.interval of every chain here: a save every other step
 TORN_STEP, MAX_STEPS = 4, 6  # the tear test: the save torn, and where its chains end
 # An armed pause: far past the loopback cluster's KillWait (2 s, orchestrator/cluster.py), so
@@ -100,11 +100,7 @@ def training_rank(run_dir: Path) -> psutil.Process | None:
 
 def complete_steps(checkpoints: Path) -> list[int]:
     """The steps of the complete checkpoints on disk: ``step_N`` directories with the marker."""
-    return sorted(
-        int(match.group(1))
-        for path in checkpoints.iterdir()
-        if (match := STEP_DIR.fullmatch(path.name)) and (path / MARKER).is_file()
-    )
+    return sorted(scan_checkpoints(checkpoints)[0])
 
 
 def job_log(chain_id: str, index: int) -> str:

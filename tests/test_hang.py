@@ -18,18 +18,18 @@ from pathlib import Path
 import psutil
 import pytest
 
+from contract.job_end import read_job_end
 from orchestrator.chain_hooks import judge
 from tests.helpers import FINISHED, REPO, chain_status, run_tool, wait_chain
 from tests.test_trainer import launch_training, metrics, metrics_or_empty
 from train.config import DebugConfig, TrainConfig, TrainLoopConfig, validate
-from train.job_end import read_job_end
 from train.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs a rank that its SIGTERM did not end after this long
 MARGIN_S = 30  # polling, teardown and a loaded 2-core machine
 HANG_TIMEOUT_S = 10  # 8x the slowest step, save or validation of the tiny model here (1.2 s)
 HUNG_LINE = "error: rank 0: the job is hung"  # rank 1 stopped
-JOB_ID = "4242"  # a SLURM job id for the end-of-job record (train/job_end.py) outside SLURM
+JOB_ID = "4242"  # a SLURM job id for the end-of-job record (contract/job_end.py) outside SLURM
 
 
 def wait_for_step(run_dir: Path, step: int, still_running=lambda: True, timeout: float = 240):

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from orchestrator.planner.cluster import Cluster, gpu_preset
+from contract.gpus import gpu_preset
+from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.search import LONG_SEQUENCE, PlanRequest, plan
 from orchestrator.planner.shapes import model_preset
 from tests.helpers import run_tool

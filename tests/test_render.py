@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from contract.job_env import port_for
 from orchestrator.errors import UsageError
 from orchestrator.recipe import load_recipe
 from orchestrator.render import render_recipe, shell_word
 from orchestrator.scripts import prepare_script
 from orchestrator.slurm_time import parse_time_minutes
-from train.launch_env import port_for
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"

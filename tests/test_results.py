@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from contract.run_dir import METRICS_FILE
 from orchestrator.manifest import (
-    METRICS_FILE,
     JobRecord,
     Manifest,
     register_chain,

@@ -1,7 +1,8 @@
 import pytest
 
+from contract.job_env import SEED_LIMIT
 from orchestrator.errors import UsageError
-from orchestrator.seeds import SEED_LIMIT, chain_seeds, validate_base_seed
+from orchestrator.seeds import chain_seeds, validate_base_seed
 
 
 def test_random_seeds_are_distinct_and_in_range():

@@ -16,14 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from contract.job_end import job_end_record, outcome_line, read_outcome
 from orchestrator import cluster, processes
-from orchestrator.backends.run_dir import EXIT_LINE, STOPPED_LINE, run_dir_status
-from orchestrator.chain_hooks import BLOCKED, judge, outcome_line
+from orchestrator.backends.run_dir import run_dir_status
+from orchestrator.chain_hooks import BLOCKED, judge
 from orchestrator.seeds import chain_seeds
 from tests.conftest import cluster_cli
 from tests.helpers import REPO, launch_json, run_tool, tiny_training_chain, wait_chain, write_sub
 from tests.test_trainer import launch_training
-from train.job_end import job_end_record
 
 # A hand-written .sub that follows the chain-hook contract (docs/contracts.md). Its work fails
 # while the run dir's counter is below FAILURES, or, for the job of index KILL_AT, the batch shell
@@ -120,10 +120,11 @@ def test_end_records_map_to_chain_outcomes():
         "[orch] training stopped on SIGTERM after saving step 5 "
         "(launcher exit status 1 is its own signal handling)"
     )
-    assert STOPPED_LINE.search(line).groups() == ("SIGTERM", "1")
-    assert STOPPED_LINE.search(outcome_line(stopped, 0)).groups() == ("SIGTERM", "0")
-    assert EXIT_LINE.search(outcome_line(error, 1)).group(1) == "1"
-    assert EXIT_LINE.search(outcome_line(budget, 0)).group(1) == "0"
+    assert read_outcome(f"[train] step 5\n{line}\n") == ("SIGTERM", 1)
+    assert read_outcome(outcome_line(stopped, 0)) == ("SIGTERM", 0)
+    assert read_outcome(outcome_line(error, 1)) == (None, 1)
+    assert read_outcome(f"{outcome_line(stopped, 0)}\n{outcome_line(budget, 0)}") == (None, 0)
+    assert read_outcome("[train] step 5\n") is None
 
 
 def test_run_dir_reads_a_clean_stop_from_the_log(tmp_path):

@@ -16,7 +16,8 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from orchestrator.backends.base import FINISHED_STATES, JobRequest, JobStatus
+from contract.slurm_states import has_ended
+from orchestrator.backends.base import JobRequest, JobStatus
 from orchestrator.backends.submitit_common import SubmititBackendBase
 from orchestrator.backends.submitit_local import SubmititLocalBackend
 from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
@@ -93,7 +94,7 @@ def wait_finished(
     deadline = time.monotonic() + timeout_s
     while True:
         statuses = backend.statuses(ids)
-        if all(statuses[job_id].state in FINISHED_STATES for job_id in ids):
+        if all(has_ended(statuses[job_id].state) for job_id in ids):
             return [statuses[job_id] for job_id in ids]
         assert time.monotonic() < deadline, f"jobs not finished after {timeout_s} s: {statuses}"
         time.sleep(0.5)

@@ -15,10 +15,10 @@ import torch
 from hydra.errors import ConfigCompositionException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from contract.job_end import read_job_end
 from orchestrator.planner.preflight import compose_training_config
 from tests.helpers import REPO, launch_json, run_tool, wait_chain
 from train.config import ConfigError
-from train.job_end import read_job_end
 from train.trainer import preflight
 
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
+from contract.configs import PACKAGED_CONFIGS, TRAIN_CONFIG
+from contract.job_end import EXIT_CONFIG, EXIT_DIVERGED, job_end_record, write_job_end
 from train.config import ConfigError, TrainConfig, register
-from train.job_end import EXIT_DIVERGED, job_end_record, write_job_end
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
 
@@ -33,7 +33,7 @@ register()
 
 
 def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int) -> None:
-    """Tell the chain how this job ended (train/job_end.py): the batch script's hook decides
+    """Tell the chain how this job ended (contract/job_end.py): the batch script's hook decides
     from it whether the chain is complete, diverged, or needs a replacement job."""
     record = job_end_record(
         code,
@@ -46,7 +46,7 @@ def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest,
     write_job_end(cfg.run_dir, record)
 
 
-@hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name="tiny_fsdp2")
+@hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name=TRAIN_CONFIG)
 def main(raw: DictConfig) -> None:
     apply_launch_env()
     cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
@@ -66,7 +66,7 @@ def main(raw: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
             record_job_end(cfg, None, stop, 2)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer: Trainer | None = None
     code = 1  # what an exception leaves

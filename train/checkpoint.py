@@ -72,7 +72,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import threading
 import time
@@ -97,13 +96,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from contract.run_dir import (
+    CHECKPOINTS_DIR,
+    MARKER,
+    STATE_FILE,
+    TMP_DIR,
+    not_writable,
+    room_shortfall,
+    scan_checkpoints,
+    step_name,
+    tmp_step_name,
+)
+
 log = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
-STATE_FILE = "state.json"
 RNG_DIR = "rng"
-_STEP_RE = re.compile(r"step_(\d+)")
-_TMP_RE = re.compile(r"\.tmp-step_(\d+)-.+")
 _TRASH_PREFIX = ".trash-"
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 # Only list-style param groups (before pipelines) have this key: a flattened one ends in a
@@ -447,12 +454,9 @@ def _find_os_error(exc: BaseException | None) -> OSError | None:
 def _disk_errno(where: Path) -> int | None:
     """The errno a write under ``where`` would meet now: read-only, not writable, or full."""
     directory = _existing(where)
-    stats = os.statvfs(directory)
-    if stats.f_flag & os.ST_RDONLY:
-        return errno.EROFS
-    if not os.access(directory, os.W_OK):
-        return errno.EACCES
-    if stats.f_bavail * stats.f_frsize < _PROBE_BYTES:
+    if not_writable(directory):
+        return errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else errno.EACCES
+    if shutil.disk_usage(directory).free < _PROBE_BYTES:
         return errno.ENOSPC
     return None
 
@@ -532,7 +536,7 @@ class CheckpointManager:
         group the same, ``train.watchdog.process_group_timeout``); None: gloo's default."""
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1 (the checkpoint to resume from)")
-        self.directory = Path(run_dir) / "checkpoints"
+        self.directory = Path(run_dir) / CHECKPOINTS_DIR
         self.keep = keep
         self._pending: _Pending | None = None
         self._deleting: list[threading.Thread] = []
@@ -551,18 +555,7 @@ class CheckpointManager:
 
     def _scan(self) -> tuple[dict[int, Path], list[tuple[int, Path]]]:
         """Complete checkpoints by step, and the torn entries (step dirs without marker, tmp)."""
-        complete: dict[int, Path] = {}
-        torn: list[tuple[int, Path]] = []
-        if not self.directory.is_dir():
-            return complete, torn
-        for entry in sorted(self.directory.iterdir()):
-            step_match = _STEP_RE.fullmatch(entry.name)
-            tmp_match = _TMP_RE.fullmatch(entry.name)
-            if step_match and (entry / MARKER).is_file():
-                complete[int(step_match.group(1))] = entry
-            elif step_match or tmp_match:
-                torn.append((int((step_match or tmp_match).group(1)), entry))
-        return complete, torn
+        return scan_checkpoints(self.directory)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None; torn ones are skipped with a warning."""
@@ -586,7 +579,7 @@ class CheckpointManager:
         leftovers = [
             entry
             for entry in sorted(self.directory.iterdir())
-            if _TMP_RE.fullmatch(entry.name) or entry.name.startswith(_TRASH_PREFIX)
+            if TMP_DIR.fullmatch(entry.name) or entry.name.startswith(_TRASH_PREFIX)
         ]
         if leftovers:
             log.warning("removing what earlier jobs left: %s", ", ".join(p.name for p in leftovers))
@@ -619,14 +612,10 @@ class CheckpointManager:
                 f"checkpoints cannot be saved: {problem} on {_disk(self.directory)} writing "
                 f"{failure['path'] or probe}; {fix or 'check the disk or move the run dir'}"
             )
-        complete, _ = self._scan()
-        if not complete:
+        shortfall = room_shortfall(self.directory)
+        if shortfall is None:
             return None
-        newest = complete[max(complete)]
-        needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-        free = shutil.disk_usage(self.directory).free
-        if free >= needed:
-            return None
+        free, needed, newest = shortfall
         return (
             f"checkpoints cannot be saved: {_size(free)} free on {_mount_point(self.directory)}, "
             f"the last checkpoint {newest.name} took {_size(needed)}, in {self.directory}; "
@@ -666,10 +655,10 @@ class CheckpointManager:
             bad = _first_nonfinite(state)
             if bad is not None:
                 raise NonFiniteState(self._refusal(step, bad))
-        final = self.directory / f"step_{step}"
+        final = self.directory / step_name(step)
         made: str | dict | None = None
         if _rank() == 0 and not (final / MARKER).is_file():
-            made = f".tmp-step_{step}-{uuid.uuid4().hex[:12]}"
+            made = tmp_step_name(step, uuid.uuid4().hex[:12])
             try:
                 (self.directory / made).mkdir(parents=True)
             except OSError as exc:
@@ -719,7 +708,7 @@ class CheckpointManager:
             return written
         if PAUSE_ENV in os.environ and _rank() == 0:  # the other ranks wait in dcp.save
             _pause_if_armed(
-                Path(os.environ[PAUSE_ENV]) / f"{WRITE_PAUSE_PREFIX}step_{step}",
+                Path(os.environ[PAUSE_ENV]) / f"{WRITE_PAUSE_PREFIX}{step_name(step)}",
                 tmp,
                 "its staged copy not yet written, training going on",
             )
@@ -766,7 +755,7 @@ class CheckpointManager:
                     shutil.rmtree(pending.tmp, ignore_errors=True)
                 raise NonFiniteState(self._refusal(pending.step, nonfinite))
         error = _first_of_ranks(error)
-        final = self.directory / f"step_{pending.step}"
+        final = self.directory / step_name(pending.step)
         if error is None:
             error = self._complete(pending, final) if _rank() == 0 else None
             error = _broadcast_from_rank0(error)
@@ -784,7 +773,7 @@ class CheckpointManager:
         if PAUSE_ENV in os.environ:
             how = "written in the background" if pending.future is not None else "written"
             _pause_if_armed(
-                Path(os.environ[PAUSE_ENV]) / f"step_{pending.step}",
+                Path(os.environ[PAUSE_ENV]) / step_name(pending.step),
                 pending.tmp,
                 f"its files {how}, no {MARKER} marker yet",
             )

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from orchestrator.seeds import SEED_LIMIT
+from contract.job_env import SEED_LIMIT
 from train.models.presets import get_preset
 from train.parallel_dims import STRATEGIES, ParallelDims
 from train.watchdog import STOPPABLE

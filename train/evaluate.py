@@ -34,8 +34,17 @@ from lhotse.cut import Cut
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch.nn.utils.rnn import pad_sequence
 
-from hydra_plugins.orch_chain_launcher.searchpath import PACKAGED_CONFIGS
-from train.checkpoint import MARKER, STATE_FILE, CheckpointError, CheckpointManager
+from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
+from contract.job_end import EXIT_CONFIG
+from contract.run_dir import (
+    CHECKPOINTS_DIR,
+    EVAL_DIR,
+    MARKER,
+    STATE_FILE,
+    complete_checkpoints,
+    step_name,
+)
+from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
@@ -84,26 +93,25 @@ def find_checkpoint(cfg: EvaluateConfig) -> Path:
     if cfg.checkpoint:
         path = Path(cfg.checkpoint)
     elif cfg.step is not None:
-        path = run_dir / "checkpoints" / f"step_{cfg.step}"
+        path = run_dir / CHECKPOINTS_DIR / step_name(cfg.step)
     else:
         latest = CheckpointManager(run_dir).latest() if run_dir.is_dir() else None
         if latest is None:
             raise ConfigError(
-                f"run_dir={run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}; "
+                f"run_dir={run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR}; "
                 "train first, or pass checkpoint=PATH"
             )
         return latest
     if not (path / MARKER).is_file():
         raise ConfigError(
             f"{path} is not a complete checkpoint (no {MARKER} marker); complete ones in "
-            f"{run_dir / 'checkpoints'}: {complete_steps(run_dir) or 'none'}"
+            f"{run_dir / CHECKPOINTS_DIR}: {complete_steps(run_dir) or 'none'}"
         )
     return path
 
 
 def complete_steps(run_dir: Path) -> str:
-    found = sorted((run_dir / "checkpoints").glob(f"step_*/{MARKER}"))
-    return ", ".join(marker.parent.name for marker in found)
+    return ", ".join(path.name for path in complete_checkpoints(run_dir).values())
 
 
 def check_inputs(path: Path) -> int:
@@ -291,7 +299,7 @@ class Evaluation:
             row["normalized_reference"] = normalize(row["reference"])
             row["normalized_hypothesis"] = normalize(row["hypothesis"])
             counts += scored
-        out = Path(self.cfg.run_dir) / "eval" / f"step_{self.plan.step}"
+        out = Path(self.cfg.run_dir) / EVAL_DIR / step_name(self.plan.step)
         out.mkdir(parents=True, exist_ok=True)
         with (out / "hypotheses.jsonl").open("w", encoding="utf-8") as file:
             for row in rows:
@@ -330,7 +338,7 @@ def register() -> None:
 register()
 
 
-@hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name="evaluate")
+@hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name=EVALUATE_CONFIG)
 def main(raw: DictConfig) -> None:
     cfg: EvaluateConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
     try:
@@ -338,7 +346,7 @@ def main(raw: DictConfig) -> None:
     except (ConfigError, CheckpointError) as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     device = init_distributed()
     try:
         Evaluation(cfg, plan, device).run()

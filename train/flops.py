@@ -10,8 +10,8 @@ position of a length-P sequence and layer, 12 * d * P for training: sequences co
 elementwise work are not counted. Activation recomputation is not counted either: MFU measures
 useful model work, so checkpointing lowers it.
 
-Peaks are dense bf16 tensor-core FLOP/s from NVIDIA's datasheets (the planner's GPU table,
-``orchestrator.planner.cluster``), looked up by the device name that CUDA reports;
+Peaks are dense bf16 tensor-core FLOP/s from NVIDIA's datasheets (the GPU table that the
+planner prices with, ``contract.gpus``), looked up by the device name that CUDA reports;
 ``ORCH_PEAK_FLOPS`` overrides (for a GPU missing here, or to measure against a measured matmul
 ceiling instead of the datasheet).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from orchestrator.planner.cluster import GPUS
+from contract.gpus import GPUS
 from train.models.shape import SALMConfig, encoder_lens, subsampled_lens
 
 if TYPE_CHECKING:

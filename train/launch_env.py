@@ -18,12 +18,7 @@ from __future__ import annotations
 import os
 import re
 
-# The rendezvous port of a job: PORT_BASE + job id % PORT_SPAN, so that jobs sharing a node differ.
-# The range (10000-29999) stays below Linux's ephemeral ports (32768-60999 by default): a port in
-# that range can be held by any outgoing connection on the node (a gloo or NCCL socket of the
-# job before), and then neither torchrun can host the store. The templates render these numbers.
-PORT_BASE = 10000
-PORT_SPAN = 20000
+from contract.job_env import port_for
 
 
 def first_host(nodelist: str) -> str:
@@ -64,12 +59,6 @@ def derived_env(environ: dict[str, str]) -> dict[str, str]:
             ),
         }
     return {}
-
-
-def port_for(job_id: str) -> str:
-    """The rendezvous port of job ``job_id`` (its digits: ``1234_5`` is 12345)."""
-    digits = re.sub(r"\D", "", job_id) or "0"
-    return str(PORT_BASE + int(digits) % PORT_SPAN)
 
 
 def apply_launch_env() -> dict[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import secrets
 import string
 import sys
@@ -28,12 +27,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from orchestrator.manifest import METRICS_FILE
+from contract import job_env
+from contract.credentials import looks_secret
+from contract.run_dir import METRICS_FILE
 
-# Words that mark a config key as secret ("hf_token", "dbPassword", "WANDB_API_KEY"); matched on
-# whole words so "tokens_per_s" or "tokenizer" stay.
-SECRET_WORDS = frozenset({"token", "password", "passwd", "secret", "apikey", "credentials"})
-SECRET_PAIRS = ("api_key", "access_key", "private_key")
 _RUN_ID_CHARS = string.ascii_lowercase + string.digits
 
 
@@ -46,20 +43,13 @@ def resolve_wandb_mode(explicit: str | None, environ: Mapping[str, str]) -> str:
     return "online" if environ.get("WANDB_API_KEY") else "offline"
 
 
-def is_secret_key(name: str) -> bool:
-    """Whether a config key's name looks like it holds a credential."""
-    words = re.findall(r"[a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower())
-    joined = "_".join(words)
-    return any(word in SECRET_WORDS for word in words) or any(p in joined for p in SECRET_PAIRS)
-
-
 def scrub_secrets(value: Any, api_key: str | None) -> Any:
     """``value`` less secret-looking keys and strings holding the API key, at any depth."""
     if isinstance(value, Mapping):
         return {
             key: scrub_secrets(item, api_key)
             for key, item in value.items()
-            if not is_secret_key(str(key)) and not _holds_key(item, api_key)
+            if not looks_secret(str(key)) and not _holds_key(item, api_key)
         }
     if isinstance(value, list | tuple):
         return [scrub_secrets(item, api_key) for item in value if not _holds_key(item, api_key)]
@@ -69,7 +59,7 @@ def scrub_secrets(value: Any, api_key: str | None) -> Any:
 def argv_holds_secret(argv: list[str], api_key: str | None) -> bool:
     """Whether a command line carries a secret-looking override (``hf_token=...``, ``--api-key``)
     or the API key: wandb records the arguments with the run's metadata."""
-    return any(is_secret_key(arg.split("=", 1)[0]) or _holds_key(arg, api_key) for arg in argv)
+    return any(looks_secret(arg.split("=", 1)[0]) or _holds_key(arg, api_key) for arg in argv)
 
 
 def _holds_key(value: Any, api_key: str | None) -> bool:
@@ -82,12 +72,12 @@ def job_context(environ: Mapping[str, str], config: Mapping[str, Any]) -> dict[s
     A run outside a chain is job 0; its seed is the config's top-level ``seed`` when there is no
     ``ORCH_SEED``.
     """
-    seed = environ.get("ORCH_SEED")
+    seed = environ.get(job_env.SEED)
     return {
-        "job_index": int(environ.get("ORCH_JOB_INDEX", "0")),
+        "job_index": int(environ.get(job_env.JOB_INDEX, "0")),
         "seed": int(seed) if seed is not None else config.get("seed"),
         "slurm_job_id": environ.get("SLURM_JOB_ID"),
-        "chain_id": environ.get("ORCH_CHAIN_ID"),
+        "chain_id": environ.get(job_env.CHAIN_ID),
     }
 
 
@@ -192,7 +182,7 @@ class MetricsLogger:
                 id=self._run_id,
                 resume="allow",
                 project=project,
-                group=os.environ.get("ORCH_SWEEP_ID") or os.environ.get("ORCH_CHAIN_ID") or None,
+                group=os.environ.get(job_env.SWEEP_ID) or os.environ.get(job_env.CHAIN_ID) or None,
                 job_type="train",
                 dir=str(run_dir),
                 mode=mode,

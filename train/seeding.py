@@ -22,7 +22,7 @@ import random
 import numpy as np
 import torch
 
-from orchestrator.seeds import SEED_LIMIT
+from contract.job_env import SEED_LIMIT
 
 # First spawn-key element: keeps the seeds drawn for different purposes apart.
 _PURPOSE_SAMPLER = 0

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from contract import job_env
+from contract.job_end import EXIT_NOT_SAVED
 from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.config import (
@@ -35,7 +37,6 @@ from train.config import (
 )
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
-from train.job_end import EXIT_NOT_SAVED
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
@@ -582,7 +583,7 @@ class Trainer:
         )
         self.wandb_run_id = metrics.run_id
         say(
-            f"job {os.environ.get('ORCH_JOB_INDEX', '-')} seed {cfg.seed}: training steps "
+            f"job {os.environ.get(job_env.JOB_INDEX, '-')} seed {cfg.seed}: training steps "
             f"{self.step + 1}..{cfg.train.max_steps}, layout {self.dims.describe()}"
         )
         if self.plan is not None:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 
+from contract.job_end import EXIT_HUNG
 from train.stop import STOP_SIGNALS
 
-EXIT_HUNG = 5  # no progress for train.hang_timeout_s: nothing saved, the next job resumes
 PROCESS_GROUP_MARGIN_S = 30.0  # the process groups' timeout exceeds the watchdog's by this
 SIGNAL_PATIENCE_S = 30.0  # after a stop signal: the least time a phase may hang before exit 5
 SLOWEST_TIMES = 3  # ... or this many times the slowest earlier one of its kind, if longer

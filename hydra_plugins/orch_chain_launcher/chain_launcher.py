@@ -21,6 +21,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
+from contract.configs import TRAIN_MODULE
 from hydra_plugins.orch_chain_launcher.config import ChainSettings
 from hydra_plugins.orch_chain_launcher.members import (
     fail,
@@ -117,7 +118,7 @@ class ChainLauncher(Launcher):
             train_argv=(
                 sys.executable,
                 "-m",
-                "train",
+                TRAIN_MODULE,
                 *config_path_args(self.config),
                 "--config-name",
                 config_name,

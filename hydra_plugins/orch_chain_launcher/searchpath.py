@@ -9,7 +9,7 @@ the defaults a user config lists); ``--config-dir DIR`` adds a folder after the 
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-PACKAGED_CONFIGS = "pkg://recipes.conf"
+from contract.configs import PACKAGED_CONFIGS
 
 
 class PackagedConfigs(SearchPathPlugin):

@@ -16,8 +16,7 @@ from orchestrator.errors import SchedulerError
 
 DEPENDENCY_KINDS = ("afterany", "afterok", "singleton")
 
-# States reported by status, in SLURM's vocabulary whatever the backend.
-FINISHED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+# Backends report states in SLURM's vocabulary whatever they run on (contract/slurm_states.py).
 
 
 def dependency_spec(kind: str, after: str | None) -> str | None:

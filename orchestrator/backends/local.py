@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from contract import job_env
 from orchestrator.backends.base import BatchScriptBackend, JobRequest, JobStatus
 from orchestrator.manifest import atomic_write_json, orch_home
 from orchestrator.processes import group_and_descendants, terminate
@@ -150,7 +151,7 @@ class LocalBackend(BatchScriptBackend):
         limit_s = None if limit_min is None else limit_min * 60
         signal_spec = parse_signal(directives["signal"]) if directives.get("signal") else None
         self._say(
-            f"job {job_id} (index {request.env.get('ORCH_JOB_INDEX')}, seed {request.seed}): "
+            f"job {job_id} (index {request.env.get(job_env.JOB_INDEX)}, seed {request.seed}): "
             f"running, log {log_path}"
         )
         started = time.monotonic()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from contract.slurm_states import has_ended
 from orchestrator.backends.base import (
-    FINISHED_STATES,
     BatchScriptBackend,
     JobRequest,
     JobStatus,
@@ -131,7 +131,7 @@ class SlurmBackend(BatchScriptBackend):
             why = "SLURM no longer knows the job and keeps no accounting"
         for job_id in rest:
             status = accounted.get(job_id)
-            if status is None or (status.state not in FINISHED_STATES and not self.unreachable):
+            if status is None or (not has_ended(status.state) and not self.unreachable):
                 fields = {} if self.unreachable else scontrol_fields(job_id)
                 if fields:
                     status = status_from_fields(job_id, fields)

@@ -23,7 +23,8 @@ from typing import Any
 import psutil
 from submitit import JobEnvironment, LocalExecutor, LocalJob
 
-from orchestrator.backends.base import FINISHED_STATES, JobRequest, JobStatus
+from contract.slurm_states import has_ended
+from orchestrator.backends.base import JobRequest, JobStatus
 from orchestrator.backends.submitit_common import (
     SubmititBackendBase,
     check_request,
@@ -57,7 +58,7 @@ class SubmititLocalBackend(SubmititBackendBase):
         directives = script_directives(request)
         if request.after is not None:
             previous = self._status(request.after)
-            while previous.state not in FINISHED_STATES:
+            while not has_ended(previous.state):
                 time.sleep(POLL_S)
                 previous = self._status(request.after)
             if request.dependency_kind == "afterok" and previous.state != "COMPLETED":

@@ -6,8 +6,9 @@ import argparse
 import json
 import time
 
+from contract.gpus import GPU_KEYS, gpu_preset
 from orchestrator.errors import UsageError
-from orchestrator.planner.cluster import DEFAULT_INTER_NODE_GBPS, GIB, GPU_KEYS, Cluster, gpu_preset
+from orchestrator.planner.cluster import DEFAULT_INTER_NODE_GBPS, GIB, Cluster
 from orchestrator.planner.search import AC_MODES, Estimate, PlanRequest, PlanResult, plan
 from orchestrator.planner.shapes import model_names, model_preset, with_overrides
 

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from contract.configs import PACKAGED_CONFIG_MODULE, TRAIN_CONFIG, TRAIN_MODULE
+from contract.gpus import GPU, gpu_preset
 from orchestrator.errors import UsageError
-from orchestrator.planner.cluster import GIB, GPU, Cluster, gpu_preset
+from orchestrator.planner.cluster import GIB, Cluster
 from orchestrator.planner.search import (
     Estimate,
     Layout,
@@ -186,7 +188,7 @@ def announce_skipped(label: str) -> None:
 def train_arguments(command: list[str]) -> list[str] | None:
     """What follows ``-m train`` in a recipe's command; None when it does not run the trainer."""
     for index in range(len(command) - 1):
-        if command[index] == "-m" and command[index + 1] == "train":
+        if command[index] == "-m" and command[index + 1] == TRAIN_MODULE:
             return command[index + 2 :]
     return None
 
@@ -203,7 +205,7 @@ def compose_training_config(arguments: list[str]) -> TrainConfig:
     from train.config import register
 
     register()
-    config_name, config_path, overrides = "tiny_fsdp2", None, []
+    config_name, config_path, overrides = TRAIN_CONFIG, None, []
     words = iter(arguments)
     for word in words:
         if word in ("--config-name", "-cn"):
@@ -219,7 +221,7 @@ def compose_training_config(arguments: list[str]) -> TrainConfig:
     context = (
         initialize_config_dir(config_dir=config_path, version_base=None)
         if config_path
-        else initialize_config_module("recipes.conf", version_base=None)
+        else initialize_config_module(PACKAGED_CONFIG_MODULE, version_base=None)
     )
     with context:
         composed = compose(config_name=config_name, overrides=overrides)

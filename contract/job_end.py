@@ -1,4 +1,4 @@
-"""The end-of-job record: how a job's training ended, for the chain's hook to act on.
+"""How a job's training ended: the trainer's exit codes, its end-of-job record, the log's line.
 
 Rank 0 writes ``RUN_DIR/job_ends/<ORCH_JOB_INDEX>-<SLURM_JOB_ID>.json`` as the trainer exits
 (only inside a job: no ``SLURM_JOB_ID``, no record), atomically, so a reader sees all of it or
@@ -11,20 +11,29 @@ nothing:
 ``saved`` means the state at ``step`` is in a complete checkpoint. The batch script's hook
 (``orchestrator.chain_hooks``) reads it: finished cancels the chain's queued jobs, diverged stops
 the chain, a saved stop is no failure, an error (or no record at all: killed, node lost) is one.
-The orchestrator reads this module too, so it must stay free of torch and of the rest of train.
+
+The job's log ends with the outcome line (``outcome_line``, printed by the hook, or by the batch
+script where no hook runs): ``orchestrator status`` reads it back (``read_outcome``) when SLURM
+cannot say how the job ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-JOB_ENDS_DIR = "job_ends"
+from contract import job_env
+from contract.run_dir import JOB_ENDS_DIR
+
+EXIT_CONFIG = 2  # the config or layout is refused before training: a new job would fail alike
 EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
 EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): previous intact
+EXIT_HUNG = 5  # no progress for train.hang_timeout_s: nothing saved, the next job resumes
+EXIT_CHAIN_ENDED = 100  # the chain hook's `start`: the chain has ended, this job does not train
 REASONS = ("max_steps", "signal", "budget", "diverged", "error")
 
 
@@ -75,7 +84,7 @@ def write_job_end(run_dir: Path | str, record: dict[str, Any]) -> Path | None:
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return None
-    path = job_end_path(run_dir, os.environ.get("ORCH_JOB_INDEX", "0"), job_id)
+    path = job_end_path(run_dir, os.environ.get(job_env.JOB_INDEX, "0"), job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -89,3 +98,36 @@ def write_job_end(run_dir: Path | str, record: dict[str, Any]) -> Path | None:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return path
+
+
+EXITED_PREFIX = "[orch] training exited with status"
+EXITED_LINE = re.compile(r"^\[orch\] training exited with status (\d+)\s*$", re.MULTILINE)
+STOPPED_LINE = re.compile(
+    r"^\[orch\] training stopped on (.+) after saving step \d+ \((?:launcher )?exit status (\d+)",
+    re.MULTILINE,
+)
+
+
+def outcome_line(record: dict[str, Any] | None, status: int) -> str:
+    """The job log's last line. A stop on a signal is told as one: the launcher may report a
+    status of its own (torchrun turns SIGTERM into 1) when the training saved and stopped."""
+    if record is not None and record["reason"] == "signal" and record.get("saved"):
+        signal = record.get("signal") or "a signal"
+        stopped = f"[orch] training stopped on {signal} after saving step {record.get('step')}"
+        if status:
+            return f"{stopped} (launcher exit status {status} is its own signal handling)"
+        return f"{stopped} (exit status 0)"
+    return f"{EXITED_PREFIX} {status}"
+
+
+def read_outcome(log: str) -> tuple[str | None, int] | None:
+    """The last outcome line of a job's log: ``(signal, status)`` for a saved stop on a signal,
+    ``(None, status)`` for an exit, None when the log has none (the job has not ended, or ended
+    before it could write one)."""
+    stops = list(STOPPED_LINE.finditer(log))
+    exits = list(EXITED_LINE.finditer(log))
+    if stops and (not exits or stops[-1].start() > exits[-1].start()):
+        return stops[-1].group(1), int(stops[-1].group(2))
+    if exits:
+        return None, int(exits[-1].group(1))
+    return None

@@ -1,0 +1,34 @@
+"""What the orchestrator hands a job in its environment, and the numbers derived from it.
+
+auto_launch (through the batch templates, the local and the submitit backends) exports these
+variables into every job of a chain; the trainer, the chain hook and the metrics read them.
+"""
+
+from __future__ import annotations
+
+import re
+
+RUN_DIR = "ORCH_RUN_DIR"  # the chain's run dir: checkpoints, metrics, logs
+CHAIN_ID = "ORCH_CHAIN_ID"
+JOB_INDEX = "ORCH_JOB_INDEX"  # 0-based index of the job in its chain
+NUM_JOBS = "ORCH_NUM_JOBS"
+SEED = "ORCH_SEED"  # the job's own seed
+SWEEP_ID = "ORCH_SWEEP_ID"  # set for the members of a sweep
+PYTHON = "ORCH_PYTHON"  # the interpreter that runs the chain hook
+HOME = "ORCH_HOME"  # where chains, indexes and the default cluster dir live
+
+# Seeds stay below 2**31 so that a trainer adding small offsets never passes numpy's 2**32 limit.
+SEED_LIMIT = 2**31
+
+# The rendezvous port of a job: PORT_BASE + job id % PORT_SPAN, so that jobs sharing a node differ.
+# The range (10000-29999) stays below Linux's ephemeral ports (32768-60999 by default): a port in
+# that range can be held by any outgoing connection on the node (a gloo or NCCL socket of the
+# job before), and then neither torchrun can host the store. The templates render these numbers.
+PORT_BASE = 10000
+PORT_SPAN = 20000
+
+
+def port_for(job_id: str) -> str:
+    """The rendezvous port of job ``job_id`` (its digits: ``1234_5`` is 12345)."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return str(PORT_BASE + int(digits) % PORT_SPAN)

@@ -1,0 +1,85 @@
+"""A chain's run dir: the names in it, its complete checkpoints, and whether its disk has room.
+
+    RUN_DIR/
+      checkpoints/step_<N>/        a complete checkpoint: its COMPLETE marker and state.json
+      checkpoints/.tmp-step_<N>-*  a save in progress, or one a crash tore (the trainer's own)
+      metrics.jsonl                one JSON row per logged step, appended across jobs
+      eval/step_<N>/               what ``python -m train.evaluate`` wrote for that checkpoint
+      job_ends/<index>-<id>.json   how each job's training ended (contract.job_end)
+      logs/<job name>-<id>.out     each job's log
+
+The trainer writes it, the orchestrator (status, plot, the chain hook) and the evaluation read it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+CHECKPOINTS_DIR = "checkpoints"
+MARKER = "COMPLETE"  # written last into a checkpoint: one without it is not complete
+STATE_FILE = "state.json"  # a checkpoint's step, data position and layout
+METRICS_FILE = "metrics.jsonl"
+EVAL_DIR = "eval"
+JOB_ENDS_DIR = "job_ends"
+LOGS_DIR = "logs"
+STEP_DIR = re.compile(r"step_(\d+)")
+TMP_DIR = re.compile(r"\.tmp-step_(\d+)-.+")
+
+
+def step_name(step: int) -> str:
+    """The directory name of step ``step``'s checkpoint (and of its evaluation)."""
+    return f"step_{step}"
+
+
+def tmp_step_name(step: int, unique: str) -> str:
+    """The directory a save of step ``step`` is written into before its rename: ``TMP_DIR``."""
+    return f".tmp-{step_name(step)}-{unique}"
+
+
+def log_pattern(run_dir: Path, job_name: str) -> Path:
+    """Where a job's log goes; ``%j`` stands for its job id (sbatch's own notation)."""
+    return Path(run_dir) / LOGS_DIR / f"{job_name}-%j.out"
+
+
+def scan_checkpoints(checkpoints: Path) -> tuple[dict[int, Path], list[tuple[int, Path]]]:
+    """Complete checkpoints by step, and the torn entries (step dirs without the marker, and
+    saves in progress or torn), both under a ``checkpoints`` directory."""
+    complete: dict[int, Path] = {}
+    torn: list[tuple[int, Path]] = []
+    if not checkpoints.is_dir():
+        return complete, torn
+    for entry in sorted(checkpoints.iterdir()):
+        step_match = STEP_DIR.fullmatch(entry.name)
+        tmp_match = TMP_DIR.fullmatch(entry.name)
+        if step_match and (entry / MARKER).is_file():
+            complete[int(step_match.group(1))] = entry
+        elif step_match or tmp_match:
+            torn.append((int((step_match or tmp_match).group(1)), entry))
+    return complete, torn
+
+
+def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
+    """The run dir's complete checkpoints by step (oldest first)."""
+    return scan_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)[0]
+
+
+def not_writable(directory: Path) -> bool:
+    """Whether nothing can be written under ``directory`` (an existing one): a read-only mount
+    or no write permission."""
+    return bool(os.statvfs(directory).f_flag & os.ST_RDONLY) or not os.access(directory, os.W_OK)
+
+
+def room_shortfall(checkpoints: Path) -> tuple[int, int, Path] | None:
+    """``(free bytes, bytes needed, newest checkpoint)`` when the disk under ``checkpoints`` has
+    less room than the newest complete checkpoint took, so the next save would not fit; else
+    None (also when there is no checkpoint yet to measure)."""
+    complete, _ = scan_checkpoints(checkpoints)
+    if not complete:
+        return None
+    newest = complete[max(complete)]
+    needed = sum(path.stat().st_size for path in newest.rglob("*") if path.is_file())
+    free = shutil.disk_usage(checkpoints).free
+    return None if free >= needed else (free, needed, newest)

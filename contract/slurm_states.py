@@ -1,0 +1,32 @@
+"""SLURM's job states, in one place: which mean the job has ended.
+
+Every backend reports states in SLURM's vocabulary. ``logs --follow`` stops, ``cancel`` skips
+and the chain hook judges a job by these lists. A requeued job (preempted under
+``PreemptMode=REQUEUE``, or ``scontrol requeue``) goes back to PENDING with the same id, so it is
+live again; PREEMPTED is what stays when it is not requeued.
+"""
+
+from __future__ import annotations
+
+END_STATES = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
+# Ending: the job's processes are being cleaned up. Its dependants may already start (the chain
+# hook counts it as ended), but its log may still grow (``logs --follow`` waits).
+ENDING_STATES = ("COMPLETING",)
+# A job requeued on preemption may show PREEMPTED before it is PENDING again: wait this long
+# before taking PREEMPTED as its end.
+REQUEUE_GRACE_S = 5.0
+
+
+def has_ended(state: str) -> bool:
+    """Whether a job in ``state`` has ended: nothing of it runs or will run again."""
+    return state in END_STATES

@@ -1,0 +1,130 @@
+"""The shared contract: one-way imports, and the facts whose copies had drifted apart."""
+
+from __future__ import annotations
+
+import ast
+import io
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from contract.credentials import looks_secret
+from contract.job_end import EXIT_CHAIN_ENDED, EXITED_PREFIX
+from contract.job_env import PORT_BASE, PORT_SPAN
+from contract.slurm_states import END_STATES, ENDING_STATES, has_ended
+from orchestrator.backends.base import JobStatus
+from orchestrator.cli import follow
+from orchestrator.errors import UsageError
+from orchestrator.manifest import JobRecord, Manifest
+from orchestrator.recipe import parse_recipe
+from orchestrator.render import render_recipe
+from train.metrics import scrub_secrets
+
+REPO = Path(__file__).resolve().parents[1]
+# Which top-level packages each package of the project may import (besides third parties).
+ALLOWED = {
+    "contract": {"contract"},
+    "train": {"contract", "train"},
+    "orchestrator": {"contract", "train", "orchestrator"},
+    "hydra_plugins": {"contract", "train", "orchestrator", "hydra_plugins"},
+}
+PROJECT = set(ALLOWED) | {"recipes", "templates", "tests", "bench"}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level packages a module imports anywhere in it (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_dependencies_run_one_way(package: str) -> None:
+    """contract <- train <- orchestrator <- hydra_plugins: a package imports only those before
+    it (lazy imports included), and contract only the standard library."""
+    wrong = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        imported = imported_packages(path)
+        bad = (imported & PROJECT) - ALLOWED[package]
+        if package == "contract":
+            bad |= imported - ALLOWED[package] - set(sys.stdlib_module_names) - {"__future__"}
+        if bad:
+            wrong[str(path.relative_to(REPO))] = sorted(bad)
+    assert wrong == {}, f"imports against the direction contract <- train <- orchestrator: {wrong}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AWS_ACCESS_KEY", "WANDB_API_KEY", "HF_TOKEN", "dbPassword", "DBPASSWORD", "client_secret"],
+)
+def test_a_secret_looking_name_is_refused_in_a_recipe_and_dropped_from_logs(name: str) -> None:
+    """One rule for both: AWS_ACCESS_KEY used to pass the recipe's check and be scrubbed from
+    the logged config by the trainer's."""
+    assert looks_secret(name)
+    recipe = {"template": "single", "env": {name: "x"}, "command": ["python", "-c", "pass"]}
+    with pytest.raises(UsageError, match="looks like a secret"):
+        parse_recipe(recipe, Path("r.yaml"))
+    assert scrub_secrets({name: "x", "lr": 0.1}, None) == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "tokens_per_s", "max_tokens", "secretary", "SEED"])
+def test_harmless_names_are_not_taken_for_secrets(name: str) -> None:
+    assert not looks_secret(name)
+
+
+class StatesInTurn:
+    """A backend that reports the given states of one job in turn (the last one then stays):
+    SLURM's BOOT_FAIL, DEADLINE or PREEMPTED cannot be made on the loopback cluster."""
+
+    label = "slurm"
+    unreachable = None
+
+    def __init__(self, states: list[str], log: Path, lines: list[str]) -> None:
+        self.states, self.log, self.lines = states, log, lines
+
+    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if self.lines:  # the job writes a line while it runs
+            with self.log.open("a") as handle:
+                handle.write(self.lines.pop(0))
+        return {job_id: JobStatus(job_id, state) for job_id in job_ids}
+
+
+@pytest.mark.parametrize("end", [*END_STATES])
+def test_logs_follow_ends_on_every_terminal_state(tmp_path: Path, end: str) -> None:
+    """``orchestrator logs --follow`` streams the whole log and returns when the job ends in
+    any terminal state; a requeued job (PENDING again after PREEMPTED) and a COMPLETING one are
+    still followed."""
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "r-7.out"
+    manifest = Manifest(
+        "c", "r.sub", "", "", str(tmp_path), "slurm", "afterany", 1, [], None, None, None, 0.0
+    )
+    job = JobRecord(index=0, seed=1, job_id="7")
+    states = ["RUNNING", "PREEMPTED", "REQUEUED", "PENDING", "RUNNING", *ENDING_STATES, end]
+    lines = [f"line {index}\n" for index in range(len(states) - 1)]
+    backend = StatesInTurn(states, log, list(lines))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        follow(manifest, job, backend, poll_s=0.0, requeue_grace_s=0.2)  # type: ignore[arg-type]
+    assert out.getvalue() == "".join(lines)
+    assert has_ended(end) and not has_ended("COMPLETING") and not has_ended("REQUEUED")
+
+
+def test_scripts_carry_the_contract_numbers() -> None:
+    """The batch templates get the port rule, the hook's exit code and the outcome line from
+    contract/, not copies of their own."""
+    spec = parse_recipe(
+        {"template": "distributed", "nodes": 2, "command": ["python", "-c", "pass"]},
+        Path("r.yaml"),
+    )
+    script = render_recipe(spec)
+    assert f"$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))" in script
+    assert f"if [[ $orch_hook_status -eq {EXIT_CHAIN_ENDED} ]]; then exit 0; fi" in script
+    assert f'echo "{EXITED_PREFIX} ${{orch_status}}"' in script
