@@ -48,9 +48,10 @@ from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions
-from train.models.pipeline import PipelineRunner, merged_view, pipeline_parts, pipeline_plan
+from train.models.pipeline import PipelineRunner, merged_view, pipeline_parts
 from train.models.salm import SALM, SALMConfig, loss_targets
 from train.parallel_dims import ParallelDims
+from train.pipeline_plan import pipeline_plan
 from train.step import WholeModelRunner
 
 REPO = Path(__file__).resolve().parents[1]

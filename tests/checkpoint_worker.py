@@ -40,10 +40,11 @@ from train.checkpoint import CheckpointManager
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
-from train.models.pipeline import PipelineRunner, merged_view, pipeline_plan
+from train.models.pipeline import PipelineRunner, merged_view
 from train.models.presets import get_preset
 from train.models.salm import loss_targets
 from train.parallel_dims import ParallelDims
+from train.pipeline_plan import pipeline_plan
 from train.step import WholeModelRunner
 
 STEPS = 3

@@ -17,8 +17,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from orchestrator.planner.inventory import inventory, stage_param_counts
 from tests.helpers import REPO
+from train.models.inventory import inventory, stage_param_counts
 from train.models.shape import SALMConfig
 from train.parallel_dims import DENSE_DIMS, ParallelDims
 from train.pipeline_plan import PipelinePlan, plan_pipeline

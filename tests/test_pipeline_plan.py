@@ -6,11 +6,10 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from train.config import parallel_dims, register
-from train.models.pipeline import pipeline_plan
+from train.config import register
+from train.layout import parallel_dims, pipeline_for
 from train.models.presets import get_preset
-from train.pipeline_plan import balanced_split, plan_pipeline
-from train.trainer import plan_for
+from train.pipeline_plan import balanced_split, pipeline_plan, plan_pipeline
 
 BLOCKS = [10] * 8
 
@@ -63,7 +62,7 @@ def test_bad_settings_name_the_setting(args, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_model_plan_counts_parameters_on_meta():
+def test_the_model_plan_weighs_stages_by_parameters():
     plan = pipeline_plan(get_preset("tiny_deep"), 2, "1f1b", 0, 0, [])
     # The tiny model's encoder outweighs two LLM blocks: stage 0 keeps a single block.
     assert plan.split == (1, 3)
@@ -83,4 +82,4 @@ def test_shipped_pipeline_configs_plan_at_their_size(config, world, describe):
         cfg = OmegaConf.to_object(compose(config_name=config))
     dims = parallel_dims(cfg, world)
     assert dims.pp == 2
-    assert describe in plan_for(cfg, dims).describe()
+    assert describe in pipeline_for(cfg, dims).describe()

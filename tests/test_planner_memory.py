@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.planner.inventory import inventory
 from orchestrator.planner.state import group, state_bytes
 from tests.planner_cases import CASES, measured, pipeline
 from train.memory import STATE_KINDS
+from train.models.inventory import inventory
 from train.models.presets import get_preset
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,15 @@ from orchestrator.planner.preflight import (
     capacity_for,
     check_training_fits,
     compose_training_config,
+    request_and_layout,
     train_arguments,
 )
+from orchestrator.planner.search import pipeline_for as search_pipeline
+from orchestrator.planner.search import priced_inventory
 from orchestrator.preflight import parse_partitions
 from tests.helpers import REPO, queue_ids, run_tool, wait_gone
+from train.layout import parallel_dims, pipeline_for
+from train.parallel_dims import ParallelDims, sequence_multiple
 
 # Too big for any host: an hour of audio per batch through the 1B-parameter LLM. The missing
 # corpus makes a job that gets through (--no-plan-check) fail at once, harmlessly.
@@ -107,3 +112,44 @@ def test_only_the_trainer_command_is_checked():
         "x",
     ]
     assert train_arguments(["python", "recipes/smoke.py", "${SEED}"]) is None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["parallel.pp_split=[3,1]"],
+        ["parallel.pp_schedule=gpipe", "parallel.pp_microbatches=3"],
+        ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_microbatches=4"],
+        [
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.pp_stages_per_rank=3",
+            "parallel.pp_split=[1,1,1,1,1,1]",
+            "model.preset=tiny_layouts",
+        ],
+    ],
+    ids=["balanced", "pp_split", "gpipe", "interleaved", "interleaved_split"],
+)
+def test_the_plan_check_prices_the_pipeline_the_trainer_runs(overrides):
+    """The planner's stages, schedule and microbatches are the trainer's own (it used to price
+    a balanced 1F1B split whatever the config said), and its rank parts follow the looped
+    placement of several stages per rank."""
+    cfg = compose_training_config(
+        ["--config-name", "tiny_pp", "model.preset=tiny_deep", *overrides]
+    )
+    capacity = Capacity(64 * GIB, "a test host", None)
+    request, layout = request_and_layout(cfg, 1, 2, capacity)
+    trainer_plan = pipeline_for(cfg, parallel_dims(cfg, 2))
+    _, counts = priced_inventory(request.model)
+    assert search_pipeline(counts, layout, {}) == trainer_plan
+    assert layout.microbatches == trainer_plan.microbatches
+    assert check_training_fits(cfg, 1, 2, capacity, "tiny_pp").fits
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "multiple"), [(1, 1, 8), (2, 1, 8), (4, 1, 8), (3, 1, 24), (2, 2, 8), (2, 4, 16)]
+)
+def test_planner_and_trainer_pad_sequences_alike(tp, cp, multiple):
+    """One rule (lcm, not product: at tp=2 both pad to 8, where the planner once said 16)."""
+    dims = ParallelDims(world_size=tp * cp, tp=tp, cp=cp)
+    assert dims.seq_multiple == sequence_multiple(tp, cp) == multiple

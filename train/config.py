@@ -17,8 +17,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from contract.job_env import SEED_LIMIT
-from train.models.presets import get_preset
-from train.parallel_dims import STRATEGIES, ParallelDims
+from train.parallel_dims import STRATEGIES
 from train.watchdog import STOPPABLE
 
 AC_MODES = ("none", "full", "selective")
@@ -232,23 +231,3 @@ def validate(cfg: TrainConfig) -> None:
 
 class ConfigError(ValueError):
     """A bad config or layout, found before training starts: exit code 2."""
-
-
-def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
-    """The config's layout on ``world_size`` ranks, checked against its model; torch-free, so
-    the submit path's plan check (orchestrator.planner.preflight) loads no torch."""
-    p = cfg.parallel
-    try:
-        dims = ParallelDims(
-            world_size=world_size,
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            tp=p.tp,
-            ep=p.ep,
-            cp=p.cp,
-            pp=p.pp,
-        )
-        dims.validate(get_preset(cfg.model.preset), cfg.strategy)
-    except (ValueError, KeyError) as error:
-        raise ConfigError(str(error).strip("'\"")) from error
-    return dims

@@ -51,10 +51,10 @@ from train.decode import Stages, greedy_decode, initialize_sharding
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
-from train.models.pipeline import pipeline_plan
 from train.models.presets import get_preset
 from train.models.salm import ByteTokenizer
 from train.parallel_dims import ParallelDims
+from train.pipeline_plan import pipeline_plan
 from train.trainer import init_distributed, say
 from train.validation import rank_share
 from train.wer import ErrorCounts, normalize, score_pair

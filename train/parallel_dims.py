@@ -16,6 +16,7 @@ Data loading only needs `coordinates(rank)`, so it never has to build a mesh.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +24,16 @@ DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SPARSE_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 DP_VIEW = "dp"
 STRATEGIES = ("ddp", "fsdp2")
+# The six degrees, as every layout-describing record names them (the trainer's parallel config,
+# the planner's layouts): ParallelDims.of reads them from any of those.
+DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "cp", "pp")
+BASE_SEQ_MULTIPLE = 8  # packed decoder sequences are a multiple of this at any layout
+
+
+def sequence_multiple(tp: int = 1, cp: int = 1) -> int:
+    """What the decoder's packed sequence length is a multiple of: 8, tp (sequence parallelism
+    shards it over tp ranks) and 2 * cp * tp with CP (2 * cp chunks, each then cut over tp)."""
+    return math.lcm(BASE_SEQ_MULTIPLE, tp, 2 * cp * tp if cp > 1 else 1)
 
 
 class ModelShape(Protocol):
@@ -60,6 +71,14 @@ class ParallelDims:
     ep: int = 1
     cp: int = 1
     pp: int = 1
+
+    @classmethod
+    def of(cls, world_size: int, degrees: object) -> ParallelDims:
+        """The layout of ``world_size`` ranks with the ``DEGREES`` that ``degrees`` holds."""
+        return cls(world_size, **{name: getattr(degrees, name) for name in DEGREES})
+
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DEGREES}
 
     def __post_init__(self) -> None:
         others = self.dp_replicate * self.tp * self.cp * self.pp
@@ -183,6 +202,10 @@ class ParallelDims:
     def expert_fsdp_dims(self) -> tuple[str, ...]:
         """Sparse-view dims FSDP spans for the experts."""
         return ("dp_replicate", "efsdp") if self.dp_replicate_enabled else ("efsdp",)
+
+    @property
+    def seq_multiple(self) -> int:
+        return sequence_multiple(self.tp, self.cp)
 
     def coordinates(self, rank: int) -> RankCoordinates:
         """Named coordinates of global ``rank`` (what the data loader and batch hashes need)."""

@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from train.models.inventory import inventory, stage_param_counts
+from train.models.shape import SALMConfig
+
 # zero_bubble is a known name so that asking for it gets the reason it is refused.
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Schedules that run several stages per rank (torch's looped placement).
@@ -167,3 +170,18 @@ def plan_pipeline(
     else:
         sizes = balanced_split(block_params, num_stages, first_extra, last_extra)
     return PipelinePlan(pp, schedule, microbatches, stages_per_rank, sizes)
+
+
+def pipeline_plan(
+    cfg: SALMConfig,
+    pp: int,
+    schedule: str,
+    microbatches: int,
+    stages_per_rank: int,
+    split: Sequence[int],
+) -> PipelinePlan:
+    """The plan for ``cfg``'s model, its stages balanced by parameter count (the inventory's,
+    which tests hold to the model's own); raises a one-line ValueError for settings that cannot
+    run. The trainer, the evaluation and the planner all plan with this."""
+    blocks, first, last = stage_param_counts(inventory(cfg), cfg.n_layers)
+    return plan_pipeline(pp, schedule, microbatches, stages_per_rank, split, blocks, first, last)

@@ -31,12 +31,11 @@ from train.config import (
     ConfigError,
     TrainConfig,
     data_path,
-    parallel_dims,
-    validate,
     validation_path,
 )
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
+from train.layout import training_layout
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
@@ -44,7 +43,7 @@ from train.models.build import build_model, build_pipeline
 from train.models.compiled import describe_graphs, graph_counts, recompiles
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
-from train.models.pipeline import PipelineRunner, merged_view, pipeline_plan
+from train.models.pipeline import PipelineRunner, merged_view
 from train.models.presets import get_preset
 from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens, loss_targets
 from train.parallel_dims import ParallelDims
@@ -67,37 +66,15 @@ def say(line: str) -> None:
         print(f"[train] {line}", file=sys.stderr, flush=True)
 
 
-def plan_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
-    """The pipeline plan of a layout with pp > 1 (None without pipeline parallelism)."""
-    if not dims.pp_enabled:
-        return None
-    p = cfg.parallel
-    try:
-        return pipeline_plan(
-            get_preset(cfg.model.preset),
-            dims.pp,
-            p.pp_schedule,
-            p.pp_microbatches,
-            p.pp_stages_per_rank,
-            p.pp_split,
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-
-
 def preflight(cfg: TrainConfig) -> tuple[ParallelDims, PipelinePlan | None]:
     """Everything checkable before a process group exists."""
-    try:
-        validate(cfg)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+    layout = training_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(
             f"compile_backend={cfg.compile_backend}: not a torch.compile backend; "
             "use inductor (the default) or aot_eager"
         )
-    dims = parallel_dims(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    return dims, plan_for(cfg, dims)
+    return layout
 
 
 def init_distributed(hang_timeout_s: float = 0.0) -> torch.device:

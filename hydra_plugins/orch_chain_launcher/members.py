@@ -63,7 +63,8 @@ def validate_members(
 ) -> list[Any]:
     """Build each member's trainer config and run the trainer's checks for ``world_size`` ranks;
     the configs (train.config.TrainConfig), in order."""
-    from train.config import ConfigError, parallel_dims, validate
+    from train.config import ConfigError
+    from train.layout import training_layout
 
     configs = []
     for offset, overrides in enumerate(job_overrides):
@@ -73,8 +74,7 @@ def validate_members(
             with open_dict(member):
                 del member["hydra"]
             cfg = OmegaConf.to_object(member)
-            validate(cfg)
-            parallel_dims(cfg, world_size)
+            training_layout(cfg, world_size)
             configs.append(cfg)
         except (ValueError, ConfigError) as error:
             raise UsageError(f"{label}: {error} (on {world_size} rank(s))") from error

@@ -45,9 +45,9 @@ import math
 from dataclasses import dataclass
 
 from train.models.shape import SALMConfig, encoder_lens, subsampled_lens
+from train.parallel_dims import BASE_SEQ_MULTIPLE, sequence_multiple
 
 FP32 = 4
-SEQ_MULTIPLE = 8  # the trainer packs sequences to a multiple of this, of tp and of 2cp x tp
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Microbatch:
     def audio_positions(self) -> int:
         return encoder_lens(self.frames)
 
-    def decoder_positions(self, multiple: int = SEQ_MULTIPLE) -> int:
+    def decoder_positions(self, multiple: int = BASE_SEQ_MULTIPLE) -> int:
         return math.ceil((self.audio_positions + self.tokens) / multiple) * multiple
 
 
@@ -174,7 +174,7 @@ def activation_terms(
         inputs = b * (quarter + batch.tokens) * d * e  # kept by the gathers building the sequence
         encoder = conv + cfg.enc_layers * enc_block + b * quarter * (3 * c + 2 * d) * e + inputs
 
-    positions = batch.decoder_positions(math.lcm(SEQ_MULTIPLE, tp, 2 * cp * tp if cp > 1 else 1))
+    positions = batch.decoder_positions(sequence_multiple(tp, cp))
     local = positions / cp
     kv = cfg.n_kv_heads * (d // cfg.n_heads)
     f = 0 if cfg.n_experts else cfg.ffn_hidden

@@ -100,24 +100,21 @@ def request_and_layout(
     cfg: TrainConfig, nodes: int, tasks_per_node: int, capacity: Capacity
 ) -> tuple[PlanRequest, Layout]:
     """The planner's view of a trainer config on ``nodes`` x ``tasks_per_node`` ranks."""
-    from train.config import parallel_dims
+    from train.layout import parallel_dims, pipeline_for
 
     world = nodes * tasks_per_node
     dims = parallel_dims(cfg, world)
-    p = cfg.parallel
-    microbatches = (p.pp_microbatches or 2 * dims.pp) if dims.pp > 1 else cfg.train.grad_accum
-    seconds = cfg.data.max_duration / (microbatches if dims.pp > 1 else 1)
+    pipeline = pipeline_for(cfg, dims)  # the trainer's own split, schedule and microbatches
+    microbatches = cfg.train.grad_accum if pipeline is None else pipeline.microbatches
+    seconds = cfg.data.max_duration / (1 if pipeline is None else microbatches)
     layout = Layout(
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        tp=dims.tp,
-        cp=dims.cp,
-        pp=dims.pp,
-        ep=dims.ep,
+        **dims.degrees(),
         microbatch=1,
         microbatches=microbatches,
         ac=cfg.activation_checkpointing,
-        schedule=p.pp_schedule,
+        schedule=cfg.parallel.pp_schedule,
+        stages_per_rank=0 if pipeline is None else pipeline.stages_per_rank,
+        pp_split=() if pipeline is None else pipeline.split,
     )
     cluster = Cluster(
         gpus=world,

@@ -40,11 +40,11 @@ from orchestrator.planner.activations import (
     in_flight,
 )
 from orchestrator.planner.cluster import GIB, Cluster
-from orchestrator.planner.inventory import inventory, stage_param_counts
 from orchestrator.planner.state import GroupedInventory, group, held, state_bytes, uses_fsdp
 from train.flops import sequence_flops
+from train.models.inventory import inventory, stage_param_counts
 from train.models.shape import SALMConfig
-from train.parallel_dims import ParallelDims
+from train.parallel_dims import ParallelDims, sequence_multiple
 from train.pipeline_plan import PipelinePlan, plan_pipeline
 
 AC_MODES = ("none", "selective", "full")
@@ -92,21 +92,15 @@ class Layout:
     microbatches: int  # per optimizer step: pipeline microbatches or gradient accumulation
     ac: str
     schedule: str = "1f1b"
+    stages_per_rank: int = 0  # 0: the schedule's default (parallel.pp_stages_per_rank)
+    pp_split: tuple[int, ...] = ()  # LLM blocks per stage; empty: balanced (parallel.pp_split)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def dims(self, world: int) -> ParallelDims:
-        return ParallelDims(
-            world_size=world,
-            dp_replicate=self.dp_replicate,
-            dp_shard=self.dp_shard,
-            tp=self.tp,
-            ep=self.ep,
-            cp=self.cp,
-            pp=self.pp,
-        )
+        return ParallelDims.of(world, self)
 
     def overrides(self, seconds: float) -> list[str]:
         """Hydra overrides for the trainer (``data.max_duration`` is per microbatch)."""
@@ -207,16 +201,27 @@ def candidate_layouts(request: PlanRequest) -> list[Layout]:
 
 
 def pipeline_for(counts: tuple, layout: Layout, cache: dict) -> PipelinePlan | None:
-    """The trainer's 1F1B plan for ``layout`` (its balanced split computed once per pp)."""
+    """The trainer's plan for ``layout`` (``train.pipeline_plan``: its schedule, stages per rank
+    and split; a balanced split is computed once per pp, schedule and stages per rank)."""
     if layout.pp == 1:
         return None
     blocks, first, last, _ = counts
-    if ("split", layout.pp) not in cache:
-        cache[("split", layout.pp)] = plan_pipeline(
-            layout.pp, "1f1b", layout.pp, 0, [], blocks, first, last
+    key = ("split", layout.pp, layout.schedule, layout.stages_per_rank)
+    if not layout.pp_split and key not in cache:
+        cache[key] = plan_pipeline(
+            layout.pp, layout.schedule, layout.pp, layout.stages_per_rank, [], blocks, first, last
         ).split
-    split = cache[("split", layout.pp)]
-    return plan_pipeline(layout.pp, "1f1b", layout.microbatches, 0, split, blocks, first, last)
+    split = layout.pp_split or cache[key]
+    return plan_pipeline(
+        layout.pp,
+        layout.schedule,
+        layout.microbatches,
+        layout.stages_per_rank,
+        split,
+        blocks,
+        first,
+        last,
+    )
 
 
 def comm_buffer_bytes(
@@ -267,6 +272,7 @@ def estimate(
         tp=layout.tp,
         cp=layout.cp,
         pp=layout.pp,
+        stages_per_rank=1 if plan is None else plan.stages_per_rank,
         schedule=layout.schedule,
         microbatches=layout.microbatches,
         ac=layout.ac,
@@ -275,8 +281,12 @@ def estimate(
     worst: dict[str, float] = {}
     terms: dict[tuple, ActivationTerms] = {}
     for rank, state in enumerate(states):
-        blocks = cfg.n_layers if plan is None else plan.split[rank]
-        part = (blocks, rank == 0, plan is None or rank == layout.pp - 1)
+        if plan is None:
+            part = (cfg.n_layers, True, True)
+        else:
+            stages = plan.local_stages(rank)
+            blocks = sum(plan.split[stage] for stage in stages)
+            part = (blocks, 0 in stages, plan.num_stages - 1 in stages)
         if part not in terms:
             terms[part] = activation_terms(cfg, batch, act_layout, part)
         act = terms[part].peak(in_flight(act_layout, rank))
@@ -338,7 +348,8 @@ def step_time(request: PlanRequest, layout: Layout, total_params: int) -> dict[s
         r = layout.dp_replicate
         moved = 2 * (r - 1) / r * params / shards * 4
         overlapped += moved / _bandwidth(cluster, gpus // layout.pp)
-    positions = Microbatch(layout.microbatch, request.frames, request.tokens).decoder_positions()
+    batch = Microbatch(layout.microbatch, request.frames, request.tokens)
+    positions = batch.decoder_positions(sequence_multiple(layout.tp, layout.cp))
     activation = layout.microbatch * positions * cfg.d_model * e
     exposed = 0.0
     if layout.tp > 1:
@@ -378,8 +389,8 @@ def full_state_fits(request: PlanRequest, params: int) -> tuple[bool, float]:
 
 def flowchart(request: PlanRequest, layout: Layout, fits_one: bool, max_tp: int) -> int:
     """How many of the guide's rules ``layout`` breaks."""
-    positions = Microbatch(1, request.frames, request.tokens).decoder_positions()
-    long = positions >= LONG_SEQUENCE
+    batch = Microbatch(1, request.frames, request.tokens)
+    long = batch.decoder_positions(sequence_multiple(layout.tp, layout.cp)) >= LONG_SEQUENCE
     broken = 0
     if fits_one:
         broken += (layout.tp > 1) + (layout.pp > 1)
@@ -408,7 +419,8 @@ def reasoning(request: PlanRequest, layout: Layout, params: int, needed: float) 
             f"PP={layout.pp} across {cluster.nodes} nodes ({layout.microbatches} microbatches)"
         )
     if layout.cp > 1:
-        positions = Microbatch(1, request.frames, request.tokens).decoder_positions()
+        batch = Microbatch(1, request.frames, request.tokens)
+        positions = batch.decoder_positions(sequence_multiple(layout.tp, layout.cp))
         parts.append(f"CP={layout.cp} for {positions}-position sequences")
     if layout.ep > 1:
         parts.append(f"EP={layout.ep} for the {request.model.n_experts} experts")

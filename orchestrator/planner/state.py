@@ -1,7 +1,7 @@
 """Bytes of parameters, gradients and optimizer states one rank holds under a layout.
 
 Exact, not estimated: it follows each tensor through TP, EP, PP and FSDP2 as the trainer places
-it (``orchestrator.planner.inventory``) and counts what the trainer allocates for it:
+it (``train.models.inventory``) and counts what the trainer allocates for it:
 
 - parameters: fp32 (FSDP2's mixed precision keeps fp32 shards and casts to bf16 per use); an
   FSDP2 shard is allocated padded to ``ceil(n / shards)`` rows;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.planner.inventory import COLUMN, ROW, ParamTensor
+from train.models.inventory import COLUMN, ROW, ParamTensor
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -153,7 +152,7 @@ def apply_cp(model: SALM | PipelinePart, meshes: Meshes) -> None:
     2 * cp chunks as it enters the LLM (then, under TP, each rank's part into tp shards), and
     every attention gathers the keys and values of the whole sequence."""
     cp_mesh = meshes.cp
-    model.seq_multiple = math.lcm(model.seq_multiple, 2 * meshes.dims.cp * meshes.dims.tp)
+    model.seq_multiple = meshes.dims.seq_multiple
     model.llm.cp_mesh = cp_mesh
     for block in model.llm.layers.values():
         block.attn.cp_mesh = cp_mesh
@@ -169,7 +168,7 @@ def apply_tp(model: SALM | PipelinePart, meshes: Meshes) -> None:
     shards.
     """
     tp_mesh = meshes.tp
-    model.seq_multiple = math.lcm(model.seq_multiple, meshes.dims.tp)
+    model.seq_multiple = meshes.dims.seq_multiple
     llm = model.llm
     if model.encoder is not None:
         parallelize_module(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,14 +39,13 @@ from train.models.context import shard_sequence
 from train.models.salm import (
     PAD_ID,
     SALM,
-    SALMConfig,
     aux_weight,
     embed_inputs,
     encoder_lens,
     next_token_loss,
     sequence_layout,
 )
-from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan, plan_pipeline
+from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
 from train.step import host_seq_len, to_device
 
 SCHEDULE_CLASSES = {
@@ -122,28 +120,6 @@ class PipelinePart(nn.Module):
         detached = aux.detach()
         self.aux_total = detached if self.aux_total is None else self.aux_total + detached
         return with_aux_gradient(out, aux * self.aux_scale)
-
-
-def pipeline_plan(
-    cfg: SALMConfig,
-    pp: int,
-    schedule: str,
-    microbatches: int,
-    stages_per_rank: int,
-    split: Sequence[int],
-) -> PipelinePlan:
-    """The plan for ``cfg``'s model, its stages balanced by parameter count (counted on the meta
-    device); raises a one-line ValueError for settings that cannot run."""
-    with torch.device("meta"):
-        model = SALM(cfg)
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.llm.layers.values()]
-    first = sum(
-        p.numel()
-        for module in (model.encoder, model.projector, model.llm.embed)
-        for p in module.parameters()
-    )
-    last = sum(p.numel() for m in (model.llm.norm, model.llm.lm_head) for p in m.parameters())
-    return plan_pipeline(pp, schedule, microbatches, stages_per_rank, split, blocks, first, last)
 
 
 def pipeline_parts(model_on_meta: SALM, plan: PipelinePlan, pp_rank: int) -> list[PipelinePart]:

@@ -34,6 +34,7 @@ from train.models.shape import (
     encoder_lens,
     subsampled_lens,
 )
+from train.parallel_dims import BASE_SEQ_MULTIPLE
 
 if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
@@ -393,7 +394,7 @@ class SALM(nn.Module):
             nn.Linear(cfg.enc_dim, cfg.d_model), nn.GELU(), nn.Linear(cfg.d_model, cfg.d_model)
         )
         self.llm = Decoder(cfg)
-        self.seq_multiple = 8  # packed length is a multiple of this (parallelize adds tp)
+        self.seq_multiple = BASE_SEQ_MULTIPLE  # parallelize sets the layout's (tp, cp)
 
     def forward(
         self, features, feature_lens, tokens, token_lens, seq_len: int | None = None

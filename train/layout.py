@@ -1,0 +1,53 @@
+"""A training config's parallel layout: config -> ParallelDims -> checks -> pipeline plan.
+
+Torch-free, so that everyone who must know the layout the trainer will run computes it with the
+trainer's own code: the trainer and the evaluation, the submit path's plan check
+(``orchestrator.planner.preflight``, which prices exactly this split, padding and microbatch
+count) and the Hydra launcher's members, all before any torch is loaded. Every failure is one
+``ConfigError`` line naming the setting (exit 2 in the trainer).
+"""
+
+from __future__ import annotations
+
+from train.config import ConfigError, TrainConfig, validate
+from train.models.presets import get_preset
+from train.parallel_dims import ParallelDims
+from train.pipeline_plan import PipelinePlan, pipeline_plan
+
+
+def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The config's layout on ``world_size`` ranks, checked against its model."""
+    try:
+        dims = ParallelDims.of(world_size, cfg.parallel)
+        dims.validate(get_preset(cfg.model.preset), cfg.strategy)
+    except (ValueError, KeyError) as error:
+        raise ConfigError(str(error).strip("'\"")) from error
+    return dims
+
+
+def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
+    """The pipeline plan of a layout with pp > 1 (None without pipeline parallelism)."""
+    if not dims.pp_enabled:
+        return None
+    p = cfg.parallel
+    try:
+        return pipeline_plan(
+            get_preset(cfg.model.preset),
+            dims.pp,
+            p.pp_schedule,
+            p.pp_microbatches,
+            p.pp_stages_per_rank,
+            p.pp_split,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, PipelinePlan | None]:
+    """The config checked, and the layout and pipeline plan it runs on ``world_size`` ranks."""
+    try:
+        validate(cfg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    dims = parallel_dims(cfg, world_size)
+    return dims, pipeline_for(cfg, dims)
