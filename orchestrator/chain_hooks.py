@@ -43,12 +43,11 @@ from contract.job_end import (
     read_job_end,
 )
 from contract.slurm_states import END_STATES, ENDING_STATES
+from orchestrator.backends import registry
 from orchestrator.backends.base import dependency_spec
-from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.chain import THEN_DEPENDENCY, last_first, replacement_request
 from orchestrator.manifest import MANIFEST_NAME, JobRecord, Manifest, chain_lock
 from orchestrator.seeds import chain_seeds
-from orchestrator.slurm_commands import run_slurm
 
 ACTIVE_BACKEND = "slurm"  # the backend whose chains the hook looks after
 # A job has ended, or is ending (its dependants may already start).
@@ -133,7 +132,7 @@ class ChainKeeper:
         self.manifest = manifest
         self.current = current
         self.run_dir = Path(manifest.run_dir)
-        self.backend = SlurmBackend(self.run_dir)
+        self.backend = registry.by_label(manifest.backend).for_run_dir(self.run_dir)
 
     @property
     def has_ended(self) -> bool:
@@ -241,7 +240,7 @@ class ChainKeeper:
         if then is None:
             return
         spec = f"{THEN_DEPENDENCY}:{new_tail}"
-        run_slurm(["scontrol", "update", f"JobId={then.job_id}", f"Dependency={spec}"])
+        self.backend.set_dependency(then.job_id, spec)
         then.dependency = spec
         say(f"the --then job (id {then.job_id}) now waits for job {new_tail}")
 

@@ -21,6 +21,11 @@ QUERY_TIMEOUT_S = 5.0
 QUERY_ATTEMPTS = 2
 
 
+def update_dependency(job_id: str, spec: str) -> None:
+    """Make queued job ``job_id`` wait on ``spec`` (SLURM's dependency syntax) instead."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", f"Dependency={spec}"])
+
+
 def probe_partitions() -> str | None:
     """sinfo's partition table (PARTITION_FORMAT), or None when no SLURM controller answers.
 

@@ -94,6 +94,11 @@ class Backend(Protocol):
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]: ...
 
+    def set_dependency(self, job_id: str, spec: str) -> None:
+        """Make a queued job wait on ``spec`` (``dependency_spec``'s form) instead: the chain
+        hook's replacement becomes what the ``--then`` job waits for. SchedulerError where the
+        backend queues nothing to change."""
+
 
 class BatchScriptBackend:
     """For backends that run batch scripts only, keep no state of their own and log where
@@ -110,6 +115,9 @@ class BatchScriptBackend:
     @staticmethod
     def log_glob(job_id: str) -> str:
         return f"logs/*-{job_id}.out"
+
+    def set_dependency(self, job_id: str, spec: str) -> None:
+        raise SchedulerError(f"the {self.label} backend cannot change job {job_id}'s dependency")
 
     @classmethod
     def script_of(cls, request: JobRequest) -> Path:

@@ -24,6 +24,7 @@ from orchestrator.slurm_commands import (
     QUERY_TIMEOUT_S,
     controller_problem,
     run_slurm,
+    update_dependency,
 )
 
 JOB_ID_PATTERN = re.compile(r"^\d+(_\d+)?$")
@@ -95,6 +96,9 @@ class SlurmBackend(BatchScriptBackend):
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:
             run_slurm(["scancel", *job_ids])
+
+    def set_dependency(self, job_id: str, spec: str) -> None:
+        update_dependency(job_id, spec)
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
         """squeue for queued jobs; sacct for the others where accounting exists; scontrol for

@@ -97,6 +97,9 @@ class SubmititBackendBase:
     def for_run_dir(cls, run_dir: Path) -> SubmititBackendBase:
         return cls(run_dir / FOLDER)
 
+    def set_dependency(self, job_id: str, spec: str) -> None:
+        raise SchedulerError(f"the {self.label} backend cannot change job {job_id}'s dependency")
+
     @staticmethod
     def log_glob(job_id: str) -> str:
         return f"{FOLDER}/{job_id}_*_log.out"

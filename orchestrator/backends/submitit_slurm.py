@@ -31,7 +31,7 @@ from orchestrator.backends.submitit_common import (
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.retry import REJECTED_MARKERS, with_retries
 from orchestrator.sbatch_directives import parse_signal
-from orchestrator.slurm_commands import controller_problem, run_slurm
+from orchestrator.slurm_commands import controller_problem, run_slurm, update_dependency
 
 # Options the backend decides itself: the chain's job name (singleton depends on it), submitit's
 # log files, the dependency, and the working directory (request.workdir).
@@ -76,6 +76,9 @@ class SubmititSlurmBackend(SubmititBackendBase):
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:
             run_slurm(["scancel", *job_ids])
+
+    def set_dependency(self, job_id: str, spec: str) -> None:
+        update_dependency(job_id, spec)
 
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
         """scontrol's view, or submitit's result file; only the result file while the
