@@ -1,11 +1,15 @@
-"""Submission cost of a chain: `auto_launch -n8` against 8 plain sbatch calls in a shell loop.
+"""Submission cost of a chain: `auto_launch -nN` against N plain sbatch calls in a shell loop.
 
-Both submit the same 8-job afterany chain of the same trivial .sub to the loopback cluster, in
-alternating order, and the median wall time over several rounds is compared. Jobs are cancelled
-between rounds, outside the timed part. Uses $SLURM_CONF when set, else starts (and stops) a
-private cluster with `orchestrator cluster up`.
+Both submit the same N-job afterany chain of the same trivial .sub to the loopback cluster, in
+alternating order, and the median wall time over several rounds is compared, for each N given.
+From the smallest and the largest N it prints the marginal cost of one more job,
+``(T_large - T_small) / (large - small)``, for both, and their ratio (target <= 1.2). Then the
+fixed cost of a YAML training recipe: ``auto_launch --dry-run`` on the local backend with the
+plan check (which composes the trainer's config and prices its layout) and without it, against
+the target of 0.3 s. Jobs are cancelled between rounds, outside the timed part. Uses
+$SLURM_CONF when set, else starts (and stops) a private cluster with `orchestrator cluster up`.
 
-    python bench/bench_chain_submit.py [--rounds 7] [--jobs 8]
+    python bench/bench_chain_submit.py [--rounds 7] [--jobs 8 100]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+TRAINING_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_tiny_fsdp2.yaml"
 RECIPE = """#!/bin/bash
 #SBATCH --time=00:05:00
 SEED=${1:?seed required}
@@ -56,10 +61,40 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
+def submission_medians(
+    jobs: int, rounds: int, work: Path, recipe: Path, env: dict[str, str]
+) -> dict[str, float]:
+    """The median seconds of ``auto_launch -n{jobs}`` and of the sbatch loop, alternating."""
+    times: dict[str, list[float]] = {"ours": [], "loop": []}
+    env = {**env, "N": str(jobs)}
+    cancel_all()
+    for round_index in range(rounds):
+        for name in ("ours", "loop") if round_index % 2 == 0 else ("loop", "ours"):
+            if name == "ours":
+                run_dir = work / f"run{jobs}-{round_index}"
+                argv = [str(BIN / "auto_launch"), f"-n{jobs}", "--run-dir", str(run_dir)]
+                times["ours"].append(timed([*argv, str(recipe)], env))
+            else:
+                times["loop"].append(timed(["bash", "-c", SHELL_LOOP], env))
+            cancel_all()
+        print(
+            f"{jobs} jobs, round {round_index + 1}/{rounds}: auto_launch "
+            f"{times['ours'][-1]:.3f} s, sbatch loop {times['loop'][-1]:.3f} s",
+            flush=True,
+        )
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(
+        f"{jobs} jobs: auto_launch median {medians['ours']:.3f} s, sbatch loop "
+        f"{medians['loop']:.3f} s; ratio {medians['ours'] / medians['loop']:.2f}",
+        flush=True,
+    )
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--jobs", type=int, nargs="+", default=[8, 100])
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
     recipe = work / "bench.sub"
@@ -67,7 +102,6 @@ def main() -> None:
     env = {
         **os.environ,
         "ORCH_HOME": str(work / "home"),
-        "N": str(args.jobs),
         "RUN": str(work),
         "RECIPE": str(recipe),
     }
@@ -84,36 +118,28 @@ def main() -> None:
         ).stdout
         env["SLURM_CONF"] = os.environ["SLURM_CONF"] = conf.strip().split("=", 1)[1]
     try:
-        ours: list[float] = []
-        loop: list[float] = []
-        cancel_all()
-        for round_index in range(args.rounds):
-            for name in ("ours", "loop") if round_index % 2 == 0 else ("loop", "ours"):
-                if name == "ours":
-                    ours.append(
-                        timed(
-                            [
-                                str(BIN / "auto_launch"),
-                                f"-n{args.jobs}",
-                                "--run-dir",
-                                str(work / f"run{round_index}"),
-                                str(recipe),
-                            ],
-                            env,
-                        )
-                    )
-                else:
-                    loop.append(timed(["bash", "-c", SHELL_LOOP], env))
-                cancel_all()
+        medians = {n: submission_medians(n, args.rounds, work, recipe, env) for n in args.jobs}
+        small, large = min(args.jobs), max(args.jobs)
+        if large > small:
+            marginal = {
+                name: (medians[large][name] - medians[small][name]) / (large - small)
+                for name in ("ours", "loop")
+            }
             print(
-                f"round {round_index + 1}/{args.rounds}: auto_launch {ours[-1]:.3f} s, "
-                f"sbatch loop {loop[-1]:.3f} s",
-                flush=True,
+                f"\nper extra job ({small} -> {large} jobs): auto_launch "
+                f"{marginal['ours'] * 1000:.1f} ms, sbatch {marginal['loop'] * 1000:.1f} ms; "
+                f"ratio {marginal['ours'] / marginal['loop']:.2f} (target <= 1.2)"
             )
-        ours_median, loop_median = statistics.median(ours), statistics.median(loop)
-        print(f"\nauto_launch -n{args.jobs}: median {ours_median:.3f} s over {args.rounds} rounds")
-        print(f"sbatch loop x{args.jobs}:  median {loop_median:.3f} s over {args.rounds} rounds")
-        print(f"ratio (auto_launch / loop): {ours_median / loop_median:.2f}  (target <= 1.2)")
+        dry_run = [str(BIN / "auto_launch"), "--dry-run", "-n8", "--backend", "local"]
+        fixed = {
+            "with the plan check": [*dry_run, str(TRAINING_RECIPE)],
+            "--no-plan-check": [*dry_run, "--no-plan-check", str(TRAINING_RECIPE)],
+            "python -c pass (interpreter start)": [sys.executable, "-c", "pass"],
+        }
+        print(f"\nauto_launch --dry-run of {TRAINING_RECIPE.name}, local backend:")
+        for label, argv in fixed.items():
+            median = statistics.median(timed(argv, env) for _ in range(args.rounds))
+            print(f"  {label}: median {median:.3f} s ({median / 0.3:.2f}x the 0.3 s target)")
     finally:
         if own_cluster:
             subprocess.run(

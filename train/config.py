@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -154,6 +153,8 @@ def member_seed() -> int:
     config = HydraConfig.get()
     if config.mode != RunMode.MULTIRUN:
         return 0
+    import numpy as np  # only sweep members need it; the submit path does not
+
     state = np.random.SeedSequence([MEMBER_SEED_ROOT, int(config.job.num)]).generate_state(1)
     return int(state[0]) % SEED_LIMIT
 

@@ -5,7 +5,9 @@ A job's payload is a batch script (``bash SCRIPT SEED ARGS``) or a Python callab
 are the chosen executor's own parameters (SlurmExecutor: ``time``, ``partition``,
 ``additional_parameters``...; LocalExecutor: ``timeout_min``...). ``request.log_pattern`` is not
 used: logs are submitit's own, ``<run dir>/submitit/<job id>_0_log.out`` and ``.err``. Only
-submitit's public API is used.
+submitit's public API is used. submitit is imported where a backend uses it, not with the
+module: ``auto_launch`` loads every backend's class to choose one, and submitit alone takes
+~0.14 s to import.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
-
-from submitit.core.utils import JobPaths, pickle_load
 
 from orchestrator.backends.base import DEPENDENCY_KINDS, JobRequest, JobStatus, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
@@ -136,6 +136,8 @@ class SubmititBackendBase:
         path = self.result_path(job_id)
         if not path.exists():
             raise SchedulerError(f"job {job_id} has no result (yet): {self.statuses([job_id])}")
+        from submitit.core.utils import pickle_load
+
         outcome, value = pickle_load(path)
         if outcome != "success":
             raise SchedulerError(f"job {job_id} failed:\n{value}")
@@ -145,6 +147,8 @@ class SubmititBackendBase:
         raise NotImplementedError
 
     def result_path(self, job_id: str) -> Path:
+        from submitit.core.utils import JobPaths
+
         return JobPaths(self.folder, job_id=job_id, task_id=0).result_pickle
 
     def result_status(self, job_id: str) -> JobStatus | None:
@@ -157,6 +161,8 @@ class SubmititBackendBase:
         path = self.result_path(job_id)
         if not path.exists():
             return None
+        from submitit.core.utils import pickle_load
+
         try:
             outcome, value = pickle_load(path)
         except Exception:  # the payload's return value needs imports this process lacks

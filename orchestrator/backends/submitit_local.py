@@ -18,10 +18,9 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-from submitit import JobEnvironment, LocalExecutor, LocalJob
 
 from contract.slurm_states import has_ended
 from orchestrator.backends.base import JobRequest, JobStatus
@@ -34,6 +33,9 @@ from orchestrator.backends.submitit_common import (
 from orchestrator.processes import alive, command_line, terminate, with_descendants
 from orchestrator.sbatch_directives import parse_signal
 from orchestrator.slurm_time import parse_time_minutes
+
+if TYPE_CHECKING:
+    from submitit import LocalJob
 
 # How long a cancelled job's controller gets to stop its task on SIGINT (it takes ~1 s) before
 # the backend ends the job's processes itself.
@@ -54,6 +56,8 @@ class SubmititLocalBackend(SubmititBackendBase):
         self._jobs: dict[str, LocalJob[Any]] = {}
 
     def submit(self, request: JobRequest) -> str:
+        from submitit import JobEnvironment, LocalExecutor
+
         check_request(request)
         directives = script_directives(request)
         if request.after is not None:

@@ -17,9 +17,6 @@ import shlex
 import sys
 from typing import Any
 
-from submitit import SlurmExecutor
-from submitit.core.utils import FailedJobError, FailedSubmissionError
-
 from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
 from orchestrator.backends.slurm import scontrol_fields, status_from_fields
 from orchestrator.backends.submitit_common import (
@@ -58,6 +55,9 @@ class SubmititSlurmBackend(SubmititBackendBase):
                 **(params.get("additional_parameters") or {}),
                 **sbatch_parameters(directives),
             }
+        from submitit import SlurmExecutor
+        from submitit.core.utils import FailedJobError, FailedSubmissionError
+
         try:
             executor = SlurmExecutor(self.folder, python=python)
         except RuntimeError as error:
