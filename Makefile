@@ -8,7 +8,8 @@ TORCH_VERSION ?= 2.13.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox
 PYTEST_ARGS ?=
 # make test runs the test modules on this many workers (pytest-xdist), a module per worker at a
-# time, longest first (tests/ledger.py); half the suite waits on daemons, timers and sockets.
+# time, longest first (tests/ledger.py): the SLURM and fault tests mostly wait on daemons and
+# timers, which leaves a core for the training tests.
 TEST_WORKERS ?= 2
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
