@@ -101,7 +101,7 @@ def write_job_end(run_dir: Path | str, record: dict[str, Any]) -> Path | None:
 
 
 EXITED_PREFIX = "[orch] training exited with status"
-EXITED_LINE = re.compile(r"^\[orch\] training exited with status (\d+)\s*$", re.MULTILINE)
+EXITED_LINE = re.compile(rf"^{re.escape(EXITED_PREFIX)} (\d+)\s*$", re.MULTILINE)
 STOPPED_LINE = re.compile(
     r"^\[orch\] training stopped on (.+) after saving step \d+ \((?:launcher )?exit status (\d+)",
     re.MULTILINE,

@@ -65,7 +65,7 @@ def main(raw: DictConfig) -> None:
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-            record_job_end(cfg, None, stop, 2)
+            record_job_end(cfg, None, stop, EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer: Trainer | None = None

@@ -101,7 +101,6 @@ from contract.run_dir import (
     MARKER,
     STATE_FILE,
     TMP_DIR,
-    not_writable,
     room_shortfall,
     scan_checkpoints,
     step_name,
@@ -454,9 +453,12 @@ def _find_os_error(exc: BaseException | None) -> OSError | None:
 def _disk_errno(where: Path) -> int | None:
     """The errno a write under ``where`` would meet now: read-only, not writable, or full."""
     directory = _existing(where)
-    if not_writable(directory):
-        return errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else errno.EACCES
-    if shutil.disk_usage(directory).free < _PROBE_BYTES:
+    stats = os.statvfs(directory)
+    if stats.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if not os.access(directory, os.W_OK):
+        return errno.EACCES
+    if stats.f_bavail * stats.f_frsize < _PROBE_BYTES:
         return errno.ENOSPC
     return None
 
