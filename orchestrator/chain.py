@@ -36,8 +36,8 @@ from orchestrator.manifest import (
     register_chain,
 )
 from orchestrator.preflight import (
+    JobResources,
     check_dependency,
-    check_fits,
     check_job_name,
     check_num_jobs,
     check_run_dir,
@@ -60,7 +60,7 @@ class ThenJob:
 
     recipe: Path
     script_text: str
-    directives: dict[str, str]
+    resources: JobResources
     option: str  # how the user gave it (--then, hydra.launcher.then), to name it in errors
 
     @property
@@ -73,12 +73,7 @@ class ThenJob:
         with cls._named(option):
             recipe, prepared = read_recipe(given)
             check_job_name(recipe.stem)
-        return cls(recipe, prepared.text, prepared.directives, option)
-
-    def check_fits(self, sinfo_table: str | None, runs_here: bool) -> None:
-        """Its resources must fit the chain's backend as the chain's own must."""
-        with self._named(self.option):
-            check_fits(self.directives, sinfo_table, runs_here)
+        return cls(recipe, prepared.text, prepared.resources, option)
 
     @staticmethod
     @contextmanager

@@ -15,8 +15,8 @@ from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
 from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, write_scripts
-from orchestrator.chain_hooks import ACTIVE_BACKEND as RETRYING_BACKEND
 from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import (
     JobRecord,
     Manifest,
@@ -26,10 +26,8 @@ from orchestrator.manifest import (
     orch_home,
     sweep_labels,
 )
-from orchestrator.preflight import check_fits
 from orchestrator.results import RunResults, disk_problem, format_wer, last_progress
 from orchestrator.scripts import PreparedScript, read_recipe
-from orchestrator.slurm_commands import probe_partitions
 
 
 def _run(handler, args: argparse.Namespace) -> int:
@@ -134,20 +132,17 @@ def build_plan(
     return plan, prepared
 
 
-def plan_check(
-    prepared: PreparedScript, plan: ChainPlan, sinfo_table: str | None, runs_here: bool
-) -> None:
-    """Preflight, part three: a training recipe's layout must fit the memory it will get."""
-    if prepared.spec is None:
-        return
-    from orchestrator.planner.preflight import check_recipe, target_partition
-    from orchestrator.preflight import parse_partitions
+def launch_jobs(plan: ChainPlan, prepared: PreparedScript, plan_check: bool) -> list[LaunchJob]:
+    """The chain's job and its --then job as the launch checks see them."""
+    training = None
+    if plan_check and prepared.spec is not None:
+        from orchestrator.planner.preflight import training_job
 
-    partition = None
-    if sinfo_table is not None and not runs_here:
-        partition = target_partition(prepared.spec.partition, parse_partitions(sinfo_table))
-    command = [*prepared.spec.command, *plan.script_args]
-    check_recipe(prepared.spec, command, partition, str(plan.recipe))
+        training = training_job([*prepared.spec.command, *plan.script_args])
+    jobs = [LaunchJob(prepared.resources, str(plan.recipe), training=training)]
+    if plan.then is not None:
+        jobs.append(then_job(plan.then))
+    return jobs
 
 
 def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
@@ -226,19 +221,12 @@ def jobs_label(manifest: Manifest) -> str:
 
 def auto_launch(args: argparse.Namespace) -> int:
     plan, prepared = build_plan(args, args.script_args)
-    sinfo_table = probe_partitions()
-    kind = registry.choose(args.backend, has_slurm=sinfo_table is not None)
-    check_fits(prepared.directives, sinfo_table, kind.runs_here)
-    if not args.no_plan_check:
-        plan_check(prepared, plan, sinfo_table, kind.runs_here)
-    if plan.then is not None:
-        plan.then.check_fits(sinfo_table, kind.runs_here)
-    if plan.retries and kind.label != RETRYING_BACKEND:
-        raise UsageError(
-            f"--retries needs the {RETRYING_BACKEND} backend, whose jobs queue their own "
-            f"replacements; this chain would run on {kind.label}"
-        )
-    backend = kind.for_run_dir(plan.run_dir)
+    backend = prepare_launch(
+        args.backend,
+        launch_jobs(plan, prepared, not args.no_plan_check),
+        plan.run_dir,
+        retries=plan.retries,
+    )
     if args.dry_run:
         print_dry_run(plan, backend)
         return 0

@@ -45,7 +45,7 @@ from orchestrator.processes import (
     with_descendants,
 )
 from orchestrator.retry import ATTEMPTS, is_transient
-from orchestrator.slurm_commands import run_slurm
+from orchestrator.slurm.commands import run_slurm
 
 DEFAULT_NODES = 2
 DEFAULT_CPUS_PER_NODE = 1

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.backends.base import DEPENDENCY_KINDS
 from orchestrator.errors import UsageError
-from orchestrator.sbatch_directives import parse_signal
-from orchestrator.slurm_time import parse_time_minutes
+from orchestrator.slurm.directives import parse_signal
+from orchestrator.slurm.partitions import parse_gpus
+from orchestrator.slurm.time_limit import parse_time_minutes
+
+if TYPE_CHECKING:
+    from orchestrator.recipe import RecipeSettings
 
 MAX_CHAIN_LENGTH = 1000
 
@@ -50,75 +53,75 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Partition:
-    name: str
-    is_default: bool
-    state: str  # sinfo's %a: up, down, drain or inact
-    nodes: int
-    cpus_per_node: int
-    gpus_per_node: int
-    max_time_min: float | None
-    memory_mb: int = 0  # sinfo's %m: RealMemory per node (1: not configured)
-    gpu_type: str | None = None  # from the GRES, e.g. h100 in gpu:h100:8
+class JobResources:
+    """What one job asks of the machines, typed once: from a YAML recipe's settings, from the
+    ``#SBATCH`` lines of a .sub, or from submitit's executor parameters. Creating one checks the
+    time limit and the signal, whichever backend the job will go to."""
 
-    @property
-    def available(self) -> bool:
-        return self.state == "up"
+    nodes: int = 1
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    time: str | None = None  # SLURM's format (30, 02:00:00, 1-00:00)
+    partition: str | None = None
+    gpu: str | None = None  # the GPU model a YAML recipe names (a key of contract.gpus)
 
+    def __post_init__(self) -> None:
+        if self.time:
+            parse_time_minutes(self.time)
 
-def parse_gpus(gres: str) -> int:
-    """GPUs per node from sinfo's %G (``gpu:8``, ``gpu:a100:4(S:0-1)``, ``(null)``)."""
-    total = 0
-    for item in gres.split(","):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and parts[-1].isdigit():
-            total += int(parts[-1])
-    return total
-
-
-def parse_gpu_type(gres: str) -> str | None:
-    """The GPU type named in sinfo's %G (``gpu:h100:8`` -> h100), if any."""
-    for item in gres.split(","):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and len(parts) == 3:
-            return parts[1].lower()
-    return None
-
-
-def parse_partitions(output: str) -> list[Partition]:
-    """Partitions from sinfo's table in slurm_commands.PARTITION_FORMAT."""
-    partitions: dict[str, Partition] = {}
-    for line in output.splitlines():
-        name, avail, nodes, cpus, gres, limit, memory = line.split("|")
-        is_default = name.endswith("*")
-        name = name.rstrip("*")
-        previous = partitions.get(name)
-        count = int(nodes) + (previous.nodes if previous else 0)
-        partitions[name] = Partition(
-            name=name,
-            is_default=is_default,
-            state=avail,
-            nodes=count,
-            cpus_per_node=int(re.match(r"\d+", cpus).group()) if re.match(r"\d+", cpus) else 0,
-            gpus_per_node=parse_gpus(gres),
-            max_time_min=parse_time_minutes(limit) if limit not in ("", "n/a") else None,
-            memory_mb=int(re.match(r"\d+", memory).group()) if re.match(r"\d+", memory) else 0,
-            gpu_type=parse_gpu_type(gres),
+    @classmethod
+    def from_directives(cls, directives: dict[str, str]) -> JobResources:
+        if directives.get("signal"):
+            parse_signal(directives["signal"])
+        return cls(
+            nodes=_positive_int(directives, "nodes"),
+            tasks_per_node=_positive_int(directives, "ntasks-per-node"),
+            cpus_per_task=_positive_int(directives, "cpus-per-task"),
+            gpus_per_node=_gpus_per_node(directives),
+            time=directives.get("time") or None,
+            partition=directives.get("partition") or None,
         )
-    return list(partitions.values())
+
+    @classmethod
+    def from_settings(cls, settings: RecipeSettings) -> JobResources:
+        """A YAML recipe's resources, as validated, without reading its rendered script back."""
+        return cls(
+            nodes=settings.nodes,
+            tasks_per_node=settings.tasks_per_node,
+            cpus_per_task=settings.cpus_per_task,
+            gpus_per_node=settings.gpus_per_node,
+            time=settings.time,
+            partition=settings.partition,
+            gpu=settings.gpu,
+        )
+
+    @classmethod
+    def from_executor_params(cls, params: dict[str, Any]) -> JobResources:
+        """submitit's executor parameters (SlurmExecutor's names, or LocalExecutor's)."""
+        time = params.get("time", params.get("timeout_min"))
+        tasks = params.get("ntasks_per_node", params.get("tasks_per_node"))
+        return cls(
+            nodes=int(params.get("nodes") or 1),
+            tasks_per_node=int(tasks or 1),
+            cpus_per_task=int(params.get("cpus_per_task") or 1),
+            gpus_per_node=int(params.get("gpus_per_node") or 0),
+            time=None if time is None else str(time),
+            partition=params.get("partition"),
+        )
 
 
-def positive_int(directives: dict[str, str], name: str, default: int) -> int:
+def _positive_int(directives: dict[str, str], name: str) -> int:
     raw = directives.get(name, "")
     if raw == "":
-        return default
+        return 1
     first = raw.split("-")[0]
     if not first.isdigit() or int(first) < 1:
         raise UsageError(f"#SBATCH --{name}={raw}: expected a positive integer")
     return int(first)
 
 
-def requested_gpus_per_node(directives: dict[str, str]) -> int:
+def _gpus_per_node(directives: dict[str, str]) -> int:
     if directives.get("gpus-per-node"):
         return int(directives["gpus-per-node"].split(":")[-1])
     if directives.get("gres"):
@@ -128,77 +131,12 @@ def requested_gpus_per_node(directives: dict[str, str]) -> int:
     return 0
 
 
-def check_resources(directives: dict[str, str], partitions: list[Partition]) -> Partition:
-    """The script's #SBATCH request must fit a partition that exists (one that is not up only
-    warns)."""
-    if directives.get("signal"):
-        parse_signal(directives["signal"])
-    wanted = directives.get("partition", "")
-    if wanted:
-        matches = [p for p in partitions if p.name == wanted]
-        if not matches:
-            names = ", ".join(p.name for p in partitions) or "none"
-            raise UsageError(f"partition {wanted!r} does not exist (partitions: {names})")
-        partition = matches[0]
-    else:
-        defaults = [p for p in partitions if p.is_default]
-        if not defaults:
-            raise UsageError("no --partition given and the cluster has no default partition")
-        partition = defaults[0]
-    if not partition.available:
-        # sbatch queues jobs for a partition in maintenance: they pend until it is up again.
-        print(
-            f"warning: partition {partition.name!r} is {partition.state}: the jobs will pend "
-            "until it is up",
-            file=sys.stderr,
-            flush=True,
-        )
-    nodes = positive_int(directives, "nodes", 1)
-    if nodes > partition.nodes:
-        raise UsageError(f"{nodes} nodes asked; partition {partition.name!r} has {partition.nodes}")
-    tasks_per_node = positive_int(directives, "ntasks-per-node", 1)
-    cpus_per_task = positive_int(directives, "cpus-per-task", 1)
-    if tasks_per_node * cpus_per_task > partition.cpus_per_node:
+def check_local_resources(resources: JobResources) -> None:
+    """The local backends emulate one node with this machine's GPUs."""
+    if resources.nodes > 1:
         raise UsageError(
-            f"{tasks_per_node} tasks x {cpus_per_task} CPUs per node asked; nodes of partition "
-            f"{partition.name!r} have {partition.cpus_per_node} CPUs"
+            f"the recipe asks for {resources.nodes} nodes; the local backend runs one node: use "
+            "the slurm backend (`orchestrator cluster up` starts a loopback cluster)"
         )
-    gpus = requested_gpus_per_node(directives)
-    if gpus > partition.gpus_per_node:
-        raise UsageError(
-            f"{gpus} GPUs per node asked; nodes of partition {partition.name!r} have "
-            f"{partition.gpus_per_node}"
-        )
-    if directives.get("time"):
-        minutes = parse_time_minutes(directives["time"])
-        limit = partition.max_time_min
-        if limit is not None and (minutes is None or minutes > limit):
-            raise UsageError(
-                f"time limit {directives['time']} exceeds partition {partition.name!r}'s "
-                f"maximum of {limit:g} minutes"
-            )
-    return partition
-
-
-def check_local_resources(directives: dict[str, str]) -> None:
-    """The local backend emulates one node with this machine's GPUs (none here)."""
-    nodes = positive_int(directives, "nodes", 1)
-    if nodes > 1:
-        raise UsageError(
-            f"the recipe asks for {nodes} nodes; the local backend runs one node: use the slurm "
-            "backend (`orchestrator cluster up` starts a loopback cluster)"
-        )
-    if requested_gpus_per_node(directives) > 0 and not Path("/dev/nvidia0").exists():
+    if resources.gpus_per_node > 0 and not Path("/dev/nvidia0").exists():
         raise UsageError("the recipe asks for GPUs and this machine has none")
-    if directives.get("time"):
-        parse_time_minutes(directives["time"])
-    if directives.get("signal"):
-        parse_signal(directives["signal"])
-
-
-def check_fits(directives: dict[str, str], sinfo_table: str | None, runs_here: bool) -> None:
-    """Preflight, part two: the request must fit the machines the chosen backend will use."""
-    if sinfo_table is None or runs_here:
-        check_local_resources(directives)
-    else:
-        check_resources(directives, parse_partitions(sinfo_table))

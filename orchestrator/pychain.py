@@ -22,8 +22,9 @@ from typing import Any
 from orchestrator.backends.submitit_common import FOLDER
 from orchestrator.chain import ChainPlan, submit_chain
 from orchestrator.errors import UsageError
+from orchestrator.launch import LaunchJob, check_jobs, find_site, site_for
 from orchestrator.manifest import Manifest
-from orchestrator.slurm_commands import slurm_available
+from orchestrator.preflight import JobResources
 
 
 def launch_callable_chain(
@@ -41,7 +42,9 @@ def launch_callable_chain(
     """Submit ``num_jobs`` chained jobs of ``function``; return the chain's manifest.
 
     ``cluster`` is ``slurm`` or ``local`` (default: slurm when a controller answers).
-    ``executor_params`` go to the submitit executor (e.g. ``{"time": 240, "partition": "batch"}``).
+    ``executor_params`` go to the submitit executor (e.g. ``{"time": 240, "partition": "batch"}``);
+    the resources they ask for are checked against the cluster's partitions (or this machine) as
+    auto_launch checks a recipe's, before anything is queued.
     """
     from orchestrator.backends.submitit_local import SubmititLocalBackend
     from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
@@ -64,6 +67,8 @@ def launch_callable_chain(
         function=function,
         function_args=tuple(args),
     )
-    kind = executors[cluster or ("slurm" if slurm_available() else "local")]
-    backend = kind(plan.run_dir / FOLDER, executor_params=executor_params)
+    site = site_for(executors[cluster]) if cluster else find_site(SubmititSlurmBackend.option)
+    resources = JobResources.from_executor_params(executor_params or {})
+    check_jobs(site, [LaunchJob(resources, plan.job_name)])
+    backend = site.backend(plan.run_dir / FOLDER, executor_params=executor_params)
     return submit_chain(plan, backend)

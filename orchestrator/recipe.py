@@ -80,7 +80,7 @@ from contract import job_env
 from contract.credentials import looks_secret
 from contract.gpus import GPU_KEYS
 from orchestrator.errors import UsageError
-from orchestrator.slurm_time import parse_time_minutes
+from orchestrator.slurm.time_limit import parse_time_minutes
 
 CONTRACT_VARIABLES = (
     "SEED",

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import UsageError
+from orchestrator.preflight import JobResources
 from orchestrator.resources import locate_recipe
-from orchestrator.sbatch_directives import parse_sbatch_directives
+from orchestrator.slurm.directives import parse_sbatch_directives
 
 if TYPE_CHECKING:
     from orchestrator.recipe import Recipe
@@ -26,10 +27,11 @@ _READS_FIRST_ARGUMENT = re.compile(r"\$(1|\{1\b)")
 
 @dataclass(frozen=True)
 class PreparedScript:
-    """A recipe made ready to submit."""
+    """A recipe made ready to submit: the script and what its jobs ask for, typed once (from the
+    YAML recipe's settings, or from the .sub's ``#SBATCH`` lines)."""
 
     text: str
-    directives: dict[str, str]
+    resources: JobResources
     source_kind: str  # "yaml" (rendered) or "sub" (read as it is)
     spec: Recipe | None = None  # the validated recipe, for YAML recipes
 
@@ -54,11 +56,12 @@ def prepare_script(path: Path | str) -> PreparedScript:
 
         spec = load_recipe(path)
         text = render_recipe(spec)
-        return PreparedScript(text, parse_sbatch_directives(text), "yaml", spec)
+        return PreparedScript(text, JobResources.from_settings(spec), "yaml", spec)
     if suffix in SCRIPT_SUFFIXES:
         text = _read_script(path)
         check_seed_contract(text, path)
-        return PreparedScript(text, parse_sbatch_directives(text), "sub")
+        resources = JobResources.from_directives(parse_sbatch_directives(text))
+        return PreparedScript(text, resources, "sub")
     accepted = ", ".join(YAML_SUFFIXES + SCRIPT_SUFFIXES)
     raise UsageError(f"recipe {path}: unknown kind {suffix or '(no extension)'}; use {accepted}")
 

@@ -18,16 +18,14 @@ from typing import Any
 
 import yaml
 
-from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
 from orchestrator.chain import ChainPlan, ThenJob, new_chain_id, rollback, submit_chain
 from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import Manifest, register_sweep
-from orchestrator.preflight import check_fits
+from orchestrator.preflight import JobResources
 from orchestrator.recipe import load_recipe, parse_recipe
 from orchestrator.render import render_recipe
-from orchestrator.sbatch_directives import parse_sbatch_directives
-from orchestrator.slurm_commands import probe_partitions
 
 BACKENDS = ("slurm", "local")
 
@@ -40,6 +38,11 @@ class SweepMember:
     overrides: tuple[str, ...]
     run_dir: Path
     base_seed: int | None  # derive the chain's job seeds from it; None: fresh random seeds
+    config: Any = None  # the trainer config its jobs run, for the plan check (None: no check)
+
+    @property
+    def label(self) -> str:
+        return f"sweep member #{self.index} ({' '.join(self.overrides) or 'no overrides'})"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class SweepRequest:
     backend: str  # slurm | local
     workdir: Path
     then: ThenJob | None = None  # each member's chain ends with it
+    retries: int = 0  # replacements each member's chain may queue (auto_launch --retries)
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class PlannedMember:
     member: SweepMember
     plan: ChainPlan
     recipe_fields: dict[str, Any]
-    directives: dict[str, str]
+    job: LaunchJob
 
 
 def new_sweep_id(stem: str) -> str:
@@ -85,7 +89,7 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
     try:
         spec = parse_recipe(fields, recipe_path)
     except UsageError as error:
-        raise UsageError(f"sweep member #{member.index}: {error}") from error
+        raise UsageError(f"{member.label}: {error}") from error
     text = render_recipe(spec)
     plan = ChainPlan.create(
         job_name=request.job_name,
@@ -99,8 +103,15 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
         sweep_id=request.sweep_id,
         workdir=request.workdir,
         then=request.then,
+        retries=request.retries,
     )
-    return PlannedMember(member, plan, fields, parse_sbatch_directives(text))
+    config = member.config
+    job = LaunchJob(
+        JobResources.from_settings(spec),
+        member.label,
+        training=None if config is None else lambda: config,
+    )
+    return PlannedMember(member, plan, fields, job)
 
 
 def preflight_sweep(
@@ -112,13 +123,16 @@ def preflight_sweep(
     if not members:
         raise UsageError("the sweep has no members")
     planned = [plan_member(request, member) for member in members]
-    sinfo_table = probe_partitions() if request.backend == "slurm" else None
-    kind = registry.choose(request.backend, has_slurm=sinfo_table is not None)
-    for item in planned:
-        check_fits(item.directives, sinfo_table, kind.runs_here)
+    jobs = [item.job for item in planned]
     if request.then is not None:
-        request.then.check_fits(sinfo_table, kind.runs_here)
-    backend = kind.for_run_dir(planned[0].plan.run_dir)
+        jobs.append(then_job(request.then))
+    backend = prepare_launch(
+        request.backend,
+        jobs,
+        planned[0].plan.run_dir,
+        retries=request.retries,
+        skip_hint="hydra.launcher.plan_check=false",
+    )
     return planned, backend
 
 

@@ -17,7 +17,7 @@ from orchestrator.planner.preflight import (
 )
 from orchestrator.planner.search import pipeline_for as search_pipeline
 from orchestrator.planner.search import priced_inventory
-from orchestrator.preflight import parse_partitions
+from orchestrator.slurm.partitions import parse_partitions
 from tests.helpers import REPO, queue_ids, run_tool, wait_gone
 from train.layout import parallel_dims, pipeline_for
 from train.parallel_dims import ParallelDims, sequence_multiple

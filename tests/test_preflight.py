@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import UsageError
-from orchestrator.preflight import check_resources, parse_partitions
+from orchestrator.preflight import JobResources
+from orchestrator.slurm.partitions import check_partition, parse_partitions
 
 TABLE = (
     "debug*|up|2|4|(null)|infinite|1\n"
@@ -17,25 +18,26 @@ TABLE = (
 
 @pytest.mark.parametrize("name", ["maint", "old"])
 def test_a_partition_down_or_drained_only_warns(name: str, capsys) -> None:
-    partition = check_resources({"partition": name}, parse_partitions(TABLE))
+    partition = check_partition(JobResources(partition=name), parse_partitions(TABLE))
     assert partition.name == name
     warning = capsys.readouterr().err
     assert warning.startswith("warning: ") and name in warning and "pend" in warning
 
 
 def test_an_up_partition_says_nothing(capsys) -> None:
-    assert check_resources({}, parse_partitions(TABLE)).name == "debug"
+    assert check_partition(JobResources(), parse_partitions(TABLE)).name == "debug"
     assert capsys.readouterr().err == ""
 
 
 def test_a_partition_that_does_not_exist_is_an_error() -> None:
     with pytest.raises(UsageError, match=r"partition 'gpu' does not exist.*debug, maint, old"):
-        check_resources({"partition": "gpu"}, parse_partitions(TABLE))
+        check_partition(JobResources(partition="gpu"), parse_partitions(TABLE))
 
 
 def test_a_down_partition_is_still_checked_for_size() -> None:
     with pytest.raises(UsageError, match="3 GPUs per node asked"):
-        check_resources({"partition": "maint", "gpus-per-node": "3"}, parse_partitions(TABLE))
+        resources = JobResources(partition="maint", gpus_per_node=3)
+        check_partition(resources, parse_partitions(TABLE))
 
 
 def test_sinfo_gives_node_memory_and_gpu_type() -> None:

@@ -69,3 +69,44 @@ def test_callable_chain_bad_input(tmp_path):
     with pytest.raises(UsageError, match="not callable"):
         launch_callable_chain("note_job", 2, run_dir=tmp_path / "run", cluster="local")
     assert not (tmp_path / "run").exists()
+
+
+def test_callable_chain_asking_for_gpus_this_machine_lacks_is_refused(tmp_path):
+    """The Python API runs auto_launch's resource checks: submitit's own GPU request on a
+    machine with none would queue jobs that fail at start."""
+    with pytest.raises(UsageError, match="asks for GPUs and this machine has none"):
+        launch_callable_chain(
+            note_job,
+            2,
+            args=(str(tmp_path / "out"),),
+            run_dir=tmp_path / "run",
+            cluster="local",
+            executor_params={"gpus_per_node": 1},
+        )
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"partition": "nope"}, "partition 'nope' does not exist"),
+        ({"cpus_per_task": 64}, "1 tasks x 64 CPUs per node asked"),
+        ({"nodes": 9}, "9 nodes asked"),
+    ],
+    ids=["partition", "cpus", "nodes"],
+)
+def test_callable_chain_that_cannot_fit_the_cluster_queues_nothing(
+    empty_queue, tmp_path, params, message
+):
+    with pytest.raises(UsageError, match=message):
+        launch_callable_chain(
+            note_job,
+            2,
+            args=(str(tmp_path / "out"),),
+            run_dir=tmp_path / "run",
+            cluster="slurm",
+            executor_params={"time": 5, **params},
+        )
+    assert empty_queue.queue_job_ids() == []
+    assert not (tmp_path / "run").exists()

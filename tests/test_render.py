@@ -7,6 +7,7 @@ Regenerate the golden files after an intended template change with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,10 +18,12 @@ import pytest
 
 from contract.job_env import port_for
 from orchestrator.errors import UsageError
+from orchestrator.preflight import JobResources
 from orchestrator.recipe import load_recipe
 from orchestrator.render import render_recipe, shell_word
 from orchestrator.scripts import prepare_script
-from orchestrator.slurm_time import parse_time_minutes
+from orchestrator.slurm.directives import parse_sbatch_directives
+from orchestrator.slurm.time_limit import parse_time_minutes
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -75,14 +78,25 @@ def test_the_rendezvous_port_is_one_rule_below_the_ephemeral_ports(job_id: str) 
 def test_prepared_yaml_has_directives_and_resources() -> None:
     prepared = prepare_script(REPO / "recipes" / "gpu_8x.yaml")
     assert prepared.source_kind == "yaml"
-    assert prepared.directives["nodes"] == "2"
-    assert prepared.directives["gres"] == "gpu:8"
-    assert prepared.directives["signal"] == "B:USR1@300"
-    assert prepared.directives["open-mode"] == "append"
+    directives = parse_sbatch_directives(prepared.text)
+    assert directives["nodes"] == "2"
+    assert directives["gres"] == "gpu:8"
+    assert directives["signal"] == "B:USR1@300"
+    assert directives["open-mode"] == "append"
+    assert (prepared.resources.nodes, prepared.resources.gpus_per_node) == (2, 8)
     spec = prepared.spec
     assert (spec.nodes, spec.tasks_per_node, spec.gpus_per_node) == (2, 8, 8)
     assert (spec.cpus_per_task, spec.time) == (12, "04:00:00")
     assert spec.partition == "gpu"
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_typed_resources_are_what_the_rendered_script_asks_for(recipe: Path) -> None:
+    """The launch checks read a YAML recipe's settings, sbatch reads the rendered #SBATCH lines:
+    both must ask for the same machines."""
+    prepared = prepare_script(recipe)
+    read_back = JobResources.from_directives(parse_sbatch_directives(prepared.text))
+    assert prepared.resources == dataclasses.replace(read_back, gpu=prepared.resources.gpu)
 
 
 def test_unquoted_clock_time_is_not_read_as_base_60(tmp_path: Path) -> None:
@@ -274,7 +288,7 @@ def test_hand_written_sub_passes_through() -> None:
     prepared = prepare_script(path)
     assert prepared.source_kind == "sub"
     assert prepared.text == path.read_text()
-    assert prepared.directives["signal"] == "B:USR1@60"
+    assert parse_sbatch_directives(prepared.text)["signal"] == "B:USR1@60"
     assert prepared.spec is None
 
 
@@ -300,4 +314,4 @@ def test_bad_script_is_refused(tmp_path: Path, name: str, text: str | None, mess
 def test_sub_reading_its_first_argument_is_accepted(tmp_path: Path, line: str) -> None:
     path = tmp_path / "job.sub"
     path.write_text(f"#!/bin/bash\n#SBATCH --nodes=1\n{line}\n")
-    assert prepare_script(path).directives == {"nodes": "1"}
+    assert parse_sbatch_directives(prepare_script(path).text) == {"nodes": "1"}

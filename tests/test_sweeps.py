@@ -176,13 +176,15 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
 
 @pytest.mark.slurm
 def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
-    """Each member's chain ends with its own --then job; cancel stops all of them."""
+    """Each member's chain ends with its own --then job and may queue replacements, as
+    auto_launch --retries; cancel stops all of them."""
     sweep_dir = tmp_path / "sweep"
     done = multirun(
         sweep_dir,
         corpus,
         "hydra/launcher=chain_loopback",
         "hydra.launcher.n=3",
+        "hydra.launcher.retries=2",
         f"hydra.launcher.then={recording_recipe(tmp_path / 'evaluate.sub')}",
         "train.max_steps=1000",
         "optim.lr=1e-3,3e-4",
@@ -195,8 +197,9 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
         assert [job["then"] for job in jobs] == [False, False, False, True]
         assert jobs[3]["dependency"] == f"afterany:{jobs[2]['job_id']}"
         run_dir = sweep_dir / str(member)
-        then = json.loads((run_dir / "manifest.json").read_text())["then"]
-        assert then["script"] == str(run_dir / "then-evaluate.sub")
+        saved = json.loads((run_dir / "manifest.json").read_text())
+        assert saved["then"]["script"] == str(run_dir / "then-evaluate.sub")
+        assert saved["retries"] == 2
     job_ids = [job["job_id"] for chain in chains for job in chain["jobs"]]
     assert len(job_ids) == 8
     cancelled = run_tool("orchestrator", "cancel", sweep)
@@ -230,6 +233,19 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
             ["error: hydra.launcher.then: recipe no/eval.yaml does not exist"],
         ),
         (
+            [
+                "hydra/launcher=chain_loopback",
+                "hydra.launcher.retries=2",
+                "hydra.launcher.dependency=afterok",
+                "optim.lr=1,2",
+            ],
+            ["error: --retries needs --dependency afterany or singleton"],
+        ),
+        (
+            ["hydra/launcher=chain_local", "hydra.launcher.retries=1", "optim.lr=1,2"],
+            ["error: --retries needs the slurm backend", "would run on local"],
+        ),
+        (
             # An hour of audio per batch through the 1B LLM: no host holds its activations.
             [
                 "hydra/launcher=chain_loopback",
@@ -238,13 +254,22 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
                 "optim.lr=1e-3,3e-4",
             ],
             [
-                "error: plan check: sweep member (",
+                "error: plan check: sweep member #0 (",
                 "GiB per rank",
                 "hydra.launcher.plan_check=false",
             ],
         ),
     ],
-    ids=["zero-jobs", "bad-layout", "bad-value", "too-big", "bad-then", "cannot-fit"],
+    ids=[
+        "zero-jobs",
+        "bad-layout",
+        "bad-value",
+        "too-big",
+        "bad-then",
+        "retries-afterok",
+        "retries-local",
+        "cannot-fit",
+    ],
 )
 def test_bad_settings_stop_before_anything_is_queued(
     empty_queue, corpus, tmp_path, overrides, fragments

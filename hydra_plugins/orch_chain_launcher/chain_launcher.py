@@ -27,7 +27,6 @@ from hydra_plugins.orch_chain_launcher.members import (
     fail,
     member_seeds,
     override_value,
-    plan_check_members,
     validate_members,
 )
 from orchestrator.errors import UsageError
@@ -90,13 +89,11 @@ class ChainLauncher(Launcher):
         configs = validate_members(
             self.hydra_context, self.config, job_overrides, initial_job_idx, world_size
         )
-        if params["plan_check"]:
-            plan_check_members(configs, job_overrides, shape, str(params["backend"]))
         config_name = str(self.config.hydra.job.config_name)
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         seeds = member_seeds(initial_job_idx + len(job_overrides), params["base_seed"])
         members = []
-        for offset, overrides in enumerate(job_overrides):
+        for offset, (overrides, cfg) in enumerate(zip(job_overrides, configs, strict=True)):
             index = initial_job_idx + offset
             own_seed = override_value(overrides, "seed")
             own_run_dir = override_value(overrides, "run_dir")
@@ -110,6 +107,7 @@ class ChainLauncher(Launcher):
                     ),
                     run_dir=Path(own_run_dir) if own_run_dir else sweep_dir / str(index),
                     base_seed=int(own_seed) if own_seed is not None else seeds[index],
+                    config=cfg if params["plan_check"] else None,
                 )
             )
         request = SweepRequest(
@@ -129,6 +127,7 @@ class ChainLauncher(Launcher):
             backend=str(params["backend"]),
             workdir=Path.cwd(),
             then=then,
+            retries=int(params["retries"]),
         )
         manifests = submit_sweep(request, members)
         print_sweep(request, manifests)

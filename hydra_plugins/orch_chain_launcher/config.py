@@ -19,9 +19,10 @@ class ChainSettings:
     """The chained launcher's own settings: each sweep member becomes a chain of ``n`` jobs, as
     ``auto_launch -n N`` makes. ``recipe``: a YAML recipe whose settings are used as they are and
     whose ``command`` is replaced by the member's. ``then``: a recipe each member's chain ends
-    with, as ``auto_launch --then`` (e.g. an evaluation of the member's run). ``plan_check``:
-    price each member's layout with the planner and refuse, before anything is queued, one that
-    cannot fit the memory its ranks get."""
+    with, as ``auto_launch --then`` (e.g. an evaluation of the member's run). ``retries``: as
+    ``auto_launch --retries``, replacement jobs each member's chain may queue (slurm backend).
+    ``plan_check``: price each member's layout with the planner and refuse, before anything is
+    queued, one that cannot fit the memory its ranks get."""
 
     _target_: str = f"{PACKAGE}.chain_launcher.ChainLauncher"
     backend: str = "slurm"  # slurm | local
@@ -31,6 +32,7 @@ class ChainSettings:
     base_seed: int | None = None
     recipe: str | None = None
     then: str | None = None
+    retries: int = 0
     # Refuse members whose layout the planner says cannot fit (auto_launch --no-plan-check).
     plan_check: bool = True
 

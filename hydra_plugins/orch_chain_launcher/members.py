@@ -84,41 +84,6 @@ def validate_members(
     return configs
 
 
-def plan_check_members(
-    configs: Sequence[Any], job_overrides: Sequence[Sequence[str]], settings: Any, backend: str
-) -> None:
-    """Refuse the sweep if any member's layout cannot fit the memory its ranks get (the
-    planner's preflight, as auto_launch runs it for a recipe)."""
-    from orchestrator.planner.preflight import (
-        announce_skipped,
-        capacity_for,
-        check_training_fits,
-        target_partition,
-    )
-    from orchestrator.preflight import parse_partitions
-    from orchestrator.slurm_commands import probe_partitions
-
-    sinfo_table = probe_partitions() if backend == "slurm" else None
-    partitions = parse_partitions(sinfo_table) if sinfo_table else []
-    partition = target_partition(settings.partition, partitions)
-    capacity = capacity_for(
-        settings.gpus_per_node, settings.tasks_per_node, settings.gpu, partition
-    )
-    for cfg, overrides in zip(configs, job_overrides, strict=True):
-        label = f"sweep member ({' '.join(overrides) or 'no overrides'})"
-        if capacity is None:
-            announce_skipped(label)
-            return
-        check_training_fits(
-            cfg,
-            settings.nodes,
-            settings.tasks_per_node,
-            capacity,
-            label,
-            skip_hint="hydra.launcher.plan_check=false",
-        )
-
-
 def fail(error: UsageError) -> NoReturn:
     """The project's convention for bad input: one ``error:`` line and exit code 2."""
     print(f"error: {error}", file=sys.stderr, flush=True)

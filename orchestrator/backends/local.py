@@ -24,8 +24,8 @@ from contract import job_env
 from orchestrator.backends.base import BatchScriptBackend, JobRequest, JobStatus
 from orchestrator.manifest import atomic_write_json, orch_home
 from orchestrator.processes import group_and_descendants, terminate
-from orchestrator.sbatch_directives import parse_sbatch_directives, parse_signal
-from orchestrator.slurm_time import parse_time_minutes
+from orchestrator.slurm.directives import parse_sbatch_directives, parse_signal
+from orchestrator.slurm.time_limit import parse_time_minutes
 
 KILL_WAIT_S = 10
 

@@ -43,16 +43,21 @@ def for_run_dir(label: str, run_dir: Path | str) -> Backend:
     return by_label(label).for_run_dir(Path(run_dir))
 
 
-def choose(option: str, has_slurm: bool) -> type[Backend]:
-    """The backend ``--backend OPTION`` picks: among its candidates, the one that goes through
-    SLURM when a controller answers and the one on this machine otherwise."""
+def candidates_for(option: str) -> list[type[Backend]]:
+    """The backends ``--backend OPTION`` may pick, before knowing whether SLURM answers."""
     if option not in OPTIONS:
         raise UsageError(f"--backend {option!r}: choose one of {', '.join(OPTIONS)}")
-    candidates = [
+    return [
         backend
         for backend in BACKENDS
         if (backend.auto if option == "auto" else backend.option == option)
     ]
+
+
+def choose(option: str, has_slurm: bool) -> type[Backend]:
+    """The backend ``--backend OPTION`` picks: among its candidates, the one that goes through
+    SLURM when a controller answers and the one on this machine otherwise."""
+    candidates = candidates_for(option)
     fitting = [backend for backend in candidates if backend.runs_here != has_slurm]
     here = [backend for backend in candidates if backend.runs_here]
     if not fitting and not here:

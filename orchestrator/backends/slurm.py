@@ -19,7 +19,7 @@ from orchestrator.backends.base import (
 from orchestrator.backends.run_dir import run_dir_status
 from orchestrator.errors import SchedulerError, SchedulerTimeout
 from orchestrator.retry import REJECTED_MARKERS, is_transient
-from orchestrator.slurm_commands import (
+from orchestrator.slurm.commands import (
     QUERY_ATTEMPTS,
     QUERY_TIMEOUT_S,
     controller_problem,

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from orchestrator.backends.base import DEPENDENCY_KINDS, JobRequest, JobStatus, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.processes import group_and_descendants, terminate
-from orchestrator.sbatch_directives import parse_sbatch_directives
+from orchestrator.slurm.directives import parse_sbatch_directives
 
 FOLDER = "submitit"  # below the run dir
 

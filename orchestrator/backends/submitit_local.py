@@ -31,8 +31,8 @@ from orchestrator.backends.submitit_common import (
     update_parameters,
 )
 from orchestrator.processes import alive, command_line, terminate, with_descendants
-from orchestrator.sbatch_directives import parse_signal
-from orchestrator.slurm_time import parse_time_minutes
+from orchestrator.slurm.directives import parse_signal
+from orchestrator.slurm.time_limit import parse_time_minutes
 
 if TYPE_CHECKING:
     from submitit import LocalJob

@@ -27,8 +27,8 @@ from orchestrator.backends.submitit_common import (
 )
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.retry import REJECTED_MARKERS, with_retries
-from orchestrator.sbatch_directives import parse_signal
-from orchestrator.slurm_commands import controller_problem, run_slurm, update_dependency
+from orchestrator.slurm.commands import controller_problem, run_slurm, update_dependency
+from orchestrator.slurm.directives import parse_signal
 
 # Options the backend decides itself: the chain's job name (singleton depends on it), submitit's
 # log files, the dependency, and the working directory (request.workdir).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,11 +42,11 @@ from orchestrator.planner.search import (
     plan,
     priced_inventory,
 )
-from orchestrator.preflight import Partition
+from orchestrator.slurm.partitions import Partition
 from train.models.presets import get_preset
 
 if TYPE_CHECKING:
-    from orchestrator.recipe import RecipeSettings
+    from orchestrator.preflight import JobResources
     from train.config import TrainConfig
 
 TOKENS_PER_SECOND = 20
@@ -225,36 +226,43 @@ def compose_training_config(arguments: list[str]) -> TrainConfig:
     return OmegaConf.to_object(composed)
 
 
-def target_partition(name: str | None, partitions: list[Partition]) -> Partition | None:
-    """The partition a recipe's jobs go to: the one it names, else the cluster's default."""
-    for partition in partitions:
-        if (name and partition.name == name) or (not name and partition.is_default):
-            return partition
-    return None
-
-
-def check_recipe(
-    spec: RecipeSettings, command: list[str], partition: Partition | None, label: str
-) -> None:
-    """The plan check of one training recipe (nothing for commands other than the trainer's)."""
+def training_job(command: list[str]) -> Callable[[], TrainConfig] | None:
+    """What builds the trainer config a recipe's command runs (None: it does not run the
+    trainer); called only by the plan check, so the other checks never pay for composing it."""
     arguments = train_arguments(command)
     if arguments is None:
-        return
-    capacity = capacity_for(spec.gpus_per_node, spec.tasks_per_node, spec.gpu, partition)
+        return None
+    return lambda: compose_training_config(arguments)
+
+
+def plan_check_job(
+    training: Callable[[], TrainConfig],
+    resources: JobResources,
+    partition: Partition | None,
+    name: str,
+    skip_hint: str,
+) -> bool:
+    """The plan check of one training job; False when the rank's memory is unknown (skipped,
+    with one line saying so)."""
+    capacity = capacity_for(
+        resources.gpus_per_node, resources.tasks_per_node, resources.gpu, partition
+    )
     if capacity is None:
-        announce_skipped(label)
-        return
+        announce_skipped(name)
+        return False
     from train.config import ConfigError
 
     try:
-        cfg = compose_training_config(arguments)
-        check_training_fits(cfg, spec.nodes, spec.tasks_per_node, capacity, label)
+        cfg = training()
+        nodes, tasks = resources.nodes, resources.tasks_per_node
+        check_training_fits(cfg, nodes, tasks, capacity, name, skip_hint)
     except (ConfigError, ValueError) as error:
-        raise UsageError(f"plan check: {label}: {error}; fix the recipe") from error
+        raise UsageError(f"plan check: {name}: {error}; fix the recipe") from error
     except UsageError:
         raise
     except Exception as error:  # Hydra's and OmegaConf's own config errors
         first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         raise UsageError(
-            f"plan check: {label}: the trainer's config does not compose: {first}"
+            f"plan check: {name}: the trainer's config does not compose: {first}"
         ) from error
+    return True

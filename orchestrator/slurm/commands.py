@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from orchestrator.errors import SchedulerError, SchedulerTimeout
 from orchestrator.retry import ATTEMPTS, TRANSIENT_MARKERS, with_retries
+from orchestrator.slurm.partitions import PARTITION_FORMAT, Partition, parse_partitions
 
-PARTITION_FORMAT = "%P|%a|%D|%c|%G|%l|%m"
 # Queries behind `orchestrator status`: it must answer within seconds even when the controller is
 # gone (squeue alone spends MessageTimeout retrying a dead one), so each query gets this long,
 # and one more try only after `scontrol ping` said the controller is up.
@@ -26,10 +26,10 @@ def update_dependency(job_id: str, spec: str) -> None:
     run_slurm(["scontrol", "update", f"JobId={job_id}", f"Dependency={spec}"])
 
 
-def probe_partitions() -> str | None:
-    """sinfo's partition table (PARTITION_FORMAT), or None when no SLURM controller answers.
+def probe_partitions() -> list[Partition] | None:
+    """The cluster's partitions, or None when no SLURM controller answers.
 
-    One call answers both "is there a SLURM?" and "what can it run?" for the preflight.
+    One sinfo call answers both "is there a SLURM?" and "what can it run?" for a launch.
     """
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return None
@@ -42,11 +42,7 @@ def probe_partitions() -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return completed.stdout if completed.returncode == 0 else None
-
-
-def slurm_available() -> bool:
-    return probe_partitions() is not None
+    return parse_partitions(completed.stdout) if completed.returncode == 0 else None
 
 
 def run_slurm(
