@@ -415,8 +415,7 @@ def _submit_jobs(
                 submit_time=time.time(),
                 then=plan.is_then(index),
             )
-            manifest.jobs.append(record)
-            manifest.save(durable=False)
+            manifest.record_job(record)
             if on_submitted is not None:
                 on_submitted(record)
             after = job_id

@@ -18,6 +18,7 @@ from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, wri
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import (
+    MANIFEST_NAME,
     JobRecord,
     Manifest,
     find_manifests,
@@ -280,7 +281,7 @@ def backend_for(manifest: Manifest) -> Backend:
 def cmd_list(args: argparse.Namespace) -> int:
     rows = []
     for entry in list_chains():
-        path = Path(entry["run_dir"]) / "manifest.json"
+        path = Path(entry["run_dir"]) / MANIFEST_NAME
         if not path.is_file():
             rows.append([entry["chain_id"], "?", "?", "manifest missing", entry["run_dir"]])
             continue

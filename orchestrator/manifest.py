@@ -2,7 +2,10 @@
 
 The manifest (``manifest.json`` in the chain's run dir) is the chain's record: what was submitted,
 with which seeds, from which commit. Every write goes to a temporary file in the same directory and
-is renamed into place, so a reader never sees a torn file. The index is one small JSON file per
+is renamed into place, so a reader never sees a torn file. While a chain is being submitted, each
+accepted job is also appended to the journal beside it (one JSON line, a constant cost per job
+however long the chain), which ``Manifest.load`` folds in and the next full write replaces, so a
+launch killed halfway still has every queued job on record. The index is one small JSON file per
 chain under ``$ORCH_HOME/chains/``; one file per chain means concurrent launches never share a file.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 from contract import job_env
 
 MANIFEST_NAME = "manifest.json"
+JOURNAL_NAME = ".manifest.jobs"  # jobs accepted since the manifest's last full write
 LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
 
 
@@ -107,20 +111,51 @@ class Manifest:
     def path(self) -> Path:
         return Path(self.run_dir) / MANIFEST_NAME
 
+    @property
+    def journal_path(self) -> Path:
+        return Path(self.run_dir) / JOURNAL_NAME
+
     def save(self, durable: bool = True) -> None:
         atomic_write_json(self.path, asdict(self), durable=durable)
+        self.journal_path.unlink(missing_ok=True)  # every job it held is in the manifest now
+
+    def record_job(self, job: JobRecord) -> None:
+        """Add an accepted job and put it on record at once, without rewriting the manifest."""
+        self.jobs.append(job)
+        with open(self.journal_path, "a") as handle:
+            handle.write(json.dumps(asdict(job)) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> Manifest:
-        """Read a manifest; fields this version does not know (older or newer ones) are ignored."""
+        """Read a manifest and its journal; fields this version does not know (older or newer
+        ones) are ignored."""
         data = json.loads(Path(path).read_text())
         jobs = [JobRecord(**known_fields(JobRecord, job)) for job in data.pop("jobs", [])]
+        jobs += journal_jobs(Path(path).parent / JOURNAL_NAME, {job.job_id for job in jobs})
         then = data.pop("then", None)
         then_record = ThenRecord(**known_fields(ThenRecord, then)) if then else None
         return cls(**known_fields(cls, data), jobs=jobs, then=then_record)
 
     def job_ids(self) -> list[str]:
         return [job.job_id for job in self.jobs if job.job_id]
+
+
+def journal_jobs(path: Path, known_ids: set[str | None]) -> list[JobRecord]:
+    """The journal's jobs that the manifest does not hold yet. A launch killed while appending
+    leaves at most its last line torn: that line is skipped (its job was not on record)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    jobs = []
+    for line in lines:
+        try:
+            job = JobRecord(**known_fields(JobRecord, json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+        if job.job_id not in known_ids:
+            jobs.append(job)
+    return jobs
 
 
 @contextmanager

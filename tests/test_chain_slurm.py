@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import launch_json, queue_ids, run_tool, wait_chain, wait_gone, write_sub
+from orchestrator.manifest import JOURNAL_NAME, MANIFEST_NAME, Manifest
+from tests.helpers import (
+    BIN,
+    launch_json,
+    queue_ids,
+    run_tool,
+    wait_chain,
+    wait_gone,
+    write_sub,
+)
 from tests.test_then import check_then_job_records, recipes
 
 pytestmark = pytest.mark.slurm
@@ -141,6 +151,45 @@ def test_status_list_cancel(slurm_cluster, tmp_path):
     final = wait_chain(chain)
     assert {job["state"] for job in final["jobs"]} == {"CANCELLED"}
     wait_gone([job["job_id"] for job in summary["jobs"]])
+
+
+def test_a_launch_killed_halfway_leaves_every_queued_job_on_record(slurm_cluster, tmp_path):
+    """The shell dies while auto_launch -n200 submits (ssh dropped, the OOM killer): every job it
+    queued must be on record, so that `orchestrator cancel` stops them all."""
+    recipe = write_sub(tmp_path / "killed.sub", "sleep 60\n")
+    run_dir = tmp_path / "run"
+    launch = subprocess.Popen(
+        [str(BIN / "auto_launch"), "-n200", "--run-dir", str(run_dir), str(recipe)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    journal = run_dir / JOURNAL_NAME
+    deadline = time.monotonic() + 60
+    while not journal.exists() or journal.read_text().count("\n") < 5:
+        assert launch.poll() is None and time.monotonic() < deadline, "the launch never started"
+        time.sleep(0.02)
+    launch.kill()
+    launch.wait()
+    with open(journal, "a") as handle:  # as if the kill had come in the middle of a write
+        handle.write('{"index": 999, "seed": 1, "job_')
+    manifest = Manifest.load(run_dir / MANIFEST_NAME)
+    recorded = manifest.job_ids()
+    assert manifest.status == "submitting"
+    assert len(recorded) >= 5 and len(set(recorded)) == len(recorded)
+    assert [job.index for job in manifest.jobs] == list(range(len(recorded)))
+    queued = subprocess.run(
+        ["squeue", "--noheader", "--name=killed", "--format=%i"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.split()
+    # sbatch may have answered just before the kill, with the record not yet written.
+    unrecorded = set(queued) - set(recorded)
+    assert set(recorded) <= set(queued) and len(unrecorded) <= 1
+    cancelled = run_tool("orchestrator", "cancel", manifest.chain_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    subprocess.run(["scancel", *unrecorded], check=False)
+    wait_gone(queued)
 
 
 def test_dry_run_submits_nothing(slurm_cluster, tmp_path):
