@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loopback import bench_cluster  # bench/loopback.py, beside this script
+
 BIN = Path(sys.executable).parent
 TRAINING_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_tiny_fsdp2.yaml"
 RECIPE = """#!/bin/bash
@@ -105,19 +107,8 @@ def main() -> None:
         "RUN": str(work),
         "RECIPE": str(recipe),
     }
-    own_cluster = "SLURM_CONF" not in os.environ
-    if own_cluster:
-        cluster_dir = work / "cluster"
-        print(f"starting a loopback cluster in {cluster_dir}", flush=True)
-        subprocess.run([BIN / "orchestrator", "cluster", "up", "--dir", cluster_dir], check=True)
-        conf = subprocess.run(
-            [BIN / "orchestrator", "cluster", "env", "--dir", cluster_dir],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        env["SLURM_CONF"] = os.environ["SLURM_CONF"] = conf.strip().split("=", 1)[1]
-    try:
+    with bench_cluster(work) as conf:
+        env["SLURM_CONF"] = conf
         medians = {n: submission_medians(n, args.rounds, work, recipe, env) for n in args.jobs}
         small, large = min(args.jobs), max(args.jobs)
         if large > small:
@@ -140,11 +131,6 @@ def main() -> None:
         for label, argv in fixed.items():
             median = statistics.median(timed(argv, env) for _ in range(args.rounds))
             print(f"  {label}: median {median:.3f} s ({median / 0.3:.2f}x the 0.3 s target)")
-    finally:
-        if own_cluster:
-            subprocess.run(
-                [BIN / "orchestrator", "cluster", "down", "--dir", work / "cluster"], check=False
-            )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import psutil
+from loopback import bench_cluster  # bench/loopback.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -141,22 +142,8 @@ def main() -> None:
         "WANDB_MODE": "offline",
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",  # the jobs' torchrun
     }
-    own_cluster = "SLURM_CONF" not in os.environ
-    if own_cluster:
-        cluster_dir = work / "cluster"
-        print(f"starting a loopback cluster in {cluster_dir}", flush=True)
-        shape = ["--nodes", "1", "--cpus-per-node", "2"]
-        subprocess.run(
-            [BIN / "orchestrator", "cluster", "up", *shape, "--dir", cluster_dir], check=True
-        )
-        conf = subprocess.run(
-            [BIN / "orchestrator", "cluster", "env", "--dir", cluster_dir],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        env["SLURM_CONF"] = conf.strip().split("=", 1)[1]
-    try:
+    with bench_cluster(work, nodes=1, cpus_per_node=2) as conf:
+        env["SLURM_CONF"] = conf
         results = []
         for index in range(args.rounds):
             result = one_round(work, args.corpus.resolve(), env, index)
@@ -173,11 +160,6 @@ def main() -> None:
             f"\nmedian: SIGKILL -> job ended {ended:.1f} s; "
             f"-> next job's first step {resumed:.1f} s"
         )
-    finally:
-        if own_cluster:
-            subprocess.run(
-                [BIN / "orchestrator", "cluster", "down", "--dir", work / "cluster"], check=False
-            )
 
 
 if __name__ == "__main__":
