@@ -36,7 +36,6 @@ from orchestrator.manifest import (
     register_chain,
 )
 from orchestrator.preflight import (
-    JobResources,
     check_dependency,
     check_job_name,
     check_num_jobs,
@@ -44,6 +43,7 @@ from orchestrator.preflight import (
 )
 from orchestrator.scripts import read_recipe
 from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.slurm.resources import JobResources
 
 # The --then job waits for the chain's last job to end, however it ended: a chain that failed or
 # timed out still gets its final answer from what it saved.

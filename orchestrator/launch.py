@@ -17,9 +17,10 @@ from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
 from orchestrator.chain_hooks import ACTIVE_BACKEND as RETRYING_BACKEND
 from orchestrator.errors import UsageError
-from orchestrator.preflight import JobResources, check_local_resources
+from orchestrator.preflight import check_local_resources
 from orchestrator.slurm.commands import probe_partitions
 from orchestrator.slurm.partitions import Partition, check_partition
+from orchestrator.slurm.resources import JobResources
 
 if TYPE_CHECKING:
     from orchestrator.chain import ThenJob

@@ -24,7 +24,7 @@ from orchestrator.chain import ChainPlan, submit_chain
 from orchestrator.errors import UsageError
 from orchestrator.launch import LaunchJob, check_jobs, find_site, site_for
 from orchestrator.manifest import Manifest
-from orchestrator.preflight import JobResources
+from orchestrator.slurm.resources import JobResources
 
 
 def launch_callable_chain(

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import UsageError
-from orchestrator.preflight import JobResources
 from orchestrator.resources import locate_recipe
 from orchestrator.slurm.directives import parse_sbatch_directives
+from orchestrator.slurm.resources import JobResources
 
 if TYPE_CHECKING:
     from orchestrator.recipe import Recipe

@@ -23,9 +23,9 @@ from orchestrator.chain import ChainPlan, ThenJob, new_chain_id, rollback, submi
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import Manifest, register_sweep
-from orchestrator.preflight import JobResources
 from orchestrator.recipe import load_recipe, parse_recipe
 from orchestrator.render import render_recipe
+from orchestrator.slurm.resources import JobResources
 
 BACKENDS = ("slurm", "local")
 

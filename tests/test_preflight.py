@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import UsageError
-from orchestrator.preflight import JobResources
 from orchestrator.slurm.partitions import check_partition, parse_partitions
+from orchestrator.slurm.resources import JobResources
 
 TABLE = (
     "debug*|up|2|4|(null)|infinite|1\n"

@@ -18,11 +18,11 @@ import pytest
 
 from contract.job_env import port_for
 from orchestrator.errors import UsageError
-from orchestrator.preflight import JobResources
 from orchestrator.recipe import load_recipe
 from orchestrator.render import render_recipe, shell_word
 from orchestrator.scripts import prepare_script
 from orchestrator.slurm.directives import parse_sbatch_directives
+from orchestrator.slurm.resources import JobResources
 from orchestrator.slurm.time_limit import parse_time_minutes
 
 REPO = Path(__file__).resolve().parents[1]

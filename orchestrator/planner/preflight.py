@@ -46,7 +46,7 @@ from orchestrator.slurm.partitions import Partition
 from train.models.presets import get_preset
 
 if TYPE_CHECKING:
-    from orchestrator.preflight import JobResources
+    from orchestrator.slurm.resources import JobResources
     from train.config import TrainConfig
 
 TOKENS_PER_SECOND = 20

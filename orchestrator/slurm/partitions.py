@@ -5,13 +5,10 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from orchestrator.errors import UsageError
+from orchestrator.slurm.resources import JobResources, parse_gpu_type, parse_gpus
 from orchestrator.slurm.time_limit import parse_time_minutes
-
-if TYPE_CHECKING:
-    from orchestrator.preflight import JobResources
 
 # sinfo's columns, in the order parse_partitions reads them.
 PARTITION_FORMAT = "%P|%a|%D|%c|%G|%l|%m"
@@ -32,25 +29,6 @@ class Partition:
     @property
     def available(self) -> bool:
         return self.state == "up"
-
-
-def parse_gpus(gres: str) -> int:
-    """GPUs per node from sinfo's %G (``gpu:8``, ``gpu:a100:4(S:0-1)``, ``(null)``)."""
-    total = 0
-    for item in gres.split(","):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and parts[-1].isdigit():
-            total += int(parts[-1])
-    return total
-
-
-def parse_gpu_type(gres: str) -> str | None:
-    """The GPU type named in sinfo's %G (``gpu:h100:8`` -> h100), if any."""
-    for item in gres.split(","):
-        parts = item.split("(")[0].split(":")
-        if parts[0] == "gpu" and len(parts) == 3:
-            return parts[1].lower()
-    return None
 
 
 def _leading_int(text: str) -> int:
