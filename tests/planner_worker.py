@@ -6,7 +6,7 @@ tests/test_planner_activations.py: several layouts in one launch, each through t
     python tests/planner_worker.py OUT.json CASES.json           (one plain process)
 
 Per case (``tests.planner_cases.Case``: the launch's layouts, in turn), each rank trains one
-steps (three with ``activations``) on one synthetic batch and reports:
+step (three with ``activations``) on one synthetic batch and reports:
 
 - its parameter, gradient and optimizer-state bytes as the trainer measures them at its first
   step (``Trainer.state_memory``, what the ``memory`` record of metrics.jsonl holds);
