@@ -132,7 +132,7 @@ class ChainKeeper:
         self.manifest = manifest
         self.current = current
         self.run_dir = Path(manifest.run_dir)
-        self.backend = registry.by_label(manifest.backend).for_run_dir(self.run_dir)
+        self.backend = registry.for_run_dir(manifest.backend, self.run_dir)
 
     @property
     def has_ended(self) -> bool:

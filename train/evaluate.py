@@ -18,6 +18,7 @@ the test split of the corpus the run trained on. The checkpoint: the newest comp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
+from train.layout import checked_dims
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
@@ -151,19 +153,8 @@ def layout(cfg: EvaluateConfig, preset: str, world_size: int) -> ParallelDims:
     dp_replicate = p.dp_replicate
     if p.dp_shard == 1 and p.ep == 1 and dp_replicate in (1, -1):
         dp_replicate = world_size // max(p.tp * p.pp, 1)  # whole replicas: nothing to wait on
-    try:
-        dims = ParallelDims(
-            world_size=world_size,
-            dp_replicate=dp_replicate,
-            dp_shard=p.dp_shard,
-            tp=p.tp,
-            ep=p.ep,
-            pp=p.pp,
-        )
-        dims.validate(get_preset(preset), cfg.strategy)
-    except (ValueError, KeyError) as error:
-        raise ConfigError(str(error).strip("'\"")) from error
-    return dims
+    degrees = dataclasses.replace(p, dp_replicate=dp_replicate)
+    return checked_dims(world_size, degrees, preset, cfg.strategy)
 
 
 def preflight(cfg: EvaluateConfig) -> Plan:

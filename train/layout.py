@@ -15,14 +15,20 @@ from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan, pipeline_plan
 
 
-def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
-    """The config's layout on ``world_size`` ranks, checked against its model."""
+def checked_dims(world_size: int, degrees: object, preset: str, strategy: str) -> ParallelDims:
+    """The layout of ``degrees`` (any record of the six ``DEGREES``) on ``world_size`` ranks,
+    checked against model ``preset``; a problem is one ConfigError line."""
     try:
-        dims = ParallelDims.of(world_size, cfg.parallel)
-        dims.validate(get_preset(cfg.model.preset), cfg.strategy)
+        dims = ParallelDims.of(world_size, degrees)
+        dims.validate(get_preset(preset), strategy)
     except (ValueError, KeyError) as error:
         raise ConfigError(str(error).strip("'\"")) from error
     return dims
+
+
+def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The config's layout on ``world_size`` ranks, checked against its model."""
+    return checked_dims(world_size, cfg.parallel, cfg.model.preset, cfg.strategy)
 
 
 def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:

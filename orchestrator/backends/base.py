@@ -3,6 +3,7 @@
 A chain is a list of ``JobRequest``s submitted in order; each names the job it waits on. Backends
 turn a request into a scheduled job and answer for its state; the chain logic (seeds, manifest,
 rollback) lives in ``orchestrator.chain`` and never depends on which backend runs the jobs.
+Backends report states in SLURM's vocabulary whatever they run on (``contract.slurm_states``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from typing import Any, ClassVar, Protocol
 from orchestrator.errors import SchedulerError
 
 DEPENDENCY_KINDS = ("afterany", "afterok", "singleton")
-
-# Backends report states in SLURM's vocabulary whatever they run on (contract/slurm_states.py).
 
 
 def dependency_spec(kind: str, after: str | None) -> str | None:
