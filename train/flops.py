@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from contract.gpus import GPUS
-from train.models.shape import SALMConfig, encoder_lens, subsampled_lens
+from train.models.shape import SALMConfig, encoder_lens, llm_head_dim, subsampled_lens
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +44,7 @@ def peak_flops(device_name: str, environ: Mapping[str, str]) -> float | None:
     return None
 
 
-def _block_weights(dim: int, n_heads: int, n_kv_heads: int, ffn_weights: int) -> int:
-    head_dim = dim // n_heads
+def _block_weights(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_weights: int) -> int:
     return 2 * dim * n_heads * head_dim + 2 * dim * n_kv_heads * head_dim + ffn_weights
 
 
@@ -56,7 +55,7 @@ def llm_weights_per_position(cfg: SALMConfig) -> int:
         ffn = cfg.d_model * cfg.n_experts + cfg.top_k * 3 * cfg.d_model * cfg.moe_hidden
     else:
         ffn = 3 * cfg.d_model * cfg.ffn_hidden
-    block = _block_weights(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, ffn)
+    block = _block_weights(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, llm_head_dim(cfg), ffn)
     return cfg.n_layers * block + cfg.d_model * cfg.vocab_size
 
 
@@ -68,13 +67,14 @@ def sequence_flops(cfg: SALMConfig, frames, tokens):
     mel_half, mel_quarter = subsampled_lens(cfg.n_mels), encoder_lens(cfg.n_mels)
     c = cfg.enc_dim
     conv = 9 * c * half * mel_half + 9 * c * c * audio * mel_quarter  # MACs per example
-    enc_block = _block_weights(c, cfg.enc_heads, cfg.enc_heads, 3 * c * cfg.enc_ffn_hidden)
+    enc_ffn = 3 * c * cfg.enc_ffn_hidden
+    enc_block = _block_weights(c, cfg.enc_heads, cfg.enc_heads, c // cfg.enc_heads, enc_ffn)
     enc_matmul = (c * mel_quarter * c + cfg.enc_layers * enc_block) * audio
     enc_attn = 2 * cfg.enc_layers * c * audio**2
     projector = (c * cfg.d_model + cfg.d_model**2) * audio
     positions = audio + tokens
     llm_matmul = llm_weights_per_position(cfg) * positions
-    llm_attn = 2 * cfg.n_layers * cfg.d_model * positions**2
+    llm_attn = 2 * cfg.n_layers * cfg.n_heads * llm_head_dim(cfg) * positions**2
     return 6 * (conv + enc_matmul + enc_attn + projector + llm_matmul + llm_attn)
 
 

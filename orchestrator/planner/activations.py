@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from train.models.shape import SALMConfig, encoder_lens, subsampled_lens
+from train.models.shape import SALMConfig, encoder_lens, llm_head_dim, subsampled_lens
 from train.parallel_dims import BASE_SEQ_MULTIPLE, sequence_multiple
 
 FP32 = 4
@@ -176,7 +176,7 @@ def activation_terms(
 
     positions = batch.decoder_positions(sequence_multiple(tp, cp))
     local = positions / cp
-    kv = cfg.n_kv_heads * (d // cfg.n_heads)
+    kv = cfg.n_kv_heads * llm_head_dim(cfg)
     f = 0 if cfg.n_experts else cfg.ffn_hidden
     context = cp > 1
     per_position = block_bytes(d, kv, f, cfg.n_heads, ac, tp, e, context)

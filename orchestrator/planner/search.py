@@ -43,7 +43,7 @@ from orchestrator.planner.cluster import GIB, Cluster
 from orchestrator.planner.state import GroupedInventory, group, held, state_bytes, uses_fsdp
 from train.flops import sequence_flops
 from train.models.inventory import inventory, stage_param_counts
-from train.models.shape import SALMConfig
+from train.models.shape import SALMConfig, llm_head_dim
 from train.parallel_dims import ParallelDims, sequence_multiple
 from train.pipeline_plan import PipelinePlan, plan_pipeline
 
@@ -356,7 +356,7 @@ def step_time(request: PlanRequest, layout: Layout, total_params: int) -> dict[s
         per_block = 8 * (layout.tp - 1) / layout.tp * activation / layout.cp
         exposed += m * cfg.n_layers / layout.pp * per_block / _bandwidth(cluster, layout.tp)
     if layout.cp > 1:
-        kv = cfg.n_kv_heads * (cfg.d_model // cfg.n_heads)
+        kv = cfg.n_kv_heads * llm_head_dim(cfg)
         per_block = 4 * (layout.cp - 1) / layout.cp * activation * kv / cfg.d_model / layout.tp
         span = layout.cp * layout.tp
         exposed += m * cfg.n_layers / layout.pp * per_block / _bandwidth(cluster, span)

@@ -62,9 +62,14 @@ def initial_value(
 
 @torch.no_grad()
 def init_weights(model: nn.Module, init_seed: int) -> None:
-    """Fill every parameter of ``model`` (plain or sharded DTensors, already materialized)."""
+    """Fill every parameter of ``model`` (plain or sharded DTensors, already materialized); a
+    tied parameter once, by its first owner's rule (the embedding's, for a tied output head)."""
+    filled: set[int] = set()
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
+            if id(param) in filled:
+                continue
+            filled.add(id(param))
             name = canonical_name(f"{module_name}.{attr}" if module_name else attr)
             generator = torch.Generator().manual_seed(name_seed(init_seed, name))
             full = initial_value(module, attr, param.shape, generator).to(param.dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from train.models.shape import SALMConfig, encoder_lens
+from train.models.shape import SALMConfig, encoder_lens, llm_head_dim
 
 COLUMN, ROW = "column", "row"
 
@@ -61,13 +61,17 @@ def _block(
     def rule(kind: str) -> str | None:
         return kind if llm else None
 
-    head_dim = dim // heads
+    head_dim = llm_head_dim(cfg) if llm else dim // heads
+    bias = llm and cfg.qkv_bias
     kw = {"block": block, "section": section}
     tensors = [ParamTensor(f"{prefix}.attn_norm.weight", (dim,), **kw)]
-    tensors += _linear(f"{prefix}.attn.wq", heads * head_dim, dim, False, tp=rule(COLUMN), **kw)
-    tensors += _linear(f"{prefix}.attn.wk", kv_heads * head_dim, dim, False, tp=rule(COLUMN), **kw)
-    tensors += _linear(f"{prefix}.attn.wv", kv_heads * head_dim, dim, False, tp=rule(COLUMN), **kw)
+    tensors += _linear(f"{prefix}.attn.wq", heads * head_dim, dim, bias, tp=rule(COLUMN), **kw)
+    tensors += _linear(f"{prefix}.attn.wk", kv_heads * head_dim, dim, bias, tp=rule(COLUMN), **kw)
+    tensors += _linear(f"{prefix}.attn.wv", kv_heads * head_dim, dim, bias, tp=rule(COLUMN), **kw)
     tensors += _linear(f"{prefix}.attn.wo", dim, heads * head_dim, False, tp=rule(ROW), **kw)
+    if llm and cfg.qk_norm:
+        tensors.append(ParamTensor(f"{prefix}.attn.q_norm.weight", (head_dim,), **kw))
+        tensors.append(ParamTensor(f"{prefix}.attn.k_norm.weight", (head_dim,), **kw))
     tensors.append(ParamTensor(f"{prefix}.ffn_norm.weight", (dim,), **kw))
     if llm and cfg.n_experts:
         e, h = cfg.n_experts, cfg.moe_hidden
@@ -106,7 +110,8 @@ def inventory(cfg: SALMConfig) -> list[ParamTensor]:
         )
     last = {"block": None, "section": "last"}
     tensors.append(ParamTensor("llm.norm.weight", (d,), **last))
-    tensors += _linear("llm.lm_head", cfg.vocab_size, d, False, tp=COLUMN, **last)
+    if not cfg.tie_embeddings:  # a tied head is the embedding: named_parameters lists it once
+        tensors += _linear("llm.lm_head", cfg.vocab_size, d, False, tp=COLUMN, **last)
     return tensors
 
 

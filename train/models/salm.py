@@ -32,6 +32,7 @@ from train.models.shape import (
     VOCAB_SIZE,
     SALMConfig,
     encoder_lens,
+    llm_head_dim,
     subsampled_lens,
 )
 from train.parallel_dims import BASE_SEQ_MULTIPLE
@@ -85,22 +86,40 @@ class Attention(nn.Module):
     causally to the keys up to its end (`context_attention`).
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, causal: bool) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        causal: bool,
+        head_dim: int = 0,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        """``head_dim`` 0: ``dim // n_heads``; ``bias``: q/k/v biases (Qwen2); ``qk_norm_eps``:
+        an RMSNorm over each head of q and k before RoPE (Qwen3)."""
         super().__init__()
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim or dim // n_heads
         self.causal = causal
         self.cp_mesh: DeviceMesh | None = None
         self.kv_cache: KVCache | None = None  # set while decoding (train/decode.py)
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=qk_norm_eps)
 
     def forward(self, x, cos, sin, mask: torch.Tensor | None) -> torch.Tensor:
         """``mask``: (B, T) keys that may be attended (encoder); None for causal attention."""
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.kv_cache is not None:
             y = self.kv_cache.attend(q, k, v)
@@ -146,10 +165,13 @@ class Block(nn.Module):
         norm_eps: float,
         ffn_hidden: int,
         moe: MoE | None = None,
+        attention: Attention | None = None,
     ) -> None:
+        """``attention``: the attention half when it is not plain (the LLM's, shaped by a
+        pretrained family's options)."""
         super().__init__()
         self.attn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.attn = Attention(dim, n_heads, n_kv_heads, causal)
+        self.attn = attention or Attention(dim, n_heads, n_kv_heads, causal)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.moe = moe
         self.ffn = None if moe else FeedForward(dim, ffn_hidden)
@@ -212,6 +234,19 @@ class AudioEncoder(nn.Module):
         return self.norm(x), lens
 
 
+def llm_attention(cfg: SALMConfig) -> Attention:
+    """An LLM block's attention, with the options of the decoder's family."""
+    return Attention(
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        True,
+        head_dim=cfg.head_dim,
+        bias=cfg.qkv_bias,
+        qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+    )
+
+
 class Decoder(nn.Module):
     """The LLM: embeddings, causal blocks, final norm and output head.
 
@@ -236,14 +271,17 @@ class Decoder(nn.Module):
                     MoE(cfg.d_model, cfg.moe_hidden, cfg.n_experts, cfg.top_k)
                     if cfg.n_experts
                     else None,
+                    llm_attention(cfg),
                 )
                 for index in range(cfg.n_layers)
             }
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         self.rope_theta = cfg.rope_theta
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = llm_head_dim(cfg)
         self.cp_mesh: DeviceMesh | None = None  # set under CP: inputs are this rank's chunks
 
     def enter(self, x: torch.Tensor, *per_position: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -35,9 +35,14 @@ class SALMConfig:
     vocab_size: int = VOCAB_SIZE
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # What pretrained decoder families need (train/models/hf_llm.py maps them from config.json).
+    head_dim: int = 0  # the LLM's attention head width; 0: d_model // n_heads
+    qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    tie_embeddings: bool = False  # the output head is the embedding matrix
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads or self.enc_dim % self.enc_heads:
+        if (self.d_model % self.n_heads and not self.head_dim) or self.enc_dim % self.enc_heads:
             raise ValueError("d_model and enc_dim must be multiples of their head counts")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
@@ -46,6 +51,11 @@ class SALMConfig:
         if self.n_experts and (self.d_model % 8 or self.moe_hidden % 8):
             # torch._grouped_mm needs 16-byte aligned rows, in bf16 as in fp32.
             raise ValueError("an MoE model needs d_model and moe_hidden to be multiples of 8")
+
+
+def llm_head_dim(cfg: SALMConfig) -> int:
+    """The width of one LLM attention head."""
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
 
 
 def subsampled_lens(lens: torch.Tensor | int) -> torch.Tensor | int:

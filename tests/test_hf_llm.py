@@ -1,0 +1,144 @@
+"""Pretrained Hugging Face decoders in the project's own decoder: tiny random Llama, Qwen2 and
+Qwen3 models that ``transformers`` builds and ``save_pretrained`` writes (nothing downloaded),
+loaded through the state-dict map and held to ``transformers``' own logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from train.models.hf_config import decoder_fields
+from train.models.hf_weights import llm_state, load_llm_weights
+from train.models.inventory import inventory
+from train.models.salm import SALM
+from train.models.shape import SALMConfig
+
+SHARED = {
+    "vocab_size": 301,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+}
+FAMILIES = {
+    # Llama with an untied head and a RoPE base of its own.
+    "llama": lambda: LlamaConfig(**SHARED, rope_theta=50000.0, tie_word_embeddings=False),
+    # Qwen2: q/k/v biases, tied embeddings, GQA.
+    "qwen2": lambda: Qwen2Config(**SHARED, tie_word_embeddings=True),
+    # Qwen3: heads wider than hidden / heads, q/k norms, tied embeddings.
+    "qwen3": lambda: Qwen3Config(**SHARED, head_dim=32, tie_word_embeddings=True),
+}
+
+
+def save_tiny(family: str, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=dtype)
+    with torch.no_grad():  # biases and norms start at 0 and 1: make them count
+        for name, param in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pretrained(request, tmp_path_factory) -> tuple[str, Path]:
+    family = request.param
+    return family, save_tiny(family, tmp_path_factory.mktemp(family))
+
+
+def our_model(directory: Path) -> SALM:
+    model = SALM(SALMConfig(**decoder_fields(directory)))
+    load_llm_weights(model, directory)
+    return model.eval()
+
+
+def test_logits_equal_transformers(pretrained) -> None:
+    family, directory = pretrained
+    ours = our_model(directory)
+    theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 301, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        got, _ = ours.llm(ours.llm.embed(tokens), torch.ones_like(tokens, dtype=torch.bool))
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 1e-5 * scale, family
+
+
+def test_every_file_tensor_lands_bitwise_and_nothing_else_is_missed(pretrained) -> None:
+    _, directory = pretrained
+    ours = our_model(directory)
+    stored = load_file(directory / "model.safetensors")
+    state = llm_state(ours)
+    assert sorted(state) == sorted(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_the_inventory_lists_the_loaded_model_exactly(pretrained) -> None:
+    """The planner prices what the trainer builds: biases, q/k norms, a tied head."""
+    _, directory = pretrained
+    cfg = SALMConfig(**decoder_fields(directory))
+    model = SALM(cfg)
+    listed = [(item.name, item.shape) for item in inventory(cfg)]
+    assert listed == [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def test_bf16_files_load_into_fp32(tmp_path) -> None:
+    directory = save_tiny("qwen2", tmp_path / "bf16", dtype=torch.bfloat16)
+    ours = our_model(directory)
+    stored = load_file(directory / "model.safetensors")
+    state = llm_state(ours)
+    assert all(state[name].dtype == torch.float32 for name in stored)
+    for name, tensor in stored.items():
+        assert torch.equal(state[name], tensor.float()), name
+
+
+def test_a_hub_id_is_refused_with_how_to_fetch_it() -> None:
+    with pytest.raises(ValueError, match=r"hub id.*huggingface-cli download"):
+        decoder_fields("Qwen/Qwen2.5-0.5B")
+
+
+@pytest.mark.parametrize(
+    ("remove", "message"),
+    [("config.json", "no config.json"), ("model.safetensors", "no safetensors weights")],
+)
+def test_a_missing_file_is_named(pretrained, tmp_path, remove, message) -> None:
+    _, directory = pretrained
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for item in directory.iterdir():
+        if item.name != remove:
+            (copy / item.name).write_bytes(item.read_bytes())
+    with pytest.raises(ValueError, match=message):
+        decoder_fields(copy)
+
+
+def test_an_unsupported_architecture_is_named(tmp_path) -> None:
+    AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2)).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel \(model_type 'gpt2'\) is not supported"):
+        decoder_fields(tmp_path)
+
+
+def test_an_option_our_blocks_lack_is_refused(tmp_path) -> None:
+    save_tiny("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        decoder_fields(tmp_path)
