@@ -43,6 +43,9 @@ class ParallelConfig:
 class ModelConfig:
     preset: str = "tiny"  # train/models/presets.py: tiny, tiny_moe, small, llm_1b, moe_1b
     init_seed: int = 1234  # the same on every rank, so replicated parameters start identical
+    # A local Hugging Face decoder directory (Llama, Qwen2, Qwen3): its shape replaces the
+    # preset's LLM and its weights are loaded at the first job (train/models/hf_weights.py).
+    pretrained_llm: str | None = None
 
 
 @dataclass

@@ -154,7 +154,7 @@ def layout(cfg: EvaluateConfig, preset: str, world_size: int) -> ParallelDims:
     if p.dp_shard == 1 and p.ep == 1 and dp_replicate in (1, -1):
         dp_replicate = world_size // max(p.tp * p.pp, 1)  # whole replicas: nothing to wait on
     degrees = dataclasses.replace(p, dp_replicate=dp_replicate)
-    return checked_dims(world_size, degrees, preset, cfg.strategy)
+    return checked_dims(world_size, degrees, get_preset(preset), cfg.strategy)
 
 
 def preflight(cfg: EvaluateConfig) -> Plan:

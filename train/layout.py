@@ -10,17 +10,26 @@ count) and the Hydra launcher's members, all before any torch is loaded. Every f
 from __future__ import annotations
 
 from train.config import ConfigError, TrainConfig, validate
-from train.models.presets import get_preset
+from train.models.presets import model_shape
+from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan, pipeline_plan
 
 
-def checked_dims(world_size: int, degrees: object, preset: str, strategy: str) -> ParallelDims:
+def model_of(cfg: TrainConfig) -> SALMConfig:
+    """The shape of the model ``cfg`` trains (a preset, or its LLM a pretrained decoder's)."""
+    try:
+        return model_shape(cfg.model.preset, cfg.model.pretrained_llm)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def checked_dims(world_size: int, degrees: object, model: SALMConfig, strategy: str) -> ParallelDims:
     """The layout of ``degrees`` (any record of the six ``DEGREES``) on ``world_size`` ranks,
-    checked against model ``preset``; a problem is one ConfigError line."""
+    checked against ``model``; a problem is one ConfigError line."""
     try:
         dims = ParallelDims.of(world_size, degrees)
-        dims.validate(get_preset(preset), strategy)
+        dims.validate(model, strategy)
     except (ValueError, KeyError) as error:
         raise ConfigError(str(error).strip("'\"")) from error
     return dims
@@ -28,7 +37,7 @@ def checked_dims(world_size: int, degrees: object, preset: str, strategy: str) -
 
 def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The config's layout on ``world_size`` ranks, checked against its model."""
-    return checked_dims(world_size, cfg.parallel, cfg.model.preset, cfg.strategy)
+    return checked_dims(world_size, cfg.parallel, model_of(cfg), cfg.strategy)
 
 
 def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
@@ -38,7 +47,7 @@ def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
     p = cfg.parallel
     try:
         return pipeline_plan(
-            get_preset(cfg.model.preset),
+            model_of(cfg),
             dims.pp,
             p.pp_schedule,
             p.pp_microbatches,

@@ -35,16 +35,16 @@ from train.config import (
 )
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
-from train.layout import training_layout
+from train.layout import model_of, training_layout
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
 from train.models.build import build_model, build_pipeline
 from train.models.compiled import describe_graphs, graph_counts, recompiles
+from train.models.hf_weights import load_llm_weights
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
-from train.models.presets import get_preset
 from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens, loss_targets
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan
@@ -197,7 +197,7 @@ class Trainer:
         self.meshes = build_meshes(
             dims, device.type, process_group_timeout(cfg.train.hang_timeout_s)
         )
-        self.model_cfg = get_preset(cfg.model.preset)
+        self.model_cfg = model_of(cfg)
         self.options = ParallelizeOptions(
             strategy=cfg.strategy,
             activation_checkpointing=cfg.activation_checkpointing,
@@ -296,6 +296,10 @@ class Trainer:
         found = self.checkpoints.load_latest(self.model, self.optimizer, self.scheduler)
         if found is None:
             say(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting fresh")
+            if self.cfg.model.pretrained_llm:
+                directory = Path(self.cfg.model.pretrained_llm).expanduser().resolve()
+                load_llm_weights(self.model, directory)
+                say(f"LLM weights loaded from {directory}")
             return None
         latest, state = found
         self.step = int(state["step"])

@@ -43,7 +43,6 @@ from orchestrator.planner.search import (
     priced_inventory,
 )
 from orchestrator.slurm.partitions import Partition
-from train.models.presets import get_preset
 
 if TYPE_CHECKING:
     from orchestrator.slurm.resources import JobResources
@@ -101,7 +100,7 @@ def request_and_layout(
     cfg: TrainConfig, nodes: int, tasks_per_node: int, capacity: Capacity
 ) -> tuple[PlanRequest, Layout]:
     """The planner's view of a trainer config on ``nodes`` x ``tasks_per_node`` ranks."""
-    from train.layout import parallel_dims, pipeline_for
+    from train.layout import model_of, parallel_dims, pipeline_for
 
     world = nodes * tasks_per_node
     dims = parallel_dims(cfg, world)
@@ -124,7 +123,7 @@ def request_and_layout(
         memory_gib=capacity.bytes_per_rank / GIB,
     )
     request = PlanRequest(
-        model=get_preset(cfg.model.preset),
+        model=model_of(cfg),
         seconds=seconds,
         tokens=math.ceil(seconds * TOKENS_PER_SECOND),
         global_batch=dims.dp * microbatches,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from train.models.hf_config import decoder_fields
 from train.models.shape import SALMConfig
 
 PRESETS: dict[str, SALMConfig] = {
@@ -58,3 +61,12 @@ def get_preset(name: str) -> SALMConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
     return PRESETS[name]
+
+
+def model_shape(preset: str, pretrained_llm: str | None = None) -> SALMConfig:
+    """The model a config builds: the preset, with its LLM replaced by the pretrained decoder's
+    shape when ``model.pretrained_llm`` names one (read from its config.json, no torch)."""
+    shape = get_preset(preset)
+    if pretrained_llm is None:
+        return shape
+    return dataclasses.replace(shape, **decoder_fields(pretrained_llm))
