@@ -24,7 +24,9 @@ def model_of(cfg: TrainConfig) -> SALMConfig:
         raise ConfigError(str(error)) from error
 
 
-def checked_dims(world_size: int, degrees: object, model: SALMConfig, strategy: str) -> ParallelDims:
+def checked_dims(
+    world_size: int, degrees: object, model: SALMConfig, strategy: str
+) -> ParallelDims:
     """The layout of ``degrees`` (any record of the six ``DEGREES``) on ``world_size`` ranks,
     checked against ``model``; a problem is one ConfigError line."""
     try:
