@@ -4,7 +4,11 @@ loaded through the state-dict map and held to ``transformers``' own logits."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +22,16 @@ from transformers import (
     Qwen3Config,
 )
 
+from tests.hf_load_worker import record
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.inventory import inventory
 from train.models.salm import SALM
 from train.models.shape import SALMConfig
+from train.parallel_dims import ParallelDims
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "hf_load_worker.py"
 
 SHARED = {
     "vocab_size": 301,
@@ -109,7 +118,7 @@ def test_bf16_files_load_into_fp32(tmp_path) -> None:
 
 
 def test_a_hub_id_is_refused_with_how_to_fetch_it() -> None:
-    with pytest.raises(ValueError, match=r"hub id.*huggingface-cli download"):
+    with pytest.raises(ValueError, match=r"hub id.*hf download"):
         decoder_fields("Qwen/Qwen2.5-0.5B")
 
 
@@ -142,3 +151,76 @@ def test_an_option_our_blocks_lack_is_refused(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):
         decoder_fields(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def every_family(tmp_path_factory) -> dict[str, Path]:
+    return {family: save_tiny(family, tmp_path_factory.mktemp(family)) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def one_process(every_family) -> dict[str, dict]:
+    """Each family loaded into the tiny SALM by one plain process: the reference."""
+    args = argparse.Namespace(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1)
+    return {family: record(directory, args) for family, directory in every_family.items()}
+
+
+def _load_under(layout: list[str], world: int, directories: list[Path], out: Path) -> dict:
+    command = [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"),
+        *(str(WORKER), *layout, "--out", str(out), *map(str, directories)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
+    return torch.load(out)
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "families"),
+    [
+        # FSDP x TP: the vocabulary (301) splits unevenly over tp=2, GQA's 2 KV heads split,
+        # the tied head and embedding shard over the vocabulary together.
+        (["--dp-shard", "2", "--tp", "2"], 4, sorted(FAMILIES)),
+        # HSDP (2 replicas of 2 shards), the shard dimension carried by context parallelism.
+        (["--dp-replicate", "2", "--cp", "2"], 4, sorted(FAMILIES)),
+        # Pipeline stages, each loading only its own blocks (an untied model: see below).
+        (["--pp", "2", "--dp-shard", "1"], 2, ["llama"]),
+    ],
+    ids=["fsdp-tp", "hsdp-cp", "pp"],
+)
+def test_sharded_loading_matches_one_process(
+    every_family, one_process, tmp_path, layout, world, families
+) -> None:
+    """Each rank reads only its shards, and the loaded model is the one-process model: the same
+    weights bitwise, the same loss, the head still tied to the embedding, and training moves
+    them alike (a head untied by sharding, or a missing RoPE recomputation, shows here)."""
+    directories = [every_family[family] for family in families]
+    loaded = _load_under(layout, world, directories, tmp_path / "out.pt")
+    for family, directory in zip(families, directories, strict=True):
+        want, got = one_process[family], loaded[str(directory)]
+        assert got["params"].keys() == want["params"].keys(), family
+        for name, param in want["params"].items():
+            assert torch.equal(got["params"][name], param), f"{family}: {name}"
+        assert got["tied"] == want["tied"] == (family != "llama")
+        torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=0)
+        assert abs(got["loss_after_step"] - want["loss"]) > 1e-3 * want["loss"], "no step taken"
+        torch.testing.assert_close(
+            got["loss_after_step"], want["loss_after_step"], rtol=1e-4, atol=0
+        )
+        held, full = sum(got["local_elements"].values()), sum(want["local_elements"].values())
+        assert held <= 0.55 * full, f"{family}: a rank holds {held} of {full} LLM elements"
+
+
+def test_a_tied_model_in_pipeline_stages_is_refused_in_one_line(every_family) -> None:
+    cfg = SALMConfig(**decoder_fields(every_family["qwen2"]))
+    with pytest.raises(ValueError, match="pp=2 with tied embeddings") as error:
+        ParallelDims(2, pp=2).validate(cfg)
+    assert "\n" not in str(error.value)
+
+
+def test_gqa_kv_heads_tp_must_divide_is_refused_in_one_line(every_family) -> None:
+    cfg = SALMConfig(**decoder_fields(every_family["llama"]))
+    with pytest.raises(ValueError, match="tp=4 must divide the 2 KV heads"):
+        ParallelDims(4, tp=4).validate(cfg)

@@ -43,6 +43,7 @@ class ModelShape(Protocol):
     n_kv_heads: int
     n_experts: int
     n_layers: int
+    tie_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,12 @@ class ParallelDims:
             raise ValueError(
                 f"pp={self.pp} is more pipeline stages than the model's {model.n_layers} LLM "
                 "blocks: every stage needs at least one block; lower pp"
+            )
+        if self.pp > 1 and model.tie_embeddings:
+            raise ValueError(
+                f"pp={self.pp} with tied embeddings: the embedding (first stage) and the output "
+                "head (last stage) are one matrix, which pipeline stages cannot share; use pp=1 "
+                "(such models are small: FSDP or TP fit them)"
             )
         if model.n_heads % self.tp:
             raise ValueError(

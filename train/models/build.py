@@ -30,6 +30,7 @@ def build_model(
     if meshes is not None:
         parallelize(model, meshes, options or ParallelizeOptions())
     model.to_empty(device=device)
+    model.llm.tie_head()
     init_weights(model, init_seed)
     return model
 

@@ -2,7 +2,7 @@
 torch, no transformers), so that the trainer, its preflight and the planner agree on it.
 
 The trainer never downloads: ``model.pretrained_llm`` names a local directory made by
-``save_pretrained`` or fetched beforehand (``huggingface-cli download NAME --local-dir DIR``).
+``save_pretrained`` or fetched beforehand (``hf download NAME --local-dir DIR``).
 Families whose decoder maps onto the project's own blocks (``train/models/salm.py``): Llama
 (RMSNorm, RoPE, SwiGLU, GQA), Qwen2 (the same with q/k/v biases) and Qwen3 (with an RMSNorm over
 each head of q and k). Options the blocks do not have are refused with one line, never ignored.
@@ -19,7 +19,7 @@ CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 FETCH_HINT = (
     "the trainer never downloads: fetch the model beforehand "
-    "(huggingface-cli download NAME --local-dir DIR) and give DIR"
+    "(hf download NAME --local-dir DIR) and give DIR"
 )
 # config.json's model_type -> whether its q/k/v projections always carry biases (Qwen2), and
 # whether each head of q and k is RMS-normalized before RoPE (Qwen3).

@@ -2,9 +2,10 @@
 TP (with sequence parallel) and EP -> activation checkpointing -> torch.compile -> FSDP2 or DDP.
 
 Only the LLM gets tensor parallelism; the audio encoder, projector and embeddings are small and
-run replicated over TP (FSDP still shards them). The same code runs CUDA+NCCL and CPU+gloo, and
-parallelizes a whole model or one pipeline stage of it (a `PipelinePart`: the same modules under
-the same names, some of them absent).
+run replicated over TP (FSDP still shards them), except a tied embedding, which is the output
+head's matrix and so split over the vocabulary like the head. The same code runs CUDA+NCCL and
+CPU+gloo, and parallelizes a whole model or one pipeline stage of it (a `PipelinePart`: the same
+modules under the same names, some of them absent).
 
 Activation checkpointing wraps each block in a checkpoint wrapper (``full``: recompute the
 block's matmuls and elementwise work in backward, keeping only the outputs of its collectives and
@@ -189,6 +190,12 @@ def apply_tp(model: SALM | PipelinePart, meshes: Meshes) -> None:
                 "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
             },
         )
+    if llm.tied:
+        # One matrix, one placement: the embedding is split over the vocabulary like the head
+        # (each rank looks up the ids it holds, the rows are summed over TP).
+        vocab_split = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        parallelize_module(llm.embed, tp_mesh, vocab_split)
+        llm.tie_head()
     for block in llm.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block))
 

@@ -278,11 +278,18 @@ class Decoder(nn.Module):
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.tied = cfg.tie_embeddings
+        self.tie_head()
         self.rope_theta = cfg.rope_theta
         self.head_dim = llm_head_dim(cfg)
         self.cp_mesh: DeviceMesh | None = None  # set under CP: inputs are this rank's chunks
+
+    def tie_head(self) -> None:
+        """Make a tied model's output head the embedding matrix (again): materializing from the
+        meta device (``to_empty``) and TP's sharding each give every module a parameter of its
+        own, so the builder re-ties after both."""
+        if self.tied and self.lm_head is not None and self.embed is not None:
+            self.lm_head.weight = self.embed.weight
 
     def enter(self, x: torch.Tensor, *per_position: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The decoder's input and per-position tensors as this rank holds them: whole, or under

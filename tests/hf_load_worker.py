@@ -1,0 +1,115 @@
+"""Loads pretrained Hugging Face decoders into the tiny SALM under one parallel layout, for
+tests/test_hf_llm.py.
+
+    torchrun --standalone --nproc-per-node=2 tests/hf_load_worker.py --tp 2 --out out.pt DIR...
+    python tests/hf_load_worker.py --out out.pt DIR...                  (one plain process)
+
+For each model directory: build on the meta device, parallelize, materialize, load the weights
+with DCP from the safetensors (each rank reading its shards), then record the full parameters,
+the loss of the synthetic batch (every rank feeds the whole batch), whether the output head is
+still the embedding, how many elements of each LLM tensor this rank holds, and the loss after
+one AdamW step. Rank 0 writes --out: {directory: record}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.synthetic import full_params, synthetic_batch
+from train.mesh import build_meshes
+from train.models.build import build_model, build_pipeline
+from train.models.hf_weights import llm_state, load_llm_weights
+from train.models.parallelize import ParallelizeOptions
+from train.models.pipeline import PipelineRunner, merged_view
+from train.models.presets import model_shape
+from train.models.salm import loss_targets
+from train.parallel_dims import ParallelDims
+from train.pipeline_plan import pipeline_plan
+from train.step import WholeModelRunner
+
+
+def local_elements(model: torch.nn.Module) -> dict[str, int]:
+    """How many elements of each LLM tensor this rank holds (its shard, not the full tensor)."""
+    return {
+        name: (p.to_local() if isinstance(p, DTensor) else p).numel()
+        for name, p in llm_state(model).items()
+    }
+
+
+def record(directory: Path, args: argparse.Namespace) -> dict:
+    cfg, cpu = model_shape("tiny", str(directory)), torch.device("cpu")
+    meshes, pp_group, dims = None, None, ParallelDims(1)
+    if dist.is_initialized():
+        dims = ParallelDims(
+            dist.get_world_size(),
+            dp_replicate=args.dp_replicate,
+            dp_shard=args.dp_shard,
+            tp=args.tp,
+            pp=args.pp,
+            cp=args.cp,
+        )
+        dims.validate(cfg)
+        meshes = build_meshes(dims, "cpu")
+    if args.pp > 1:
+        plan = pipeline_plan(cfg, args.pp, "1f1b", 0, 0, [])
+        parts = build_pipeline(cfg, cpu, 99, meshes, ParallelizeOptions(), plan)
+        pp_group = meshes.pp.get_group()
+        runner = PipelineRunner(parts, plan, pp_group, cpu, torch.float32, args.tp)
+        model = merged_view(parts)
+    else:
+        model = build_model(cfg, cpu, 99, meshes)
+        runner = WholeModelRunner(model, cpu)
+    load_llm_weights(model, directory)
+    batch = synthetic_batch()
+
+    def loss() -> float:
+        """The batch's loss sum: CP ranks hold parts of it, the last stage holds it under PP."""
+        total = runner.loss_sum(batch)
+        for group in (meshes.cp.get_group() if dims.cp_enabled else None, pp_group):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return float(total)
+
+    result = {
+        "params": full_params(model, pp_group),
+        "loss": loss(),
+        "tied": cfg.tie_embeddings and model.llm.lm_head.weight is model.llm.embed.weight,
+        "local_elements": local_elements(model),
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Every data-parallel rank feeds the whole batch, as if each held a copy of it.
+    targets, sequences = loss_targets(batch[3]) * dims.dp, len(batch[3]) * dims.dp
+    runner.forward_backward(
+        [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks
+    )
+    optimizer.step()
+    result["loss_after_step"] = loss()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("directories", nargs="+", type=Path)
+    for degree in ("dp-replicate", "tp", "pp", "cp"):
+        parser.add_argument(f"--{degree}", type=int, default=1)
+    parser.add_argument("--dp-shard", type=int, default=-1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.use_deterministic_algorithms(True)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    results = {str(directory): record(directory, args) for directory in args.directories}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
