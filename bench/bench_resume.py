@@ -51,6 +51,7 @@ def ensure_corpus(corpus: Path, num: int) -> None:
 def epoch_batches(corpus: Path) -> int:
     """Batches in epoch 0 of the one-process run, counted by the sampler (no features read)."""
     from train.data import build_dataloader
+    from train.models.salm import ByteTokenizer
 
     loader = build_dataloader(
         corpus / "cuts_train.jsonl.gz",
@@ -59,7 +60,7 @@ def epoch_batches(corpus: Path) -> int:
         dp_rank=0,
         dp_size=1,
         num_workers=0,
-        tokenizer_fn=lambda text: [],
+        encode_text=ByteTokenizer().example,
         pad_id=0,
         buckets=BUCKETS,
     )

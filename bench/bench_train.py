@@ -81,7 +81,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
         dp_rank=0,
         dp_size=1,
         num_workers=0,
-        tokenizer_fn=ByteTokenizer().encode,
+        encode_text=ByteTokenizer().example,
         pad_id=PAD_ID,
     )
     batches = iter(loader)

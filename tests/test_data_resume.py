@@ -20,6 +20,7 @@ from train.data import (
     build_dataloader,
     num_streams,
 )
+from train.models.salm import ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 Loader = Callable[[int, DataPosition | None], object]
@@ -33,7 +34,7 @@ def loader_for(corpus: Path, shar: bool, num_workers: int, **overrides) -> Loade
         "dp_rank": 1,
         "dp_size": 2,
         "num_workers": num_workers,
-        "tokenizer_fn": lambda text: list(text.encode()),
+        "encode_text": ByteTokenizer().example,
         "pad_id": 256,
         "shar": shar,
         "buckets": 2,

@@ -13,14 +13,14 @@ from lhotse.dataset.dataloading import LHOTSE_PROCESS_SEED
 from contract.job_env import SEED_LIMIT
 from train.batch_hash import append_batch_hash, batch_hash
 from train.data import batches_forever, build_dataloader, make_worker_init_fn
+from train.models.salm import ByteTokenizer
 from train.seeding import rank_data_seed, sampler_seed
 
 REPO = Path(__file__).resolve().parents[1]
 PAD_ID = 256
 
 
-def byte_tokens(text: str) -> list[int]:
-    return list(text.encode())
+BYTES = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def read(source: Path, **overrides) -> list[dict]:
         "dp_rank": 0,
         "dp_size": 1,
         "num_workers": 0,
-        "tokenizer_fn": byte_tokens,
+        "encode_text": BYTES.example,
         "pad_id": PAD_ID,
         "buckets": 2,
         **overrides,
@@ -120,7 +120,7 @@ def test_batches_are_padded_tensors_of_the_cut_text(train_cuts):
         assert tokens.dtype == torch.int64 and tokens.shape[0] == size
         for row, cut_id in enumerate(batch["cut_ids"]):
             length = int(batch["token_lens"][row])
-            assert tokens[row, :length].tolist() == byte_tokens(texts[cut_id])
+            assert tokens[row, :length].tolist() == BYTES.encode(texts[cut_id])
             assert (tokens[row, length:] == PAD_ID).all()
             assert (features[row, int(batch["feature_lens"][row]) :] == 0).all()
 
@@ -134,7 +134,7 @@ def test_epochs_reshuffle_within_a_job(train_cuts):
             dp_rank=0,
             dp_size=1,
             num_workers=0,
-            tokenizer_fn=byte_tokens,
+            encode_text=BYTES.example,
             pad_id=PAD_ID,
             buckets=2,
             epoch=epoch,

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS
 from tests.helpers import launch_json, run_tool, wait_chain
+from tests.hf_tiny import save_tiny
 from train.config import ConfigError
 from train.data import load_cuts
 from train.evaluate import preflight
@@ -171,6 +172,50 @@ def test_the_moe_preset_decodes_the_same_at_ep2(moe_run):
     experts = evaluate(moe_run, "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
     assert experts["rows"] == alone["rows"]
     assert "ep=2" in experts["summary"]["layout"]
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, memorable) -> tuple[Path, list[str]]:
+    """A tiny pretrained Qwen2 (tied head, ChatML template) trained on the memorable corpus in
+    a chain of two jobs (the second resumes the first's checkpoint): the run dir and each
+    job's log."""
+    directory = save_tiny("qwen2", tmp_path_factory.mktemp("qwen2"))
+    run_dir = tmp_path_factory.mktemp("chat") / "run"
+    logs = []
+    for _ in range(2):
+        result = run_module(
+            "train",
+            f"run_dir={run_dir}",
+            f"data.corpus={memorable}",
+            "wandb.mode=disabled",
+            "data.max_duration=3",
+            "data.buckets=1",
+            "optim.lr=1e-2",
+            "optim.warmup_steps=10",
+            f"train.max_steps={MEMORIZE_STEPS}",
+            f"train.max_steps_per_run={MEMORIZE_STEPS // 2}",
+            "train.log_every=50",
+            f"checkpoint.interval={MEMORIZE_STEPS // 2}",
+            f"model.pretrained_llm={directory}",
+            "model.prompt=Write down what is said.",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs.append(result.stdout + result.stderr)
+    return run_dir, logs
+
+
+def test_a_pretrained_llm_learns_in_its_chat_template_and_decodes_in_it(chat_run):
+    """Examples rendered with the template, the loss on the answer only, decoding after the
+    same generation prompt and stopping at the template's end of turn (<|im_end|>): the
+    memorized utterances come out exactly, at one process and at tp 2 (vocabulary split
+    unevenly, the tied head with it). The weights load once, at the chain's first job."""
+    run_dir, (first, second) = chat_run
+    assert "LLM weights loaded" in first and "starting fresh" in first
+    assert "LLM weights loaded" not in second and "resumed from" in second
+    alone = evaluate(run_dir)
+    learnt_it(alone)
+    split = evaluate(run_dir, "parallel.tp=2", nproc=2)
+    assert split["rows"] == alone["rows"]
 
 
 def test_an_external_manifest_with_audio_only(dense_run, corpus, tmp_path):

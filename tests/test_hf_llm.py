@@ -17,12 +17,10 @@ from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
-    LlamaConfig,
-    Qwen2Config,
-    Qwen3Config,
 )
 
 from tests.hf_load_worker import record
+from tests.hf_tiny import FAMILIES, save_tiny
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.inventory import inventory
@@ -32,36 +30,6 @@ from train.parallel_dims import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "hf_load_worker.py"
-
-SHARED = {
-    "vocab_size": 301,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-6,
-}
-FAMILIES = {
-    # Llama with an untied head and a RoPE base of its own.
-    "llama": lambda: LlamaConfig(**SHARED, rope_theta=50000.0, tie_word_embeddings=False),
-    # Qwen2: q/k/v biases, tied embeddings, GQA.
-    "qwen2": lambda: Qwen2Config(**SHARED, tie_word_embeddings=True),
-    # Qwen3: heads wider than hidden / heads, q/k norms, tied embeddings.
-    "qwen3": lambda: Qwen3Config(**SHARED, head_dim=32, tie_word_embeddings=True),
-}
-
-
-def save_tiny(family: str, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=dtype)
-    with torch.no_grad():  # biases and norms start at 0 and 1: make them count
-        for name, param in model.named_parameters():
-            if "bias" in name or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -11,6 +11,7 @@ from lhotse import CutSet
 
 from tests.helpers import run_script
 from train.data import build_dataloader, load_cuts
+from train.models.salm import ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "make_long_corpus.py"
@@ -90,7 +91,7 @@ def test_dataloader_yields_batches_four_times_as_long(corpus, long_corpus):
         dp_rank=0,
         dp_size=1,
         num_workers=0,
-        tokenizer_fn=lambda t: list(t.encode()),
+        encode_text=ByteTokenizer().example,
         pad_id=PAD_ID,
         buckets=2,
     )

@@ -46,6 +46,10 @@ class ModelConfig:
     # A local Hugging Face decoder directory (Llama, Qwen2, Qwen3): its shape replaces the
     # preset's LLM and its weights are loaded at the first job (train/models/hf_weights.py).
     pretrained_llm: str | None = None
+    # With a pretrained LLM, examples follow its chat template (train/prompt.py): the user's
+    # instruction before the audio (None: train.prompt.DEFAULT_PROMPT) and a system text.
+    prompt: str | None = None
+    system: str | None = None
 
 
 @dataclass
@@ -216,6 +220,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
     if cfg.debug.stop_in not in ("", *STOPPABLE):
         raise ValueError(f"debug.stop_in={cfg.debug.stop_in}: choose one of {', '.join(STOPPABLE)}")
+    if cfg.model.pretrained_llm is None and (cfg.model.prompt, cfg.model.system) != (None, None):
+        raise ValueError(
+            "model.prompt and model.system shape a pretrained LLM's chat template: set "
+            "model.pretrained_llm (the byte tokenizer of the presets has no prompt)"
+        )
     if cfg.train.max_steps_per_run < 0:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
     if cfg.eval.interval < 0 or cfg.eval.max_duration < 0:

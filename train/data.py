@@ -62,10 +62,11 @@ from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
+from train.prompt import Encoded
 from train.seeding import rank_data_seed, sampler_seed, seed_everything
 
 Batch = dict[str, object]
-Tokenizer = Callable[[str], list[int]]
+TextEncoder = Callable[[str], Encoded]  # a transcript as an example's tokens (train.text)
 T = TypeVar("T")
 STREAM_KEY = "stream"  # set on Shar batches: the stream (worker's sampler) that drew the batch
 
@@ -124,22 +125,26 @@ class SpeechDataset(torch.utils.data.Dataset):
     """Turns a CutSet chosen by the sampler into padded tensors.
 
     Returns ``features`` (B, T, 80) float32 padded with zeros, ``feature_lens`` (B,),
-    ``tokens`` (B, L) int64 padded with ``pad_id``, ``token_lens`` (B,) and ``cut_ids``.
+    ``tokens`` (B, L) int64 padded with ``pad_id``, ``token_lens`` (B,), where the audio goes
+    (``prefix_lens``, B) and the answer starts (``answer_starts``, B), and ``cut_ids``.
     Features are the fbank matrices precomputed in the corpus; nothing is computed per step.
     """
 
-    def __init__(self, tokenizer_fn: Tokenizer, pad_id: int) -> None:
-        self.tokenizer_fn = tokenizer_fn
+    def __init__(self, encode_text: TextEncoder, pad_id: int) -> None:
+        self.encode_text = encode_text
         self.pad_id = pad_id
 
     def __getitem__(self, cuts: CutSet) -> Batch:
         features = [torch.from_numpy(cut.load_features()) for cut in cuts]
-        tokens = [torch.tensor(self.tokenizer_fn(_text(cut)), dtype=torch.int64) for cut in cuts]
+        examples = [self.encode_text(_text(cut)) for cut in cuts]
+        tokens = [torch.tensor(example.tokens, dtype=torch.int64) for example in examples]
         return {
             "features": pad_sequence(features, batch_first=True, padding_value=0.0),
             "feature_lens": torch.tensor([f.shape[0] for f in features], dtype=torch.int64),
             "tokens": pad_sequence(tokens, batch_first=True, padding_value=self.pad_id),
             "token_lens": torch.tensor([t.shape[0] for t in tokens], dtype=torch.int64),
+            "prefix_lens": torch.tensor([e.prefix_len for e in examples], dtype=torch.int64),
+            "answer_starts": torch.tensor([e.answer_start for e in examples], dtype=torch.int64),
             "cut_ids": [cut.id for cut in cuts],
         }
 
@@ -253,7 +258,7 @@ def build_dataloader(
     dp_rank: int,
     dp_size: int,
     num_workers: int,
-    tokenizer_fn: Tokenizer,
+    encode_text: TextEncoder,
     pad_id: int,
     shar: bool = False,
     buckets: int = 4,
@@ -273,7 +278,7 @@ def build_dataloader(
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
     if position is not None and position.epoch != epoch:
         raise ValueError(f"position is in epoch {position.epoch}, the loader reads {epoch}")
-    dataset = SpeechDataset(tokenizer_fn, pad_id)
+    dataset = SpeechDataset(encode_text, pad_id)
     own_seed = rank_data_seed(job_seed, dp_rank, epoch=epoch)
     common = {
         "batch_size": None,

@@ -1,10 +1,12 @@
 """Greedy decoding of transcripts from audio with a KV cache, batched and padding-aware.
 
-Each sequence's prompt is its projected audio frames then BOS, left-padded to the batch's
-longest (rounded up to the model's sequence multiple, which includes the TP degree); then one
-token per step for every sequence until all have produced EOS or ``max_new_tokens``. Sharded
-layers (FSDP, TP, EP) communicate in every forward, so the ranks decide together when to stop
-(``any_active``), and a rank whose batch is done keeps stepping with the others.
+Each sequence's prompt is its generation prompt's tokens around its projected audio frames (the
+byte tokenizer's: the audio then BOS; a pretrained LLM's: its chat template up to the answer,
+``train.prompt``), left-padded to the batch's longest (rounded up to the model's sequence
+multiple, which includes the TP degree); then one token per step for every sequence until all
+have produced an end token or ``max_new_tokens``. Sharded layers (FSDP, TP, EP) communicate in
+every forward, so the ranks decide together when to stop (``any_active``), and a rank whose
+batch is done keeps stepping with the others.
 
 Under pipeline parallelism each rank holds one stage (``Stages``): the first embeds and runs its
 blocks, each stage sends its hidden states to the next, the last computes the logits and
@@ -27,10 +29,12 @@ from train.models.salm import (
     BOS_ID,
     EOS_ID,
     SALM,
+    ByteTokenizer,
     encoder_lens,
     longest_example,
     packed_length,
 )
+from train.prompt import Encoded
 
 
 @dataclass(frozen=True)
@@ -54,28 +58,46 @@ class Stages:
         )
 
 
-def prompt_layout(feature_lens: torch.Tensor, multiple: int) -> tuple[int, torch.Tensor]:
-    """The prompt length (audio then BOS, rounded up to ``multiple``) and where each sequence's
-    first real position is: known from the lengths alone, on every pipeline stage."""
+BYTE_PROMPT = ByteTokenizer().generation_prompt()
+
+
+def prompt_layout(
+    feature_lens: torch.Tensor, multiple: int, prompt: Encoded = BYTE_PROMPT
+) -> tuple[int, torch.Tensor]:
+    """The prompt length (the prompt's tokens around each sequence's audio, rounded up to
+    ``multiple``) and where each sequence's first real position is: known from the lengths
+    alone, on every pipeline stage."""
     audio_lens = encoder_lens(feature_lens)
-    prompt = packed_length(longest_example(audio_lens, torch.ones_like(audio_lens)), multiple)
-    return prompt, prompt - 1 - audio_lens
+    text = torch.full_like(audio_lens, len(prompt.tokens))
+    length = packed_length(longest_example(audio_lens, text), multiple)
+    return length, length - len(prompt.tokens) - audio_lens
 
 
 def prompt_embeddings(
-    model: nn.Module, features: torch.Tensor, feature_lens: torch.Tensor, prompt: int
+    model: nn.Module,
+    features: torch.Tensor,
+    feature_lens: torch.Tensor,
+    length: int,
+    prompt: Encoded = BYTE_PROMPT,
 ) -> torch.Tensor:
-    """Left-padded prompts (B, prompt, d): each sequence's audio then BOS."""
+    """Left-padded prompts (B, length, d): each sequence's prompt tokens before the audio, its
+    audio, then the prompt's tokens after it (the byte tokenizer's: the audio, then BOS)."""
     audio, audio_lens = model.encoder(features, feature_lens)
     audio = model.projector(audio)
-    starts = prompt - 1 - audio_lens
-    columns = torch.arange(prompt, device=audio.device)[None, :]
-    is_audio = (columns >= starts[:, None]) & (columns < prompt - 1)
-    audio_index = (columns - starts[:, None]).clamp(0, audio.shape[1] - 1)
-    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, audio.shape[-1]))
-    bos = model.llm.embed(torch.full((len(audio_lens), 1), BOS_ID, device=audio.device))
-    x = torch.where(is_audio[..., None], from_audio, torch.zeros_like(from_audio))
-    return torch.cat([x[:, :-1], bos], dim=1)
+    device, before = audio.device, prompt.prefix_len
+    starts = length - len(prompt.tokens) - audio_lens
+    column = torch.arange(length, device=device)[None, :] - starts[:, None]  # in the sequence
+    is_audio = (column >= before) & (column < before + audio_lens[:, None])
+    is_text = (column >= 0) & ~is_audio
+    audio_index = (column - before).clamp(0, audio.shape[1] - 1)
+    text_index = torch.where(column < before, column, column - audio_lens[:, None])
+    text_index = text_index.clamp(0, len(prompt.tokens) - 1)
+    d = audio.shape[-1]
+    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
+    text = model.llm.embed(torch.tensor([prompt.tokens], device=device)).expand(len(audio), -1, -1)
+    from_text = text.gather(1, text_index[..., None].expand(-1, -1, d))
+    x = torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
+    return x
 
 
 @contextmanager
@@ -137,8 +159,11 @@ def greedy_decode(
     use_cache: bool = True,
     batch_multiple: int = 1,
     stages: Stages | None = None,
+    prompt: Encoded = BYTE_PROMPT,
+    eos_ids: frozenset[int] = ByteTokenizer.eos_ids,
 ) -> list[list[int]]:
-    """The generated token ids of each sequence (EOS excluded). ``any_active(mine)`` tells
+    """The generated token ids of each sequence (up to its first of ``eos_ids``, excluded),
+    after ``prompt`` around its audio (a generation prompt). ``any_active(mine)`` tells
     whether any rank still has a sequence to finish; ``use_cache=False`` recomputes the whole
     sequence at each step (the baseline the cache is measured against; whole models only).
     Under TP the batch, which decoding steps lay out as the sequence, is padded to a multiple of
@@ -150,42 +175,43 @@ def greedy_decode(
         features = torch.cat([features, features[:1].expand(extra, -1, -1)])
         feature_lens = torch.cat([feature_lens, feature_lens[:1].expand(extra)])
     batch, device = len(features), features.device
-    prompt, starts = prompt_layout(feature_lens, model.seq_multiple)
-    key_valid = torch.arange(prompt + max_new_tokens, device=device)[None, :] >= starts[:, None]
-    tokens = torch.full((batch, max_new_tokens), EOS_ID, device=device)
+    length, starts = prompt_layout(feature_lens, model.seq_multiple, prompt)
+    key_valid = torch.arange(length + max_new_tokens, device=device)[None, :] >= starts[:, None]
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    tokens = torch.full((batch, max_new_tokens), int(eos[0]), device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     with gathered_root(model):
         x = None
         if model.encoder is not None:
-            x = prompt_embeddings(model, features, feature_lens, prompt)
+            x = prompt_embeddings(model, features, feature_lens, length, prompt)
         if use_cache:
             with kv_caches(model, key_valid):
-                logits = _run_stage(model, x, (batch, prompt), key_valid[:, :prompt], None, stages)
+                logits = _run_stage(model, x, (batch, length), key_valid[:, :length], None, stages)
                 next_token = _chosen(logits, batch, stages, device)
                 for step in range(max_new_tokens):
-                    tokens[:, step] = torch.where(finished, EOS_ID, next_token)
-                    finished |= next_token == EOS_ID
+                    tokens[:, step] = torch.where(finished, eos[0], next_token)
+                    finished |= torch.isin(next_token, eos)
                     if step + 1 == max_new_tokens or not any_active(not bool(finished.all())):
                         break
                     # One new position per sequence, laid out (1, B): the batch as sequence.
                     new = model.llm.embed(next_token)[None] if x is not None else None
-                    positions = torch.full((batch,), prompt + step, device=device)
+                    positions = torch.full((batch,), length + step, device=device)
                     ones = torch.ones((1, batch), dtype=torch.bool, device=device)
                     logits = _run_stage(model, new, (1, batch), ones, positions, stages)
                     next_token = _chosen(logits, batch, stages, device, step_layout=True)
         else:
             sequence = x
             for step in range(max_new_tokens):
-                length = prompt + step
-                with kv_caches(model, key_valid[:, :length]):
-                    logits, _ = model.llm(sequence, key_valid[:, :length])
+                seen = length + step
+                with kv_caches(model, key_valid[:, :seen]):
+                    logits, _ = model.llm(sequence, key_valid[:, :seen])
                 next_token = logits[:, -1].argmax(-1)
-                tokens[:, step] = torch.where(finished, EOS_ID, next_token)
-                finished |= next_token == EOS_ID
+                tokens[:, step] = torch.where(finished, eos[0], next_token)
+                finished |= torch.isin(next_token, eos)
                 if step + 1 == max_new_tokens or not any_active(not bool(finished.all())):
                     break
                 sequence = torch.cat([sequence, model.llm.embed(next_token)[:, None]], dim=1)
-    return [_until_eos(row) for row in tokens[:real].tolist()]
+    return [_until_eos(row, eos_ids) for row in tokens[:real].tolist()]
 
 
 def _run_stage(
@@ -227,5 +253,5 @@ def _chosen(
     return chosen
 
 
-def _until_eos(ids: list[int]) -> list[int]:
-    return ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+def _until_eos(ids: list[int], eos_ids: frozenset[int]) -> list[int]:
+    return next((ids[:index] for index, token in enumerate(ids) if token in eos_ids), ids)

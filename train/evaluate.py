@@ -46,17 +46,18 @@ from contract.run_dir import (
     step_name,
 )
 from train.checkpoint import CheckpointError, CheckpointManager
-from train.config import ConfigError, ParallelConfig
+from train.config import ConfigError, ModelConfig, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.layout import checked_dims
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
-from train.models.presets import get_preset
-from train.models.salm import ByteTokenizer
+from train.models.presets import model_shape
+from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
+from train.text import text_codec
 from train.trainer import init_distributed, say
 from train.validation import rank_share
 from train.wer import ErrorCounts, normalize, score_pair
@@ -84,7 +85,7 @@ class Plan:
 
     checkpoint: Path
     step: int
-    preset: str
+    model: ModelConfig  # as the run trained it: preset, pretrained LLM, prompt
     inputs: Path
     split: str
     dims: ParallelDims
@@ -138,7 +139,15 @@ def check_inputs(path: Path) -> int:
     return len(cuts)
 
 
-def layout(cfg: EvaluateConfig, preset: str, world_size: int) -> ParallelDims:
+def model_shape_of(model: ModelConfig) -> SALMConfig:
+    """The shape of the run's model (its pretrained LLM's config.json must still be there)."""
+    try:
+        return model_shape(model.preset, model.pretrained_llm)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def layout(cfg: EvaluateConfig, model: SALMConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     if p.cp != 1:
         raise ConfigError(
@@ -154,7 +163,7 @@ def layout(cfg: EvaluateConfig, preset: str, world_size: int) -> ParallelDims:
     if p.dp_shard == 1 and p.ep == 1 and dp_replicate in (1, -1):
         dp_replicate = world_size // max(p.tp * p.pp, 1)  # whole replicas: nothing to wait on
     degrees = dataclasses.replace(p, dp_replicate=dp_replicate)
-    return checked_dims(world_size, degrees, get_preset(preset), cfg.strategy)
+    return checked_dims(world_size, degrees, model, cfg.strategy)
 
 
 def preflight(cfg: EvaluateConfig) -> Plan:
@@ -166,8 +175,11 @@ def preflight(cfg: EvaluateConfig) -> Plan:
     checkpoint = find_checkpoint(cfg)
     state = json.loads((checkpoint / STATE_FILE).read_text())
     trainer_state = state.get("trainer_state", {})
-    preset = trainer_state.get("model_preset")
-    if preset is None:
+    if "model" in trainer_state:
+        model = ModelConfig(**trainer_state["model"])
+    elif "model_preset" in trainer_state:  # saved before pretrained LLMs
+        model = ModelConfig(preset=trainer_state["model_preset"])
+    else:
         raise ConfigError(f"{checkpoint} does not record its model (saved by an older trainer)")
     if cfg.inputs:
         inputs = Path(cfg.inputs)
@@ -178,8 +190,9 @@ def preflight(cfg: EvaluateConfig) -> Plan:
     else:
         raise ConfigError(f"{checkpoint} does not record its corpus: pass inputs=MANIFEST")
     check_inputs(inputs)
-    dims = layout(cfg, preset, int(os.environ.get("WORLD_SIZE", "1")))
-    return Plan(checkpoint, int(state["step"]), preset, inputs, split, dims)
+    shape = model_shape_of(model)
+    dims = layout(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
+    return Plan(checkpoint, int(state["step"]), model, inputs, split, dims)
 
 
 def features_of(cut: Cut) -> torch.Tensor:
@@ -204,7 +217,9 @@ class Evaluation:
             compile=False,
             mixed_precision=False,
         )
-        model_cfg = get_preset(plan.preset)
+        model_cfg = model_shape_of(plan.model)
+        self.text = text_codec(plan.model, model_cfg.vocab_size)
+        self.prompt = self.text.generation_prompt()
         self.stages = None
         if plan.dims.pp_enabled:  # one stage per rank, split as training balances it
             pipeline = pipeline_plan(model_cfg, plan.dims.pp, "1f1b", 0, 1, [])
@@ -248,9 +263,10 @@ class Evaluation:
             use_cache=self.cfg.kv_cache,
             batch_multiple=self.plan.dims.tp,
             stages=self.stages,
+            prompt=self.prompt,
+            eos_ids=self.text.eos_ids,
         )
-        tokenizer = ByteTokenizer()
-        return [tokenizer.decode(row) for row in ids]
+        return [self.text.decode(row) for row in ids]
 
     def run(self) -> dict | None:
         mine, forwards, filler = self.batches()

@@ -21,7 +21,7 @@ def host_seq_len(batch: tuple[torch.Tensor, ...], multiple: int) -> int:
     """The batch's packed decoder length, read from its CPU length tensors (as Python lists)
     before the batch moves to the device: the model needs it as an int, and reading it from
     the device would be a host sync in every microbatch."""
-    _, feature_lens, _, token_lens = batch
+    feature_lens, token_lens = batch[1], batch[3]
     audio = encoder_lens(feature_lens).tolist()
     longest = max(a + t for a, t in zip(audio, token_lens.tolist(), strict=True))
     return packed_length(longest, multiple)

@@ -45,15 +45,16 @@ from train.models.hf_weights import load_llm_weights
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
-from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens, loss_targets
+from train.models.salm import encoder_lens, loss_targets
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
 from train.stop import StopRequest
+from train.text import text_codec
 from train.validation import ValidationSet
 from train.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 
-BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens")
+BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens", "prefix_lens", "answer_starts")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
 
 
@@ -198,6 +199,10 @@ class Trainer:
             dims, device.type, process_group_timeout(cfg.train.hang_timeout_s)
         )
         self.model_cfg = model_of(cfg)
+        try:
+            self.text = text_codec(cfg.model, self.model_cfg.vocab_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
         self.options = ParallelizeOptions(
             strategy=cfg.strategy,
             activation_checkpointing=cfg.activation_checkpointing,
@@ -234,8 +239,8 @@ class Trainer:
                 cfg.eval.max_duration or cfg.data.max_duration,
                 self.dp_rank,
                 self.dp_size,
-                ByteTokenizer().encode,
-                PAD_ID,
+                self.text.example,
+                self.text.pad_id,
             )
         self.validated_step = -1
         stop_in = cfg.debug.stop_in if cfg.debug.stop_rank == self.rank else None
@@ -284,10 +289,16 @@ class Trainer:
             "wandb_run_id": self.wandb_run_id,
             "data_position": dict(self.data_position),
             "data_positions": self.data_positions(),
-            # What train.evaluate needs to rebuild the model and find the corpus's test split.
-            "model_preset": self.cfg.model.preset,
+            # What train.evaluate needs to rebuild the model, its prompt and find the corpus's
+            # test split.
+            "model": {**asdict(self.cfg.model), "pretrained_llm": self.pretrained_llm()},
             "corpus": str(Path(self.cfg.data.corpus).resolve()),
         }
+
+    def pretrained_llm(self) -> str | None:
+        """The pretrained LLM's directory as an absolute path (None without one)."""
+        directory = self.cfg.model.pretrained_llm
+        return None if directory is None else str(Path(directory).expanduser().resolve())
 
     def restore(self) -> Path | None:
         """Load the newest checkpoint that loads (rank 0 chooses, a broken one is skipped by
@@ -297,9 +308,8 @@ class Trainer:
         if found is None:
             say(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting fresh")
             if self.cfg.model.pretrained_llm:
-                directory = Path(self.cfg.model.pretrained_llm).expanduser().resolve()
-                load_llm_weights(self.model, directory)
-                say(f"LLM weights loaded from {directory}")
+                load_llm_weights(self.model, Path(self.pretrained_llm()))
+                say(f"LLM weights loaded from {self.pretrained_llm()}")
             return None
         latest, state = found
         self.step = int(state["step"])
@@ -364,7 +374,6 @@ class Trainer:
         """This rank's batches from the saved position (same seed) or a new order (new seed).
         The samplers are put back at the position, not fed the batches again (train/data.py)."""
         cfg = self.cfg
-        tokenizer = ByteTokenizer()
         streams = num_streams(cfg.data.shar, cfg.data.num_workers)
         start, replay = DataPosition.resume(self.data_position, streams)
 
@@ -376,8 +385,8 @@ class Trainer:
                 dp_rank=self.dp_rank,
                 dp_size=self.dp_size,
                 num_workers=cfg.data.num_workers,
-                tokenizer_fn=tokenizer.encode,
-                pad_id=PAD_ID,
+                encode_text=self.text.example,
+                pad_id=self.text.pad_id,
                 shar=cfg.data.shar,
                 buckets=cfg.data.buckets,
                 epoch=epoch,
@@ -404,7 +413,7 @@ class Trainer:
             feature_lens, token_lens = batch["feature_lens"].double(), batch["token_lens"].double()
             local += torch.stack(
                 [
-                    loss_targets(token_lens),
+                    loss_targets(token_lens, batch["answer_starts"].double()),
                     (encoder_lens(feature_lens) + token_lens).sum(),
                     sequence_flops(self.model_cfg, feature_lens, token_lens).sum(),
                     torch.tensor(float(len(token_lens)), dtype=torch.float64),
@@ -512,7 +521,7 @@ class Trainer:
         for batch, counts in self.validation:
             nll = self.runner.loss_sum(tuple(batch[key] for key in BATCH_KEYS))
             if counts:
-                targets = float(loss_targets(batch["token_lens"]))
+                targets = float(loss_targets(batch["token_lens"], batch["answer_starts"]))
                 sums += torch.stack([nll.double(), nll.new_tensor(targets, dtype=torch.float64)])
         dist.all_reduce(sums, group=self.meshes.dp.get_group())
         if self.dims.cp_enabled:  # each CP rank has its positions' token losses

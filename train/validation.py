@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lhotse import CutSet
 
-from train.data import Batch, SpeechDataset, Tokenizer, load_cuts
+from train.data import Batch, SpeechDataset, TextEncoder, load_cuts
 
 
 def validation_batches(cuts: CutSet, max_duration: float) -> list[CutSet]:
@@ -50,7 +50,7 @@ class ValidationSet:
         max_duration: float,
         dp_rank: int,
         dp_size: int,
-        tokenizer_fn: Tokenizer,
+        encode_text: TextEncoder,
         pad_id: int,
     ) -> None:
         self.manifest = Path(manifest)
@@ -60,7 +60,7 @@ class ValidationSet:
         indices, self.forwards = rank_share(len(batches), dp_rank, dp_size)
         self.batches = [batches[index] for index in indices] or [batches[0]]
         self.has_own = bool(indices)
-        self.dataset = SpeechDataset(tokenizer_fn, pad_id)
+        self.dataset = SpeechDataset(encode_text, pad_id)
 
     def __iter__(self) -> Iterator[tuple[Batch, bool]]:
         """``forwards`` batches: (batch, whether it counts); the fillers repeat the first."""

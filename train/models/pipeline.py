@@ -40,10 +40,10 @@ from train.models.salm import (
     PAD_ID,
     SALM,
     aux_weight,
+    batch_layout,
     embed_inputs,
     encoder_lens,
     next_token_loss,
-    sequence_layout,
 )
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
 from train.step import host_seq_len, to_device
@@ -80,8 +80,8 @@ class PipelinePart(nn.Module):
     """One pipeline stage of the SALM under the whole model's parameter names.
 
     ``model`` must be a fresh copy (the part prunes its decoder in place). The first stage
-    takes the batch (features, feature lengths, tokens, token lengths) and builds the decoder's
-    input; the others take the previous stage's hidden state. The last returns the logits.
+    takes the batch (features, feature lengths, tokens, token lengths[, prompt]) and builds the
+    decoder's input; the others take the previous stage's hidden state. The last returns the logits.
     """
 
     def __init__(self, model: SALM, blocks: range, first: bool, last: bool) -> None:
@@ -133,18 +133,18 @@ def pipeline_parts(model_on_meta: SALM, plan: PipelinePlan, pp_rank: int) -> lis
 
 
 def pad_examples(batch: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Tensor, ...]:
-    """(features, feature_lens, tokens, token_lens) with empty examples appended up to a
-    multiple of ``multiple`` examples: no frames, no tokens, so no targets and no real
-    positions."""
-    features, feature_lens, tokens, token_lens = batch
+    """(features, feature_lens, tokens, token_lens[, prefix_lens, answer_starts]) with empty
+    examples appended up to a multiple of ``multiple`` examples: no frames, no tokens, so no
+    targets and no real positions."""
+    features, _, tokens, *_ = batch
     missing = -len(tokens) % multiple
     if not missing:
         return batch
     return (
         torch.cat([features, features.new_zeros((missing, *features.shape[1:]))]),
-        torch.cat([feature_lens, feature_lens.new_zeros(missing)]),
+        *(torch.cat([lens, lens.new_zeros(missing)]) for lens in batch[1:2]),
         torch.cat([tokens, tokens.new_full((missing, tokens.shape[1]), PAD_ID)]),
-        torch.cat([token_lens, token_lens.new_zeros(missing)]),
+        *(torch.cat([lens, lens.new_zeros(missing)]) for lens in batch[3:]),
     )
 
 
@@ -183,9 +183,9 @@ class PipelineRunner:
 
     def _schedule(self, batch: tuple[torch.Tensor, ...], seq_len: int):
         """The schedule for this batch shape, built with static stage metadata."""
-        features, _, tokens, _ = batch
+        features, tokens = batch[0], batch[2]
         micro = len(tokens) // self.plan.microbatches
-        key = (micro, features.shape[1], tokens.shape[1], seq_len)
+        key = (micro, features.shape[1], tokens.shape[1], seq_len, len(batch))
         if key in self.schedules:
             self.schedules.move_to_end(key)
             return self.schedules[key]
@@ -265,7 +265,7 @@ class PipelineRunner:
         seq_len = host_seq_len(batch, self.parts[0].seq_multiple)
         schedule = self._schedule(batch, seq_len)
         batch = to_device(batch, self.device)
-        layout = sequence_layout(encoder_lens(batch[1]), batch[2], batch[3], seq_len)
+        layout = batch_layout(batch, encoder_lens(batch[1]), seq_len)
         token_mask, labels = layout.token_mask, layout.labels
         if self.cp_mesh is not None:  # each rank's chunks of the sequence
             token_mask, labels = (shard_sequence(t, self.cp_mesh) for t in (token_mask, labels))

@@ -2,8 +2,9 @@
 
 fbank features (B, T, 80) -> audio encoder (conv subsampling x4 + transformer blocks) -> projector
 -> decoder-only LLM (RMSNorm, RoPE, SwiGLU or MoE, GQA). Each example becomes one sequence: its
-audio embeddings, then its transcript tokens, then right padding. The loss is next-token
-prediction on the transcript only. Every output on a real position ignores padding, so a batch
+prompt tokens (a pretrained LLM's chat template, ``train.prompt``; none for the byte tokenizer),
+its audio embeddings, its other tokens, then right padding. The loss is next-token prediction on
+the answer only. Every output on a real position ignores padding, so a batch
 split across ranks computes exactly what the whole batch computes in one process.
 """
 
@@ -36,6 +37,7 @@ from train.models.shape import (
     subsampled_lens,
 )
 from train.parallel_dims import BASE_SEQ_MULTIPLE
+from train.prompt import Encoded
 
 if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
@@ -44,12 +46,24 @@ IGNORE_INDEX = -100
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus pad, bos and eos."""
+    """UTF-8 bytes as tokens 0..255, plus pad, bos and eos: the project's own models' text.
+
+    An example is the audio, then BOS, the transcript's bytes and EOS; the loss covers every
+    token after BOS (a pretrained LLM's examples follow its chat template: ``train.prompt``).
+    """
 
     pad_id, bos_id, eos_id, vocab_size = PAD_ID, BOS_ID, EOS_ID, VOCAB_SIZE
+    eos_ids = frozenset({EOS_ID})
 
     def encode(self, text: str) -> list[int]:
         return [BOS_ID, *text.encode("utf-8"), EOS_ID]
+
+    def example(self, text: str) -> Encoded:
+        """A training example: no prompt before the audio, the answer after BOS."""
+        return Encoded(self.encode(text), prefix_len=0, answer_start=1)
+
+    def generation_prompt(self) -> Encoded:
+        return Encoded([BOS_ID], prefix_len=0, answer_start=1)
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -337,9 +351,10 @@ class SequenceLayout:
     """Where each example's audio and text sit in its packed decoder sequence."""
 
     is_audio: torch.Tensor  # (B, S) audio positions
-    is_text: torch.Tensor  # (B, S) transcript positions
+    is_text: torch.Tensor  # (B, S) text positions (the prompt before the audio, the rest after)
     text_index: torch.Tensor  # (B, S) index into the tokens at text positions (clamped elsewhere)
-    labels: torch.Tensor  # (B, S) the next token at each text position but the last, else ignored
+    audio_index: torch.Tensor  # (B, S) index into the audio frames at audio positions (clamped)
+    labels: torch.Tensor  # (B, S) the next token where it is an answer token, else ignored
 
     @property
     def token_mask(self) -> torch.Tensor:
@@ -358,19 +373,46 @@ def longest_example(audio_lens: torch.Tensor, token_lens: torch.Tensor) -> int:
     return int((audio_lens + token_lens).max())
 
 
+def default_prompt(token_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefix_lens`` and ``answer_starts`` of the byte tokenizer's examples: the audio first,
+    the answer after BOS (``ByteTokenizer.example``)."""
+    return torch.zeros_like(token_lens), torch.ones_like(token_lens)
+
+
 def sequence_layout(
-    audio_lens: torch.Tensor, tokens: torch.Tensor, token_lens: torch.Tensor, seq_len: int
+    audio_lens: torch.Tensor,
+    tokens: torch.Tensor,
+    token_lens: torch.Tensor,
+    seq_len: int,
+    prefix_lens: torch.Tensor,
+    answer_starts: torch.Tensor,
 ) -> SequenceLayout:
-    """One sequence per example: its audio positions, its text, then padding."""
+    """One sequence per example: its first ``prefix_lens`` tokens (the prompt before the audio),
+    its audio, its other tokens, then padding; labels on the tokens from ``answer_starts`` on."""
     pos = torch.arange(seq_len, device=tokens.device)[None, :]
-    is_audio = pos < audio_lens[:, None]
-    text_pos = pos - audio_lens[:, None]
-    is_text = (text_pos >= 0) & (text_pos < token_lens[:, None])
+    prefix, audio_end = prefix_lens[:, None], (prefix_lens + audio_lens)[:, None]
+    is_audio = (pos >= prefix) & (pos < audio_end)
+    text_pos = torch.where(pos < prefix, pos, pos - audio_lens[:, None])
+    is_text = (pos < prefix) | ((pos >= audio_end) & (text_pos < token_lens[:, None]))
     text_index = text_pos.clamp(0, tokens.shape[1] - 1)
-    has_next = is_text & (text_pos + 1 < token_lens[:, None])
-    next_tokens = tokens.gather(1, (text_index + 1).clamp(max=tokens.shape[1] - 1))
-    labels = torch.where(has_next, next_tokens, IGNORE_INDEX)
-    return SequenceLayout(is_audio, is_text, text_index, labels)
+    next_index = text_pos + 1
+    is_target = (
+        is_text & (next_index >= answer_starts[:, None]) & (next_index < token_lens[:, None])
+    )
+    next_tokens = tokens.gather(1, next_index.clamp(0, tokens.shape[1] - 1))
+    labels = torch.where(is_target, next_tokens, IGNORE_INDEX)
+    audio_index = (pos - prefix).clamp(min=0)
+    return SequenceLayout(is_audio, is_text, text_index, audio_index, labels)
+
+
+def batch_layout(
+    batch: tuple[torch.Tensor, ...], audio_lens: torch.Tensor, seq_len: int
+) -> SequenceLayout:
+    """The sequence layout of ``batch`` (features, feature lengths, tokens, token lengths and,
+    for a prompt before the audio, prefix lengths and answer starts) with ``audio_lens``."""
+    tokens, token_lens = batch[2], batch[3]
+    prefix_lens, answer_starts = batch[4:] if len(batch) > 4 else default_prompt(token_lens)
+    return sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, answer_starts)
 
 
 def embed_inputs(
@@ -380,16 +422,18 @@ def embed_inputs(
     batch: tuple[torch.Tensor, ...],
     seq_len: int,
 ) -> tuple[torch.Tensor, SequenceLayout]:
-    """The decoder's input (B, seq_len, d): each example's projected audio frames, then its
-    embedded text, then zeros; and where each lies."""
-    features, feature_lens, tokens, token_lens = batch
+    """The decoder's input (B, seq_len, d): each example's prompt tokens, its projected audio
+    frames, its other tokens, then zeros; and where each lies. ``batch``: features, feature
+    lengths, tokens, token lengths and, for a prompt before the audio, prefix lengths and
+    answer starts (``default_prompt`` without them)."""
+    features, feature_lens, tokens = batch[:3]
     audio, audio_lens = encoder(features, feature_lens)
     audio = projector(audio)
     text = embed(tokens)
-    layout = sequence_layout(audio_lens, tokens, token_lens, seq_len)
+    layout = batch_layout(batch, audio_lens, seq_len)
     d = audio.shape[-1]
-    audio_index = torch.arange(seq_len, device=audio.device).clamp(max=audio.shape[1] - 1)
-    from_audio = audio.gather(1, audio_index[None, :, None].expand(len(tokens), -1, d))
+    audio_index = layout.audio_index.clamp(max=audio.shape[1] - 1)
+    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
     from_text = text.gather(1, layout.text_index[..., None].expand(-1, -1, d))
     x = torch.where(layout.is_audio[..., None], from_audio, from_text * layout.is_text[..., None])
     return x, layout
@@ -404,10 +448,14 @@ class SALMOutput:
     aux_sum: torch.Tensor  # MoE balance loss, weighted, summed over this rank's sequences
 
 
-def loss_targets(token_lens: torch.Tensor) -> torch.Tensor:
-    """How many next-token targets a batch's transcripts hold (n-1 for n tokens), from its
-    lengths alone: known on the CPU before the forward."""
-    return (token_lens - 1).clamp(min=0).sum()
+def loss_targets(
+    token_lens: torch.Tensor, answer_starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """How many next-token targets a batch's answers hold (the tokens from each answer start
+    on; the byte tokenizer's start after BOS), from its lengths alone: known on the CPU before
+    the forward."""
+    starts = default_prompt(token_lens)[1] if answer_starts is None else answer_starts
+    return (token_lens - starts).clamp(min=0).sum()
 
 
 def aux_weight(cfg: SALMConfig) -> float:
@@ -442,15 +490,17 @@ class SALM(nn.Module):
         self.seq_multiple = BASE_SEQ_MULTIPLE  # parallelize sets the layout's (tp, cp)
 
     def forward(
-        self, features, feature_lens, tokens, token_lens, seq_len: int | None = None
+        self, features, feature_lens, tokens, token_lens, *prompt, seq_len: int | None = None
     ) -> SALMOutput:
-        """``seq_len``: the packed decoder length, ``packed_length`` of the batch's lengths
-        while they are still on the host (the training step passes it, so that nothing is read
-        back from the device); None computes it here from the lengths given."""
+        """``prompt``: the prefix lengths and answer starts of examples with a prompt before
+        the audio (``sequence_layout``); none for the byte tokenizer's. ``seq_len``: the packed
+        decoder length, ``packed_length`` of the batch's lengths while they are still on the
+        host (the training step passes it, so that nothing is read back from the device); None
+        computes it here from the lengths given."""
         if seq_len is None:
             longest = longest_example(encoder_lens(feature_lens), token_lens)
             seq_len = packed_length(longest, self.seq_multiple)
-        batch = (features, feature_lens, tokens, token_lens)
+        batch = (features, feature_lens, tokens, token_lens, *prompt)
         x, layout = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
         x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
         logits, aux = self.llm(x, token_mask)

@@ -1,0 +1,232 @@
+"""A speech example as one token sequence in a pretrained LLM's own chat format.
+
+The conversation is the tokenizer's chat template rendered as system (optional), user (the
+instruction and an audio placeholder) and assistant (the transcript). The model splices the
+audio encoder's frames in where the placeholder was, and the loss covers only the answer.
+
+The rendered text is cut in three pieces, each tokenized on its own (``add_special_tokens=False``:
+templates that want a BOS write it themselves):
+
+- before: the template up to the placeholder (``tokens[:prefix_len]``);
+- after: from the placeholder to the start of the answer, i.e. the end of the user's turn and
+  the assistant's header (``tokens[prefix_len:answer_start]``);
+- answer: the transcript and the template's end-of-turn text up to and including the turn's
+  end token (``tokens[answer_start:]``). The end token is the first special token the template
+  writes after the assistant's content (Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``);
+  whatever the template writes after it (ChatML's newline) is left out. A template that writes
+  no special token there ends the answer with the eos token instead.
+
+Before and after do not depend on the transcript, so they are rendered and tokenized once, and
+training and decoding see the very same prompt tokens. The placeholder itself is never in the
+tokens: ``prefix_len`` says where the audio goes. The transcript is tokenized as given: what a
+template would do to the assistant's content (Llama 3 trims it) is not applied, so transcripts
+come normalized from the data.
+
+A tokenizer without a chat template gets a plain format::
+
+    {bos}{system}\\n{prompt}\\n<|audio|>\\n{transcript}{eos}
+
+(``{bos}`` only if the tokenizer has one, ``{system}\\n`` only if a system text is given).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+AUDIO_TOKEN = "<|audio|>"
+DEFAULT_PROMPT = "Transcribe the audio."
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Two transcripts the template is rendered with: what differs between the renderings is the
+# transcript, the rest must be the same (otherwise the prompt could not be cached).
+PROBES = ("probe transcript one", "another probe 2")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Token ids of one example, the audio placeholder removed."""
+
+    tokens: list[int]
+    prefix_len: int  # tokens before the audio: the placeholder's index
+    answer_start: int  # index of the first token the loss covers; always > prefix_len
+
+
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in ``directory`` (offline) with AUDIO_TOKEN as a special token.
+
+    The token is added only if absent, so a tokenizer saved after loading keeps the same id.
+    """
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{directory}: no tokenizer files (tokenizer.json or tokenizer_config.json); fetch "
+            f"the whole model directory beforehand, e.g. `hf download ORG/NAME --local-dir "
+            f"{directory}`"
+        )
+    from transformers import AutoTokenizer  # slow import, only where a tokenizer is loaded
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"{directory}: the tokenizer has no eos token; set eos_token in "
+            f"{directory / 'tokenizer_config.json'} to the token that ends an answer"
+        )
+    if AUDIO_TOKEN not in tokenizer.all_special_tokens:
+        tokenizer.add_special_tokens(
+            {"extra_special_tokens": [AUDIO_TOKEN]}, replace_extra_special_tokens=False
+        )
+    return tokenizer
+
+
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """Every special token of the tokenizer but the audio placeholder."""
+    named = set(tokenizer.all_special_tokens)
+    added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return (named | added) - {AUDIO_TOKEN}
+
+
+def generation_config_eos(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """eos_token_id of generation_config.json next to the tokenizer (int or list), if any."""
+    name = getattr(tokenizer, "name_or_path", "")
+    path = Path(name) / "generation_config.json"
+    if not name or not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(i) for i in eos}
+
+
+class ChatPrompt:
+    """Encodes transcripts as training examples and prompts for decoding (module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt: str = DEFAULT_PROMPT,
+        system: str | None = None,
+    ) -> None:
+        for what, text in (("prompt", prompt), ("system text", system or "")):
+            if AUDIO_TOKEN in text:
+                raise ValueError(
+                    f"the {what} {text!r} contains the audio placeholder {AUDIO_TOKEN}; "
+                    f"leave it out, it is added after the prompt"
+                )
+        if AUDIO_TOKEN not in tokenizer.get_vocab():
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path!r} has no {AUDIO_TOKEN} token; "
+                f"load it with train.prompt.load_tokenizer"
+            )
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token")
+        self.tokenizer = tokenizer
+        self.prompt = prompt
+        self.system = system
+        self.specials = special_tokens(tokenizer)
+        self.template_name = f"the chat template of {tokenizer.name_or_path!r}"
+
+        if tokenizer.chat_template is None:
+            bos = tokenizer.bos_token or ""
+            head = f"{system}\n" if system is not None else ""
+            before, after = f"{bos}{head}{prompt}\n", "\n"
+            self.end_text = tokenizer.eos_token
+            self.template_name = f"the plain format of {tokenizer.name_or_path!r}"
+        else:
+            before, after, self.end_text = self.split_template()
+
+        self.before = self.tokenize(before)
+        self.after = self.tokenize(after)
+        self.end_id = self.tokenize(self.end_text)[-1]
+        if not self.after:
+            raise ValueError(
+                f"{self.template_name} puts the answer right after the audio placeholder; "
+                f"at least one text token must sit between them"
+            )
+        self.eos_ids: frozenset[int] = frozenset(
+            {tokenizer.eos_token_id, self.end_id} | generation_config_eos(tokenizer)
+        )
+        self.pad_id: int = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+
+    def messages(self, transcript: str | None) -> list[dict[str, str]]:
+        """The conversation: system (if any), user with the placeholder, assistant (if given)."""
+        messages = [{"role": "user", "content": f"{self.prompt} {AUDIO_TOKEN}"}]
+        if self.system is not None:
+            messages.insert(0, {"role": "system", "content": self.system})
+        if transcript is not None:
+            messages.append({"role": "assistant", "content": transcript})
+        return messages
+
+    def split_template(self) -> tuple[str, str, str]:
+        """Render the template and cut it into before/after the placeholder and end-of-turn text.
+
+        Rendered with two different transcripts, the text around the transcript must be the
+        same; otherwise the prompt would depend on the transcript.
+        """
+        pieces = set()
+        for probe in PROBES:
+            text = self.tokenizer.apply_chat_template(self.messages(probe), tokenize=False)
+            start = text.rfind(probe)
+            if start < 0:
+                raise ValueError(f"{self.template_name} changes the transcript {probe!r}")
+            prefix, rest = text[:start], text[start + len(probe) :]
+            # The first special token after the transcript (the longest one if several start there).
+            found = [
+                (rest.find(token), -len(token), token) for token in self.specials if token in rest
+            ]
+            if found:
+                at, _, token = min(found)
+                end_text = rest[: at + len(token)]
+            else:
+                end_text = self.tokenizer.eos_token
+            pieces.add((prefix, end_text))
+        if len(pieces) != 1:
+            raise ValueError(
+                f"{self.template_name} renders different prompts for different transcripts"
+            )
+        ((prefix, end_text),) = pieces
+        if prefix.count(AUDIO_TOKEN) != 1:
+            raise ValueError(
+                f"{self.template_name} renders the audio placeholder {prefix.count(AUDIO_TOKEN)} "
+                f"times instead of once; it must keep the user's content as given"
+            )
+        before, after = prefix.split(AUDIO_TOKEN)
+        return before, after, end_text
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a text, no special tokens added around it."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def example(self, transcript: str) -> Encoded:
+        """A training example: the prompt, then the transcript up to and including the end of
+        the assistant's turn (nothing after it); answer_start is the first transcript token."""
+        for token in (AUDIO_TOKEN, *self.specials):
+            if token in transcript:
+                raise ValueError(
+                    f"the transcript {transcript[:80]!r} contains the special token {token}"
+                )
+        answer = self.tokenize(transcript + self.end_text)
+        prefix_len = len(self.before)
+        answer_start = prefix_len + len(self.after)
+        return Encoded(self.before + self.after + answer, prefix_len, answer_start)
+
+    def generation_prompt(self) -> Encoded:
+        """What decoding feeds: example()'s tokens up to answer_start (answer_start == len)."""
+        tokens = self.before + self.after
+        return Encoded(tokens, len(self.before), len(tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        """Answer ids as text: cut at the first eos id, special tokens skipped, stripped."""
+        ids = list(ids)
+        end = next((i for i, token in enumerate(ids) if token in self.eos_ids), len(ids))
+        text = self.tokenizer.decode(
+            ids[:end], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        return text.strip()
