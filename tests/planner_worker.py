@@ -119,6 +119,9 @@ def synthetic_batch(sequences: int, frames: int, tokens: int) -> dict[str, torch
         "feature_lens": torch.full((sequences,), frames),
         "tokens": torch.randint(0, 256, (sequences, tokens), generator=g),
         "token_lens": torch.full((sequences,), tokens),
+        # The byte tokenizer's examples: the audio first, the answer after BOS.
+        "prefix_lens": torch.zeros(sequences, dtype=torch.int64),
+        "answer_starts": torch.ones(sequences, dtype=torch.int64),
     }
 
 
