@@ -33,6 +33,7 @@ from train.models.salm import (
     encoder_lens,
     longest_example,
     packed_length,
+    splice,
 )
 from train.prompt import Encoded
 
@@ -89,15 +90,10 @@ def prompt_embeddings(
     column = torch.arange(length, device=device)[None, :] - starts[:, None]  # in the sequence
     is_audio = (column >= before) & (column < before + audio_lens[:, None])
     is_text = (column >= 0) & ~is_audio
-    audio_index = (column - before).clamp(0, audio.shape[1] - 1)
     text_index = torch.where(column < before, column, column - audio_lens[:, None])
     text_index = text_index.clamp(0, len(prompt.tokens) - 1)
-    d = audio.shape[-1]
-    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
     text = model.llm.embed(torch.tensor([prompt.tokens], device=device)).expand(len(audio), -1, -1)
-    from_text = text.gather(1, text_index[..., None].expand(-1, -1, d))
-    x = torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
-    return x
+    return splice(audio, text, column - before, text_index, is_audio, is_text)
 
 
 @contextmanager

@@ -49,14 +49,15 @@ from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ModelConfig, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
-from train.layout import checked_dims
+from train.layout import checked_dims, model_of
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
-from train.models.presets import model_shape
+from train.models.salm import ByteTokenizer
 from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
+from train.prompt import ChatPrompt
 from train.text import text_codec
 from train.trainer import init_distributed, say
 from train.validation import rank_share
@@ -85,7 +86,8 @@ class Plan:
 
     checkpoint: Path
     step: int
-    model: ModelConfig  # as the run trained it: preset, pretrained LLM, prompt
+    model: SALMConfig  # the shape the run trained (a preset, or with a pretrained LLM)
+    text: ByteTokenizer | ChatPrompt  # the run's prompt, decoding and end tokens
     inputs: Path
     split: str
     dims: ParallelDims
@@ -139,14 +141,6 @@ def check_inputs(path: Path) -> int:
     return len(cuts)
 
 
-def model_shape_of(model: ModelConfig) -> SALMConfig:
-    """The shape of the run's model (its pretrained LLM's config.json must still be there)."""
-    try:
-        return model_shape(model.preset, model.pretrained_llm)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-
-
 def layout(cfg: EvaluateConfig, model: SALMConfig, world_size: int) -> ParallelDims:
     p = cfg.parallel
     if p.cp != 1:
@@ -190,9 +184,10 @@ def preflight(cfg: EvaluateConfig) -> Plan:
     else:
         raise ConfigError(f"{checkpoint} does not record its corpus: pass inputs=MANIFEST")
     check_inputs(inputs)
-    shape = model_shape_of(model)
+    shape = model_of(model)
+    text = text_codec(model, shape.vocab_size)
     dims = layout(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
-    return Plan(checkpoint, int(state["step"]), model, inputs, split, dims)
+    return Plan(checkpoint, int(state["step"]), shape, text, inputs, split, dims)
 
 
 def features_of(cut: Cut) -> torch.Tensor:
@@ -217,9 +212,7 @@ class Evaluation:
             compile=False,
             mixed_precision=False,
         )
-        model_cfg = model_shape_of(plan.model)
-        self.text = text_codec(plan.model, model_cfg.vocab_size)
-        self.prompt = self.text.generation_prompt()
+        model_cfg = plan.model
         self.stages = None
         if plan.dims.pp_enabled:  # one stage per rank, split as training balances it
             pipeline = pipeline_plan(model_cfg, plan.dims.pp, "1f1b", 0, 1, [])
@@ -263,10 +256,10 @@ class Evaluation:
             use_cache=self.cfg.kv_cache,
             batch_multiple=self.plan.dims.tp,
             stages=self.stages,
-            prompt=self.prompt,
-            eos_ids=self.text.eos_ids,
+            prompt=self.plan.text.generation_prompt(),
+            eos_ids=self.plan.text.eos_ids,
         )
-        return [self.text.decode(row) for row in ids]
+        return [self.plan.text.decode(row) for row in ids]
 
     def run(self) -> dict | None:
         mine, forwards, filler = self.batches()

@@ -9,17 +9,17 @@ count) and the Hydra launcher's members, all before any torch is loaded. Every f
 
 from __future__ import annotations
 
-from train.config import ConfigError, TrainConfig, validate
+from train.config import ConfigError, ModelConfig, TrainConfig, validate
 from train.models.presets import model_shape
 from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan, pipeline_plan
 
 
-def model_of(cfg: TrainConfig) -> SALMConfig:
-    """The shape of the model ``cfg`` trains (a preset, or its LLM a pretrained decoder's)."""
+def model_of(model: ModelConfig) -> SALMConfig:
+    """The shape of ``model`` (a preset, or its LLM a pretrained decoder's)."""
     try:
-        return model_shape(cfg.model.preset, cfg.model.pretrained_llm)
+        return model_shape(model.preset, model.pretrained_llm)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 
@@ -39,7 +39,7 @@ def checked_dims(
 
 def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The config's layout on ``world_size`` ranks, checked against its model."""
-    return checked_dims(world_size, cfg.parallel, model_of(cfg), cfg.strategy)
+    return checked_dims(world_size, cfg.parallel, model_of(cfg.model), cfg.strategy)
 
 
 def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
@@ -49,7 +49,7 @@ def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
     p = cfg.parallel
     try:
         return pipeline_plan(
-            model_of(cfg),
+            model_of(cfg.model),
             dims.pp,
             p.pp_schedule,
             p.pp_microbatches,

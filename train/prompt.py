@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from train.models.hf_config import FETCH_HINT
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -65,9 +67,8 @@ def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     directory = Path(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
-            f"{directory}: no tokenizer files (tokenizer.json or tokenizer_config.json); fetch "
-            f"the whole model directory beforehand, e.g. `hf download ORG/NAME --local-dir "
-            f"{directory}`"
+            f"{directory}: no tokenizer files (tokenizer.json or tokenizer_config.json); "
+            f"{FETCH_HINT}"
         )
     from transformers import AutoTokenizer  # slow import, only where a tokenizer is loaded
 

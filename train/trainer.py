@@ -198,11 +198,8 @@ class Trainer:
         self.meshes = build_meshes(
             dims, device.type, process_group_timeout(cfg.train.hang_timeout_s)
         )
-        self.model_cfg = model_of(cfg)
-        try:
-            self.text = text_codec(cfg.model, self.model_cfg.vocab_size)
-        except ValueError as error:
-            raise ConfigError(str(error)) from error
+        self.model_cfg = model_of(cfg.model)
+        self.text = text_codec(cfg.model, self.model_cfg.vocab_size)
         self.options = ParallelizeOptions(
             strategy=cfg.strategy,
             activation_checkpointing=cfg.activation_checkpointing,

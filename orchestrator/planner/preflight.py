@@ -123,7 +123,7 @@ def request_and_layout(
         memory_gib=capacity.bytes_per_rank / GIB,
     )
     request = PlanRequest(
-        model=model_of(cfg),
+        model=model_of(cfg.model),
         seconds=seconds,
         tokens=math.ceil(seconds * TOKENS_PER_SECOND),
         global_batch=dims.dp * microbatches,

@@ -431,12 +431,26 @@ def embed_inputs(
     audio = projector(audio)
     text = embed(tokens)
     layout = batch_layout(batch, audio_lens, seq_len)
-    d = audio.shape[-1]
-    audio_index = layout.audio_index.clamp(max=audio.shape[1] - 1)
-    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
-    from_text = text.gather(1, layout.text_index[..., None].expand(-1, -1, d))
-    x = torch.where(layout.is_audio[..., None], from_audio, from_text * layout.is_text[..., None])
+    x = splice(audio, text, layout.audio_index, layout.text_index, layout.is_audio, layout.is_text)
     return x, layout
+
+
+def splice(
+    audio: torch.Tensor,
+    text: torch.Tensor,
+    audio_index: torch.Tensor,
+    text_index: torch.Tensor,
+    is_audio: torch.Tensor,
+    is_text: torch.Tensor,
+) -> torch.Tensor:
+    """Sequences (B, S, d) of audio frames (B, A, d) and text embeddings (B, L, d): position
+    (b, s) takes ``audio[b, audio_index[b, s]]`` where ``is_audio``, ``text[b, text_index[b,
+    s]]`` where ``is_text``, zeros elsewhere (indices clamped into range)."""
+    d = audio.shape[-1]
+    audio_index = audio_index.clamp(0, audio.shape[1] - 1)
+    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
+    from_text = text.gather(1, text_index[..., None].expand(-1, -1, d))
+    return torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
 
 
 @dataclass
