@@ -17,7 +17,7 @@ import shlex
 import jinja2
 
 from contract.job_end import EXIT_CHAIN_ENDED, EXITED_PREFIX
-from contract.job_env import PORT_BASE, PORT_SPAN
+from contract.job_env import PORT_BASE, PORT_SPAN, STOP_AT
 from orchestrator.errors import UsageError
 from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
 from orchestrator.resources import packaged_templates
@@ -53,6 +53,7 @@ CONTRACT = {
     "port_span": PORT_SPAN,
     "exit_chain_ended": EXIT_CHAIN_ENDED,
     "exited_prefix": EXITED_PREFIX,
+    "stop_at_env": STOP_AT,
 }
 
 

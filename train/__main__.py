@@ -52,7 +52,7 @@ def main(raw: DictConfig) -> None:
     cfg: TrainConfig = OmegaConf.to_object(raw)  # type: ignore[assignment]
     # From the first moment: a stop signal that arrives while the model is being built is kept
     # and honoured at the first step boundary, and the time budget counts the whole job.
-    stop = StopRequest(cfg.train.max_time_per_run)
+    stop = StopRequest.for_job(cfg.train.max_time_per_run, os.environ)
     stop.install()
     # The trainer (torch) is imported here, once the stop signal is handled: a sweep's
     # submission (`python -m train -m ...`) runs this module without calling main, torch-free.

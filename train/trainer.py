@@ -573,6 +573,9 @@ class Trainer:
             f"job {os.environ.get(job_env.JOB_INDEX, '-')} seed {cfg.seed}: training steps "
             f"{self.step + 1}..{cfg.train.max_steps}, layout {self.dims.describe()}"
         )
+        if self.stop.stop_at is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.stop.stop_at))
+            say(f"this job saves and stops by {when}, before its time limit ({job_env.STOP_AT})")
         if self.plan is not None:
             say(self.plan.describe())
         try:
@@ -589,6 +592,8 @@ class Trainer:
             return self.not_saved(error)
         if self.signalled:
             say("no validation at the end of this job: a signal asked it to stop")
+        elif self.stop.near_time_limit():
+            say("no validation at the end of this job: its time limit is near")
         else:
             self.validate(metrics)
         metrics.close({"final_step": self.step, "stop_reason": reason})
