@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tests.helpers import REPO
+from train.models.freeze import frozen_names
 from train.models.inventory import inventory, stage_param_counts
+from train.models.presets import get_preset
 from train.models.shape import SALMConfig
 from train.parallel_dims import DENSE_DIMS, ParallelDims
 from train.pipeline_plan import PipelinePlan, plan_pipeline
@@ -40,6 +42,13 @@ class Case:
     bf16: bool = False  # FSDP2's mixed precision, on CPU (tests/planner_worker.py)
     activations: bool = False
     batch: tuple[int, int, int] = (2, 16, 40)  # sequences, fbank frames, tokens per rank
+    freeze: tuple[str, ...] = ()  # model.freeze and model.unfreeze
+    unfreeze: tuple[str, ...] = ()
+
+    def frozen(self) -> frozenset[str]:
+        """The parameter names the case's freeze rules leave frozen, as the trainer finds them."""
+        names = [tensor.name for tensor in inventory(get_preset(self.preset))]
+        return frozenset(frozen_names(names, self.freeze, self.unfreeze))
 
     def dims(self) -> ParallelDims:
         sizes = {key: value for key, value in self.parallel.items() if key in DENSE_DIMS}
@@ -60,6 +69,10 @@ CASES = {
     "hsdp2x2": Case(4, "tiny", {"dp_replicate": 2, "dp_shard": 2}),
     "fsdp2xtp2": Case(4, "tiny", {"tp": 2, "dp_shard": 2}),
     "pp2xfsdp2": Case(4, "tiny", {"pp": 2, "dp_shard": 2}),
+    # The LLM frozen but its last block: stage 0 trains the encoder only, stage 1 one block.
+    "pp2xfsdp2_frozen_llm": Case(
+        4, "tiny", {"pp": 2, "dp_shard": 2}, freeze=(r"^llm\.",), unfreeze=(r"llm\.layers\.1\.",)
+    ),
     "moe_fsdp2xtp2_ep2": Case(4, "tiny_moe", {"tp": 2, "dp_shard": 2, "ep": 2}),
 }
 

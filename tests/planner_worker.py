@@ -129,6 +129,7 @@ def config(case: Case, run_dir: str) -> TrainConfig:
     cfg = TrainConfig(run_dir=run_dir, strategy=case.strategy)
     cfg.model.preset = case.preset
     cfg.mixed_precision = case.bf16
+    cfg.model.freeze, cfg.model.unfreeze = list(case.freeze), list(case.unfreeze)
     for key, value in case.parallel.items():
         setattr(cfg.parallel, key, value)
     return cfg

@@ -31,7 +31,7 @@ def test_state_bytes_are_exact_on_the_rank_the_planner_prices(name):
     cfg = get_preset(case.preset)
     dims = case.dims()
     plan = pipeline(cfg, dims)
-    grouped = group(inventory(cfg))
+    grouped = group(inventory(cfg), case.frozen())
     priced = 0
     for row in measured(name):
         coords = dims.coordinates(row["rank"])

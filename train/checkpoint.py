@@ -106,6 +106,7 @@ from contract.run_dir import (
     step_name,
     tmp_step_name,
 )
+from train.models.init import canonical_name
 
 log = logging.getLogger(__name__)
 
@@ -249,15 +250,32 @@ def _write_rng(directory: Path, state: dict[str, Any]) -> None:
     _fsync_dir(path.parent)
 
 
-def _flat_optimizer(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` keeps the optimizer state flattened by parameter."""
+def _saved_keys(path: Path) -> set[str]:
+    """The keys of the checkpoint at ``path`` (``model.<name>``, ``optim.state.<name>.<field>``)."""
     try:
-        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     except Exception as exc:  # a torn .metadata fails in pickle with any of several errors
         raise CheckpointError(
             f"cannot load checkpoint {path}: unreadable metadata ({exc!r})"
         ) from None
-    return LEGACY_OPTIMIZER_KEY not in keys
+
+
+def _optimizer_param(key: str) -> str | None:
+    """The parameter a flat optimizer key is about (``state.<name>.<field>``,
+    ``param_groups.<name>.<field>``), else None."""
+    for prefix in ("state.", "param_groups."):
+        if key.startswith(prefix):
+            return key[len(prefix) :].rsplit(".", 1)[0]
+    return None
+
+
+def _frozen_when_saved(optim_state: dict, saved: set[str]) -> set[str]:
+    """The parameters that train now but were frozen when the checkpoint was saved (a
+    ``model.freeze`` rule changed between jobs): their weights are in it, their optimizer state
+    is not. Every other key is loaded as strictly as before."""
+    with_state = {_optimizer_param(key[len("optim.") :]) for key in saved if key[:6] == "optim."}
+    training = {_optimizer_param(key) for key in optim_state} - {None}
+    return {n for n in training if n not in with_state and f"model.{n}" in saved}  # type: ignore[misc]
 
 
 def _local_tensors(tree: dict, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -902,9 +920,11 @@ class CheckpointManager:
         saved: dict = {}
         flat = True
         problem = None
+        keys: set[str] = set()
         try:
             saved = self._read_state_file(path)
-            flat = optimizer is None or _flat_optimizer(path)
+            keys = _saved_keys(path)
+            flat = optimizer is None or LEGACY_OPTIMIZER_KEY not in keys
         except CheckpointError as exc:
             problem = str(exc)
         self._agree_loadable(problem)
@@ -916,12 +936,19 @@ class CheckpointManager:
             state["optim"] = optim_state
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
+        unfrozen = (
+            _frozen_when_saved(optim_state, keys) if optimizer is not None and flat else set()
+        )
+        fresh = {
+            k: optim_state.pop(k) for k in list(optim_state) if _optimizer_param(k) in unfrozen
+        }
         try:
             dcp.load(state, checkpoint_id=path)  # DCP raises on every rank if one fails
         except CheckpointException as exc:
             failure = next(iter(exc.failures.values()))[0]
             reason = str(failure) or repr(failure)  # a torn file: EOFError() says nothing
             raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from None
+        optim_state.update(fresh)
         set_state_dict(
             model,
             optimizers,
@@ -931,10 +958,30 @@ class CheckpointManager:
         )
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
+        if unfrozen:
+            self._start_fresh(model, optimizer, unfrozen, path)
         self._agree_loadable(self._restore_rng(path, saved["world_size"]))
         if _rank() == 0:
             log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - started)
         return saved["trainer_state"]
+
+    @staticmethod
+    def _start_fresh(
+        model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str], path: Path
+    ) -> None:
+        """AdamW's moments of ``names`` (trainable now, frozen in ``path``) start at zero, as
+        for a new parameter: the optimizer fills in their state at its next step."""
+        for name, param in model.named_parameters():
+            if canonical_name(name) in names:
+                optimizer.state.pop(param, None)
+        if _rank() == 0:
+            log.info(
+                "optimizer state starts fresh for %d parameter tensor(s) frozen when %s was "
+                "saved (model.freeze changed), e.g. %s",
+                len(names),
+                path.name,
+                min(names),
+            )
 
     @staticmethod
     def _agree_loadable(problem: str | None) -> None:

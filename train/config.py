@@ -50,6 +50,10 @@ class ModelConfig:
     # instruction before the audio (None: train.prompt.DEFAULT_PROMPT) and a system text.
     prompt: str | None = None
     system: str | None = None
+    # Regular expressions over parameter names (train/models/freeze.py): matched by a freeze
+    # pattern and by no unfreeze pattern, a parameter gets no gradient and no optimizer state.
+    freeze: list[str] = field(default_factory=list)
+    unfreeze: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -10,6 +10,8 @@ count) and the Hydra launcher's members, all before any torch is loaded. Every f
 from __future__ import annotations
 
 from train.config import ConfigError, ModelConfig, TrainConfig, validate
+from train.models.freeze import frozen_names
+from train.models.inventory import inventory
 from train.models.presets import model_shape
 from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
@@ -60,6 +62,16 @@ def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
         raise ConfigError(str(error)) from error
 
 
+def frozen_of(cfg: TrainConfig) -> set[str]:
+    """The parameter names ``model.freeze`` and ``model.unfreeze`` leave frozen (whole-model
+    names, from the inventory: every rank and the planner agree without building anything)."""
+    names = [tensor.name for tensor in inventory(model_of(cfg.model))]
+    try:
+        return frozen_names(names, cfg.model.freeze, cfg.model.unfreeze)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
 def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, PipelinePlan | None]:
     """The config checked, and the layout and pipeline plan it runs on ``world_size`` ranks."""
     try:
@@ -67,4 +79,5 @@ def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, Pi
     except ValueError as error:
         raise ConfigError(str(error)) from error
     dims = parallel_dims(cfg, world_size)
+    frozen_of(cfg)
     return dims, pipeline_for(cfg, dims)

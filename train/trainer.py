@@ -35,11 +35,11 @@ from train.config import (
 )
 from train.data import DataPosition, batches_from, build_dataloader, num_streams
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
-from train.layout import model_of, training_layout
+from train.layout import frozen_of, model_of, training_layout
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
-from train.models.build import build_model, build_pipeline
+from train.models.build import build_model, build_pipeline, freeze_parameters
 from train.models.compiled import describe_graphs, graph_counts, recompiles
 from train.models.hf_weights import load_llm_weights
 from train.models.moe import local_shard
@@ -139,7 +139,10 @@ def clip_grad_norm(
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum()
+    if squares:
+        total = torch.stack(squares).sum()
+    else:  # a pipeline stage whose parameters are all frozen
+        total = torch.zeros((), device=next(model.parameters()).device)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     total = total.sqrt()
@@ -212,9 +215,14 @@ class Trainer:
         # The optimizer, gradient clipping and checkpoints see all of this rank's parameters,
         # named as in the whole model, through one module.
         self.model = merged_view(self.runner.parts)
+        trainable = freeze_parameters(self.model, frozen_of(cfg))
+        if cfg.model.freeze and self.rank == 0:
+            count = sum(p.numel() for p in trainable)
+            total = sum(p.numel() for p in self.model.parameters())
+            say(f"trainable: {count:,} of rank 0's {total:,} parameter elements (model.freeze)")
         # fused: the only AdamW that skips a step on the device (``found_inf``), with no sync.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            trainable,
             lr=cfg.optim.lr,
             betas=(cfg.optim.beta1, cfg.optim.beta2),
             weight_decay=cfg.optim.weight_decay,

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 from contract.gpus import GPU_KEYS, gpu_preset
 from orchestrator.errors import UsageError
 from orchestrator.planner.cluster import DEFAULT_INTER_NODE_GBPS, GIB, Cluster
 from orchestrator.planner.search import AC_MODES, Estimate, PlanRequest, PlanResult, plan
 from orchestrator.planner.shapes import model_names, model_preset, with_overrides
+from train.models.freeze import frozen_names
+from train.models.hf_config import decoder_fields
+from train.models.inventory import inventory
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
 SHAPE_FLAGS = {
@@ -42,7 +46,24 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model", default="llm_1b", help=f"a named shape: {', '.join(model_names())}"
     )
-    shape = parser.add_argument_group("model shape (overrides --model's)")
+    parser.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        help="the LLM's shape from a Hugging Face model directory's config.json (as "
+        "model.pretrained_llm reads it; the encoder stays --model's)",
+    )
+    parser.add_argument(
+        "--freeze",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="parameters that do not train (model.freeze; repeatable): weights only, no "
+        "gradients or optimizer state",
+    )
+    parser.add_argument(
+        "--unfreeze", action="append", default=[], metavar="REGEX", help="model.unfreeze"
+    )
+    shape = parser.add_argument_group("model shape (overrides --model's and --hf-config's)")
     for flag in SHAPE_FLAGS:
         shape.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag)
     batch = parser.add_argument_group("batch")
@@ -76,7 +97,12 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 def request_from(args: argparse.Namespace) -> PlanRequest:
     try:
         shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
-        model = with_overrides(model_preset(args.model), **shape)
+        model = model_preset(args.model)
+        if args.hf_config:
+            model = replace(model, **decoder_fields(args.hf_config, "--hf-config"))
+        model = with_overrides(model, **shape)
+        names = [tensor.name for tensor in inventory(model)]
+        frozen = frozen_names(names, args.freeze, args.unfreeze)
         gpu = gpu_preset(args.gpu)
         cluster = Cluster(
             gpus=args.gpus,
@@ -102,6 +128,7 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         cluster=cluster,
         ac_modes=("none",) if args.no_ac else AC_MODES,
         mixed_precision=not args.no_mixed_precision,
+        frozen=frozenset(frozen),
     )
 
 
@@ -135,6 +162,7 @@ def result_json(result: PlanResult, shown: list[Estimate], elapsed: float) -> di
     best = result.best
     return {
         "parameters": result.params,
+        "trainable_parameters": result.trainable,
         "gpus": request.cluster.gpus,
         "gpu": request.cluster.gpu.key,
         "memory_per_gpu_gib": request.cluster.memory_bytes / GIB,
@@ -163,8 +191,10 @@ def recipe_lines(request: PlanRequest) -> list[str]:
 def print_result(result: PlanResult, shown: list[Estimate], elapsed: float) -> None:
     request = result.request
     cluster = request.cluster
+    frozen = result.params - result.trainable
+    training = f" ({result.trainable / 1e9:.2f}B train, the rest frozen)" if frozen else ""
     print(
-        f"{result.params / 1e9:.2f}B parameters; {cluster.gpus} x {cluster.gpu.key} "
+        f"{result.params / 1e9:.2f}B parameters{training}; {cluster.gpus} x {cluster.gpu.key} "
         f"({cluster.nodes} node(s) of {cluster.per_node}, {cluster.memory_bytes / GIB:.0f} GiB "
         f"each); {request.global_batch} sequences of {request.seconds:g} s audio + "
         f"{request.tokens} tokens per step"

@@ -100,7 +100,7 @@ def request_and_layout(
     cfg: TrainConfig, nodes: int, tasks_per_node: int, capacity: Capacity
 ) -> tuple[PlanRequest, Layout]:
     """The planner's view of a trainer config on ``nodes`` x ``tasks_per_node`` ranks."""
-    from train.layout import model_of, parallel_dims, pipeline_for
+    from train.layout import frozen_of, model_of, parallel_dims, pipeline_for
 
     world = nodes * tasks_per_node
     dims = parallel_dims(cfg, world)
@@ -131,12 +131,13 @@ def request_and_layout(
         mixed_precision=cfg.mixed_precision,
         on_gpu=capacity.gpu is not None,
         strategy=cfg.strategy,
+        frozen=frozenset(frozen_of(cfg)),
     )
     return request, layout
 
 
 def price(request: PlanRequest, layout: Layout) -> Estimate:
-    grouped, counts = priced_inventory(request.model)
+    grouped, counts = priced_inventory(request)
     return estimate(request, layout, grouped, counts, {})
 
 

@@ -57,6 +57,7 @@ FRAGMENTATION = 0.05  # of everything else, for the caching allocator
 LONG_SEQUENCE = 32768  # decoder positions from which CP is the flowchart's answer
 FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 FULL_STATE_BYTES = 16  # fp32 weight + gradient + two Adam moments per parameter
+WEIGHT_BYTES = 4  # the fp32 weight alone (a frozen parameter)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class PlanRequest:
     mixed_precision: bool = True  # bf16 compute (FSDP2's mixed precision)
     on_gpu: bool = True  # False: a CPU recipe checked against host memory
     strategy: str = "fsdp2"  # or ddp (whole replicas)
+    frozen: frozenset[str] = frozenset()  # parameter names model.freeze leaves frozen
 
     @property
     def frames(self) -> int:
@@ -148,6 +150,7 @@ class Estimate:
 class PlanResult:
     request: PlanRequest
     params: int
+    trainable: int  # the parameters model.freeze leaves training
     estimates: list[Estimate]  # feasible first (best first), then those that do not fit
     fits_one_gpu: bool
     one_gpu_bytes: float
@@ -233,12 +236,15 @@ def comm_buffer_bytes(
 ) -> float:
     """Gathered parameters and unreduced gradients FSDP2 (or DDP) keeps around compute."""
     e = request.element_bytes
-    stage = sum(t.numel * n for t, n in held(inventory, plan, 0))
+    stage = sum(t.numel * n for t, n, _ in held(inventory, plan, 0))
     if not fsdp:
         return stage * 4.0 if layout.dp > 1 else 0.0  # DDP's gradient buckets
     block = inventory.block_numel / layout.tp
     if request.model.n_experts and layout.ep > 1:
-        experts = sum(t.numel * n for t, n in inventory.block if t.expert) / layout.tp
+        experts = max(
+            sum(t.numel * n for t, n, _ in run.tensors if t.expert) for run in inventory.runs
+        )
+        experts /= layout.tp
         block -= experts * (1 - 1 / layout.ep)
     if plan is not None:  # a stage keeps its parameters gathered for all its microbatches
         return stage / layout.tp * e + block * 4
@@ -375,14 +381,15 @@ def step_time(request: PlanRequest, layout: Layout, total_params: int) -> dict[s
     }
 
 
-def full_state_fits(request: PlanRequest, params: int) -> tuple[bool, float]:
-    """Whether the whole training state and one sequence's activations fit one GPU."""
+def full_state_fits(request: PlanRequest, params: int, trainable: int) -> tuple[bool, float]:
+    """Whether the whole training state and one sequence's activations fit one GPU (frozen
+    parameters: their weights only)."""
     one = Microbatch(1, request.frames, request.tokens)
     ac = request.ac_modes[-1]
     act = activation_bytes(
         request.model, one, ActivationLayout(ac=ac, element_bytes=request.element_bytes)
     ).peak
-    needed = FULL_STATE_BYTES * params + act
+    needed = WEIGHT_BYTES * params + (FULL_STATE_BYTES - WEIGHT_BYTES) * trainable + act
     needed += framework_bytes(request) + FRAGMENTATION * needed
     return needed <= request.cluster.memory_bytes, needed
 
@@ -434,20 +441,21 @@ def reasoning(request: PlanRequest, layout: Layout, params: int, needed: float) 
     return "; ".join(parts)
 
 
-def priced_inventory(cfg: SALMConfig) -> tuple[GroupedInventory, tuple]:
+def priced_inventory(request: PlanRequest) -> tuple[GroupedInventory, tuple]:
     """The model's grouped parameters and what the pipeline split weighs (per-block counts,
     the first and last stages' extras, the total)."""
+    cfg = request.model
     tensors = inventory(cfg)
-    grouped = group(tensors)
+    grouped = group(tensors, request.frozen)
     return grouped, (*stage_param_counts(tensors, cfg.n_layers), grouped.numel)
 
 
 def plan(request: PlanRequest) -> PlanResult:
     """Every layout, priced; feasible ones first in the flowchart's order, then by step time."""
     cfg = request.model
-    grouped, counts = priced_inventory(cfg)
+    grouped, counts = priced_inventory(request)
     params = grouped.numel
-    fits_one, needed = full_state_fits(request, params)
+    fits_one, needed = full_state_fits(request, params, grouped.trainable_numel)
     layouts = candidate_layouts(request)
     max_tp = max((layout.tp for layout in layouts), default=1)
     cache: dict = {}
@@ -467,4 +475,4 @@ def plan(request: PlanRequest) -> PlanResult:
     )
     for result in estimates:
         result.reasoning = reasoning(request, result.layout, params, needed)
-    return PlanResult(request, params, estimates, fits_one, needed)
+    return PlanResult(request, params, grouped.trainable_numel, estimates, fits_one, needed)

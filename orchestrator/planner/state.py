@@ -7,7 +7,8 @@ it (``train.models.inventory``) and counts what the trainer allocates for it:
   FSDP2 shard is allocated padded to ``ceil(n / shards)`` rows;
 - gradients: fp32, the shapes of the parameters (FSDP2 reduce-scatters into padded shards);
 - AdamW (fused): two fp32 moments per parameter in its unpadded local shape, and one fp32
-  step count per tensor.
+  step count per tensor;
+- frozen tensors (``model.freeze``): parameters only.
 
 The figure is that of a pipeline stage's busiest rank: TP rank 0 (the largest ``torch.chunk``
 piece) and FSDP shard 0, which is never short of its ``ceil(n / shards)`` rows. The other
@@ -55,58 +56,115 @@ def uses_fsdp(dims: ParallelDims, strategy: str, bf16: bool) -> bool:
     return sharded or dims.ep > 1 or dims.tp > 1 or bf16
 
 
+# Distinct tensors with how many of each there are and whether they train (model.freeze).
+Counted = tuple[tuple[ParamTensor, int, bool], ...]
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Consecutive LLM blocks ``start``..``stop - 1`` that hold the same tensors, each block
+    ``tensors`` (a freeze rule naming some blocks cuts the blocks into runs)."""
+
+    start: int
+    stop: int
+    tensors: Counted
+
+    @property
+    def block_numel(self) -> int:
+        return sum(t.numel * n for t, n, _ in self.tensors)
+
+
 @dataclass(frozen=True)
 class GroupedInventory:
     """The inventory as distinct tensors with their counts: the encoder and embeddings (stage
-    0), one LLM block (every block has the same tensors), the head (the last stage)."""
+    0), the LLM's blocks as runs of like blocks, the head (the last stage)."""
 
-    first: tuple[tuple[ParamTensor, int], ...]
-    block: tuple[tuple[ParamTensor, int], ...]
-    last: tuple[tuple[ParamTensor, int], ...]
+    first: Counted
+    runs: tuple[BlockRun, ...]
+    last: Counted
     n_blocks: int
 
     @property
     def block_numel(self) -> int:
-        return sum(t.numel * n for t, n in self.block)
+        """The largest block's elements (what FSDP2 gathers at once)."""
+        return max((run.block_numel for run in self.runs), default=0)
 
     @property
     def numel(self) -> int:
-        parts = (self.first, self.last)
-        return (
-            sum(t.numel * n for part in parts for t, n in part) + self.n_blocks * self.block_numel
-        )
+        return self._numel(trainable_only=False)
+
+    @property
+    def trainable_numel(self) -> int:
+        return self._numel(trainable_only=True)
+
+    def _numel(self, trainable_only: bool) -> int:
+        def elements(tensors: Counted, blocks: int = 1) -> int:
+            return blocks * sum(
+                t.numel * n for t, n, trains in tensors if trains or not trainable_only
+            )
+
+        runs = sum(elements(run.tensors, run.stop - run.start) for run in self.runs)
+        return elements(self.first) + elements(self.last) + runs
 
 
-def group(tensors: list[ParamTensor]) -> GroupedInventory:
-    def counted(section: str, block: int | None = None) -> tuple[tuple[ParamTensor, int], ...]:
-        counts: dict[tuple, list] = {}
-        for t in tensors:
-            if t.section == section and (block is None or t.block == block):
-                key = (t.shape, t.tp, t.expert)
-                counts.setdefault(key, [t, 0])[1] += 1
-        return tuple((t, n) for t, n in counts.values())
-
-    n_blocks = len({t.block for t in tensors if t.section == "block"})
-    return GroupedInventory(counted("first"), counted("block", 0), counted("last"), n_blocks)
+def _counted(tensors: list[ParamTensor], frozen: frozenset[str]) -> Counted:
+    counts: dict[tuple, list] = {}
+    for t in tensors:
+        trains = t.name not in frozen
+        counts.setdefault((t.shape, t.tp, t.expert, trains), [t, 0, trains])[1] += 1
+    return tuple((t, n, trains) for t, n, trains in counts.values())
 
 
-def held(
-    inventory: GroupedInventory, plan: PipelinePlan | None, pp_rank: int
-) -> list[tuple[ParamTensor, int]]:
+def _alike(a: Counted, b: Counted) -> bool:
+    """Whether two blocks hold the same tensors (their names aside)."""
+
+    def placed(counted: Counted) -> list[tuple]:
+        return [(t.shape, t.tp, t.expert, n, trains) for t, n, trains in counted]
+
+    return placed(a) == placed(b)
+
+
+def group(tensors: list[ParamTensor], frozen: frozenset[str] = frozenset()) -> GroupedInventory:
+    """``tensors`` grouped; ``frozen`` names those that get no gradient and no optimizer state."""
+    blocks: dict[int, list[ParamTensor]] = {}
+    for t in tensors:
+        if t.section == "block":
+            blocks.setdefault(t.block, []).append(t)
+    runs: list[BlockRun] = []
+    for index in sorted(blocks):
+        counted = _counted(blocks[index], frozen)
+        if runs and _alike(runs[-1].tensors, counted) and runs[-1].stop == index:
+            runs[-1] = BlockRun(runs[-1].start, index + 1, counted)
+        else:
+            runs.append(BlockRun(index, index + 1, counted))
+    return GroupedInventory(
+        _counted([t for t in tensors if t.section == "first"], frozen),
+        tuple(runs),
+        _counted([t for t in tensors if t.section == "last"], frozen),
+        len(blocks),
+    )
+
+
+def held(inventory: GroupedInventory, plan: PipelinePlan | None, pp_rank: int) -> Counted:
     """The distinct tensors pipeline rank ``pp_rank``'s stages hold (all without a pipeline),
-    with their counts."""
+    with their counts and whether they train."""
     if plan is None:
-        blocks, has_first, has_last = inventory.n_blocks, True, True
+        ranges, has_first, has_last = [range(inventory.n_blocks)], True, True
     else:
         stages = plan.local_stages(pp_rank)
-        blocks = sum(plan.split[stage] for stage in stages)
+        ranges = [plan.stage_blocks(stage) for stage in stages]
         has_first, has_last = 0 in stages, plan.num_stages - 1 in stages
-    tensors = [(t, n * blocks) for t, n in inventory.block]
+    tensors: list[tuple[ParamTensor, int, bool]] = []
+    for blocks in ranges:
+        for run in inventory.runs:
+            overlap = min(run.stop, blocks.stop) - max(run.start, blocks.start)
+            if overlap > 0:
+                tensors += [(t, n * overlap, trains) for t, n, trains in run.tensors]
     if has_first:
         tensors += inventory.first
     if has_last:
         tensors += inventory.last
-    return tensors
+    return tuple(tensors)
 
 
 def local_shape(tensor: ParamTensor, dims: ParallelDims, tp_rank: int) -> list[int]:
@@ -147,10 +205,11 @@ def state_bytes(
     ``tp_rank``, FSDP shard 0."""
     fsdp = uses_fsdp(dims, strategy, bf16)
     params = grads = optimizer = 0
-    for tensor, count in held(inventory, plan, pp_rank):
+    for tensor, count, trains in held(inventory, plan, pp_rank):
         shape = local_shape(tensor, dims, tp_rank)
         local = fsdp_shard(tensor, shape, dims, n_experts) if fsdp else math.prod(shape)
         params += count * local * FP32
-        grads += count * local * FP32
-        optimizer += count * (ADAM_MOMENTS * local + 1) * FP32
+        if trains:  # a frozen tensor has no gradient and no optimizer state
+            grads += count * local * FP32
+            optimizer += count * (ADAM_MOMENTS * local + 1) * FP32
     return StateBytes(params, grads, optimizer)

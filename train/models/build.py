@@ -4,9 +4,10 @@ materialized shard by shard and initialized by parameter name (see ``train.model
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from train.mesh import Meshes
-from train.models.init import init_weights
+from train.models.init import canonical_name, init_weights
 from train.models.parallelize import ParallelizeOptions, parallelize
 from train.models.pipeline import PipelinePart, pipeline_parts
 from train.models.salm import SALM, SALMConfig
@@ -53,3 +54,17 @@ def build_pipeline(
         part.to_empty(device=device)
         init_weights(part, init_seed)
     return parts
+
+
+def freeze_parameters(model: nn.Module, frozen: set[str]) -> list[nn.Parameter]:
+    """Stop the gradients of the parameters named in ``frozen`` (whole-model names, from
+    ``train.layout.frozen_of``) before the first forward, so FSDP never reduces them; returns
+    the parameters that still train, for the optimizer (which then keeps no state for the
+    others)."""
+    trainable = []
+    for name, param in model.named_parameters():
+        if canonical_name(name) in frozen:
+            param.requires_grad_(False)
+        else:
+            trainable.append(param)
+    return trainable
