@@ -288,3 +288,98 @@ def test_a_chain_ends_with_its_evaluation(slurm_cluster, tmp_path, corpus):
     assert result["split"] == "test" and result["num_utterances"] > 0
     status = run_tool("orchestrator", "status", summary["chain_id"])
     assert f"WER {100 * result['wer']:.2f}% at step 4" in status.stdout, status.stdout
+
+
+def exported(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_module("train.export", str(run_dir), "--out", str(out), *args)
+
+
+def trained_llm_agrees(run_dir: Path, folder: Path) -> None:
+    """``folder`` (an exported LLM) computes the logits the trained LLM computes, in fp32, and
+    is the checkpoint's step: what a user loading it with transformers gets is what trained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train.export import load_trained
+    from train.layout import model_of
+    from train.saved_run import find_checkpoint, saved_model, saved_state
+
+    checkpoint = find_checkpoint(run_dir, None, None)
+    shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))
+    ours = load_trained(run_dir, checkpoint, shape)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype="float32")
+    tokens = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5, 64]])
+    with torch.no_grad():
+        expected, _ = ours.llm(ours.llm.embed(tokens), torch.ones_like(tokens, dtype=torch.bool))
+        got = theirs(tokens).logits[:, :, : shape.vocab_size]
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), (got - expected).abs().max()
+
+
+def test_an_exported_pretrained_llm_is_what_trained_with_its_tokenizer(chat_run, tmp_path):
+    """``python -m train.export``: AutoModelForCausalLM and AutoTokenizer load DIR/llm offline;
+    the logits are the trained LLM's; the tokenizer keeps <|audio|> and renders the same prompt
+    as training did; the audio side sits beside it, and its config names the LLM folder."""
+    from train.export import LLM_DIR, SPEECH_CONFIG, SPEECH_WEIGHTS
+    from train.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
+
+    run_dir, _ = chat_run
+    out = tmp_path / "export"
+    done = exported(run_dir, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the model in fp32 on the CPU takes" in done.stderr
+    trained_llm_agrees(run_dir, out / LLM_DIR)
+    config = json.loads((out / SPEECH_CONFIG).read_text())
+    assert config["model"]["pretrained_llm"] == LLM_DIR and config["audio_token"] == AUDIO_TOKEN
+    assert (out / SPEECH_WEIGHTS).is_file() and (out / LLM_DIR / "generation_config.json").is_file()
+    tokenizer = load_tokenizer(out / LLM_DIR)
+    assert len(tokenizer.encode(AUDIO_TOKEN, add_special_tokens=False)) == 1
+    state = json.loads(next((run_dir / "checkpoints").glob("step_*/state.json")).read_text())
+    original = load_tokenizer(Path(state["trainer_state"]["model"]["pretrained_llm"]))
+    prompt = config["model"]["prompt"]
+    assert prompt == "Write down what is said."
+    exported_prompt = ChatPrompt(tokenizer, prompt, None).generation_prompt()
+    assert exported_prompt == ChatPrompt(original, prompt, None).generation_prompt()
+
+
+def test_a_preset_exports_as_a_llama(dense_run, tmp_path):
+    """A preset's decoder (our blocks) loads as LlamaForCausalLM with the same logits."""
+    from train.export import LLM_DIR
+
+    out = tmp_path / "export"
+    done = exported(dense_run, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / LLM_DIR / "config.json").read_text())["model_type"] == "llama"
+    trained_llm_agrees(dense_run, out / LLM_DIR)
+
+
+def test_an_export_that_cannot_be_done_is_one_line_and_writes_nothing(dense_run, moe_run, tmp_path):
+    existing = tmp_path / "taken"
+    existing.mkdir()
+    for run_dir, out, args, message in [
+        (dense_run, existing, (), "already exists; give a new directory"),
+        (dense_run, tmp_path / "a", ("--step", "7"), "is not a complete checkpoint"),
+        (moe_run, tmp_path / "b", (), "an MoE LLM (4 experts) has no Hugging Face family"),
+        (tmp_path / "nothing", tmp_path / "c", (), "no complete checkpoint"),
+    ]:
+        done = exported(run_dir, out, *args)
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"] and not any(existing.iterdir())
+
+
+def test_an_audio_token_beyond_the_vocabulary_gets_a_mean_row():
+    """A tokenizer whose <|audio|> lies past config.json's vocab_size (Llama 3's does): the
+    exported embedding (and an untied head) grows by the trained rows' mean, so transformers
+    loads a consistent model; a tied head is the embedding and is not written twice."""
+    import torch
+
+    from train.export import with_rows
+
+    embed = torch.arange(8.0).reshape(4, 2)
+    grown = with_rows({"model.embed_tokens.weight": embed, "lm_head.weight": -embed}, 5, False)
+    assert grown["model.embed_tokens.weight"].tolist()[-1] == [3.0, 4.0]
+    assert grown["lm_head.weight"].tolist()[-1] == [-3.0, -4.0]
+    tied = with_rows({"model.embed_tokens.weight": embed}, 6, True)
+    assert list(tied) == ["model.embed_tokens.weight"] and tied[
+        "model.embed_tokens.weight"
+    ].shape == (6, 2)

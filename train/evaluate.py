@@ -37,16 +37,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
 from contract.job_end import EXIT_CONFIG
-from contract.run_dir import (
-    CHECKPOINTS_DIR,
-    EVAL_DIR,
-    MARKER,
-    STATE_FILE,
-    complete_checkpoints,
-    step_name,
-)
+from contract.run_dir import EVAL_DIR, step_name
 from train.checkpoint import CheckpointError, CheckpointManager
-from train.config import ConfigError, ModelConfig, ParallelConfig
+from train.config import ConfigError, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.layout import checked_dims, model_of
@@ -58,6 +51,7 @@ from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
 from train.prompt import ChatPrompt
+from train.saved_run import find_checkpoint, saved_model, saved_state
 from train.text import text_codec
 from train.trainer import init_distributed, say
 from train.validation import rank_share
@@ -91,32 +85,6 @@ class Plan:
     inputs: Path
     split: str
     dims: ParallelDims
-
-
-def find_checkpoint(cfg: EvaluateConfig) -> Path:
-    run_dir = Path(cfg.run_dir)
-    if cfg.checkpoint:
-        path = Path(cfg.checkpoint)
-    elif cfg.step is not None:
-        path = run_dir / CHECKPOINTS_DIR / step_name(cfg.step)
-    else:
-        latest = CheckpointManager(run_dir).latest() if run_dir.is_dir() else None
-        if latest is None:
-            raise ConfigError(
-                f"run_dir={run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR}; "
-                "train first, or pass checkpoint=PATH"
-            )
-        return latest
-    if not (path / MARKER).is_file():
-        raise ConfigError(
-            f"{path} is not a complete checkpoint (no {MARKER} marker); complete ones in "
-            f"{run_dir / CHECKPOINTS_DIR}: {complete_steps(run_dir) or 'none'}"
-        )
-    return path
-
-
-def complete_steps(run_dir: Path) -> str:
-    return ", ".join(path.name for path in complete_checkpoints(run_dir).values())
 
 
 def check_inputs(path: Path) -> int:
@@ -166,15 +134,10 @@ def preflight(cfg: EvaluateConfig) -> Plan:
         raise ConfigError("batch_size and max_new_tokens must be at least 1")
     if not cfg.kv_cache and cfg.parallel.tp > 1:
         raise ConfigError("kv_cache=false (the baseline without a cache) runs at parallel.tp=1")
-    checkpoint = find_checkpoint(cfg)
-    state = json.loads((checkpoint / STATE_FILE).read_text())
+    checkpoint = find_checkpoint(Path(cfg.run_dir), cfg.checkpoint, cfg.step)
+    state = saved_state(checkpoint)
     trainer_state = state.get("trainer_state", {})
-    if "model" in trainer_state:
-        model = ModelConfig(**trainer_state["model"])
-    elif "model_preset" in trainer_state:  # saved before pretrained LLMs
-        model = ModelConfig(preset=trainer_state["model_preset"])
-    else:
-        raise ConfigError(f"{checkpoint} does not record its model (saved by an older trainer)")
+    model = saved_model(checkpoint, state)
     if cfg.inputs:
         inputs = Path(cfg.inputs)
         split = cfg.split or inputs.name.split(".")[0].removeprefix("cuts_")

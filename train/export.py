@@ -1,0 +1,251 @@
+"""``python -m train.export RUN_DIR --out DIR [--step N | --checkpoint PATH] [--dtype D]``: a
+trained run as Hugging Face files.
+
+- ``DIR/llm``: the LLM as a ``transformers`` model directory (``config.json``,
+  ``model.safetensors``, the tokenizer with ``<|audio|>``, ``generation_config.json``) that
+  ``AutoModelForCausalLM`` and ``AutoTokenizer`` load offline. A run from
+  ``model.pretrained_llm`` keeps its family's config (Llama, Qwen2, Qwen3); a preset's decoder is
+  written as a Llama (same blocks), with no tokenizer (its text is UTF-8 bytes, ids 0-255, then
+  pad, bos, eos).
+- ``DIR/speech.safetensors`` and ``DIR/speech_config.json``: the audio encoder and projector
+  under the project's names, and what joins them to the LLM: the model config (shape, prompt,
+  system), the audio token, the step.
+
+One process on the CPU: the model is built once in fp32 (the log says how much memory that
+takes before it allocates) and filled from the DCP checkpoint, whatever layout saved it. The
+files are written into a temporary directory beside ``DIR`` and renamed: ``DIR`` exists whole
+or not at all, and an existing ``DIR`` is refused, never overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from contract.job_end import EXIT_CONFIG
+from train.checkpoint import CheckpointError, CheckpointManager
+from train.config import ConfigError, ModelConfig
+from train.layout import model_of
+from train.models.hf_config import read_config
+from train.models.hf_weights import llm_state
+from train.models.inventory import inventory
+from train.models.salm import SALM, ByteTokenizer
+from train.models.shape import SALMConfig, llm_head_dim
+from train.prompt import AUDIO_TOKEN, load_tokenizer
+from train.saved_run import find_checkpoint, saved_model, saved_state
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+LLM_DIR, SPEECH_WEIGHTS, SPEECH_CONFIG = "llm", "speech.safetensors", "speech_config.json"
+# What a preset's decoder is in transformers' terms: Llama's blocks are ours (RMSNorm before
+# attention and the SwiGLU FFN, rotate-half RoPE, GQA, no biases).
+MAX_POSITIONS = 8192
+
+
+def say(line: str) -> None:
+    print(f"[export] {line}", file=sys.stderr, flush=True)
+
+
+def preset_llm_config(shape: SALMConfig) -> dict:
+    """A Llama config.json for a preset's decoder (dense presets only)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.d_model,
+        "intermediate_size": shape.ffn_hidden,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "head_dim": llm_head_dim(shape),
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": MAX_POSITIONS,
+        "pad_token_id": ByteTokenizer.pad_id,
+        "bos_token_id": ByteTokenizer.bos_id,
+        "eos_token_id": ByteTokenizer.eos_id,
+    }
+
+
+def source_dtype(config: dict) -> torch.dtype:
+    """The dtype the pretrained files were in (bf16 when the config does not say)."""
+    name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    return {value: key for key, value in DTYPE_NAMES.items()}.get(name, torch.bfloat16)
+
+
+def with_rows(state: dict[str, torch.Tensor], rows: int, tied: bool) -> dict[str, torch.Tensor]:
+    """The embedding (and an untied head) grown to ``rows`` rows, each new row the mean of the
+    trained ones: a token the LLM never saw starts where its neighbours are on average."""
+    names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    for name in names:
+        weight = state[name]
+        extra = weight.mean(dim=0, keepdim=True).expand(rows - weight.shape[0], -1)
+        state[name] = torch.cat([weight, extra])
+    return state
+
+
+def check_out(out: Path) -> None:
+    if out.exists():
+        raise ConfigError(f"--out {out} already exists; give a new directory (nothing written)")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: its parent {out.parent} does not exist")
+
+
+def plan_export(args: argparse.Namespace) -> tuple[Path, dict, ModelConfig, SALMConfig]:
+    """Everything checkable before the model is built; one ConfigError line otherwise."""
+    out = Path(args.out)
+    check_out(out)
+    checkpoint = find_checkpoint(Path(args.run_dir), args.checkpoint, args.step)
+    state = saved_state(checkpoint)
+    model_cfg = saved_model(checkpoint, state)
+    shape = model_of(model_cfg)
+    if shape.n_experts:
+        raise ConfigError(
+            f"{checkpoint}: an MoE LLM ({shape.n_experts} experts) has no Hugging Face family "
+            "here to export to; export dense models (Llama, Qwen2, Qwen3 or a dense preset)"
+        )
+    return checkpoint, state, model_cfg, shape
+
+
+def write_llm(
+    folder: Path, model: SALM, model_cfg: ModelConfig, shape: SALMConfig, dtype: torch.dtype
+) -> dict:
+    """DIR/llm: weights in Hugging Face names, config, tokenizer and generation config."""
+    folder.mkdir()
+    state = {name: param.detach().to(dtype) for name, param in llm_state(model).items()}
+    if shape.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    if model_cfg.pretrained_llm:
+        source = Path(model_cfg.pretrained_llm)
+        config = read_config(source)
+        tokenizer = load_tokenizer(source)
+        rows = len(tokenizer)
+        if rows > shape.vocab_size:  # the audio token needs a row of its own
+            state = with_rows(state, rows, shape.tie_embeddings)
+            config["vocab_size"] = rows
+        tokenizer.save_pretrained(folder)
+        if (source / "generation_config.json").is_file():
+            shutil.copy(source / "generation_config.json", folder)
+    else:
+        config = preset_llm_config(shape)
+    config.pop("torch_dtype", None)
+    config["dtype"] = DTYPE_NAMES[dtype]
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {name: tensor.contiguous() for name, tensor in state.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return config
+
+
+def write_speech(out: Path, model: SALM, model_cfg: ModelConfig, shape: SALMConfig, step: int):
+    parts = {
+        name: param.detach().contiguous()
+        for name, param in model.named_parameters()
+        if not name.startswith("llm.")
+    }
+    save_file(parts, out / SPEECH_WEIGHTS, metadata={"format": "pt"})
+    record = {
+        "step": step,
+        "model": {**dataclasses.asdict(model_cfg), "pretrained_llm": LLM_DIR},
+        "shape": dataclasses.asdict(shape),
+        "audio_token": AUDIO_TOKEN if model_cfg.pretrained_llm else None,
+        "llm_dir": LLM_DIR,
+    }
+    (out / SPEECH_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def readable(folder: Path) -> None:
+    """The modes a plain ``mkdir`` and ``open`` would have given (the temporary directory and
+    safetensors' files are private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def load_trained(run_dir: Path, checkpoint: Path, shape: SALMConfig) -> SALM:
+    """The whole model of ``checkpoint`` in one process, fp32 on the CPU."""
+    with torch.device("meta"):
+        model = SALM(shape)
+    model.to_empty(device="cpu")
+    model.llm.tie_head()
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": so it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            CheckpointManager(run_dir).load(checkpoint, model, None, None)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    return model.eval()
+
+
+def export(args: argparse.Namespace) -> Path:
+    checkpoint, state, model_cfg, shape = plan_export(args)
+    out = Path(args.out)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if dtype is None:
+        pretrained = model_cfg.pretrained_llm
+        dtype = source_dtype(read_config(Path(pretrained))) if pretrained else torch.float32
+    fp32 = sum(t.numel for t in inventory(shape)) * 4
+    size = f"{fp32 / 2**30:.1f} GiB" if fp32 >= 2**30 else f"{fp32 / 2**20:.1f} MiB"
+    step = state["step"]
+    say(f"{checkpoint} (step {step}): the model in fp32 on the CPU takes {size} of memory")
+    started = time.perf_counter()
+    model = load_trained(Path(args.run_dir), checkpoint, shape)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_llm(staging / LLM_DIR, model, model_cfg, shape, dtype)
+        write_speech(staging, model, model_cfg, shape, int(step))
+        readable(staging)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    written = f"{LLM_DIR}/ ({DTYPE_NAMES[dtype]}), {SPEECH_WEIGHTS}, {SPEECH_CONFIG}"
+    say(f"wrote {out} in {time.perf_counter() - started:.1f} s: {written}")
+    return out
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.export",
+        description="Write a trained run's LLM as a Hugging Face model directory (OUT/llm) and "
+        "its audio encoder and projector beside it.",
+    )
+    parser.add_argument("run_dir", help="the training run (its checkpoints/)")
+    parser.add_argument("--out", required=True, help="a new directory to write")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="the checkpoint of this step (default: newest)")
+    which.add_argument("--checkpoint", help="a step_<N> directory")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the pretrained files')"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        export(args)
+    except (ConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
