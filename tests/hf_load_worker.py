@@ -8,7 +8,9 @@ For each model directory: build on the meta device, parallelize, materialize, lo
 with DCP from the safetensors (each rank reading its shards), then record the full parameters,
 the loss of the synthetic batch (every rank feeds the whole batch), whether the output head is
 still the embedding, how many elements of each LLM tensor this rank holds, and the loss after
-one AdamW step. Rank 0 writes --out: {directory: record}.
+one AdamW step. With --lora-rank R every projection of the LLM gets a LoRA adapter and the LLM's
+own weights are frozen (as ``model.lora`` does): two steps are taken and the full parameters
+after them recorded too. Rank 0 writes --out: {directory: record}.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.synthetic import full_params, synthetic_batch
+from train.config import LoraConfig, ModelConfig, TrainConfig
+from train.layout import frozen_of, model_of
 from train.mesh import build_meshes
-from train.models.build import build_model, build_pipeline
+from train.models.build import build_model, build_pipeline, freeze_parameters
+from train.models.hf_names import PROJECTIONS
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view
-from train.models.presets import model_shape
 from train.models.salm import loss_targets
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
@@ -42,8 +46,17 @@ def local_elements(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
+def lora_config(directory: Path, rank: int) -> TrainConfig:
+    """A trainer config of the tiny preset with ``directory``'s LLM, adapted on every
+    projection when ``rank`` > 0."""
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=list(PROJECTIONS))
+    return TrainConfig(model=ModelConfig(pretrained_llm=str(directory), lora=lora))
+
+
 def record(directory: Path, args: argparse.Namespace) -> dict:
-    cfg, cpu = model_shape("tiny", str(directory)), torch.device("cpu")
+    cpu = torch.device("cpu")
+    train_cfg = lora_config(directory, args.lora_rank)
+    cfg = model_of(train_cfg.model)
     meshes, pp_group, dims = None, None, ParallelDims(1)
     if dist.is_initialized():
         dims = ParallelDims(
@@ -82,14 +95,18 @@ def record(directory: Path, args: argparse.Namespace) -> dict:
         "tied": cfg.tie_embeddings and model.llm.lm_head.weight is model.llm.embed.weight,
         "local_elements": local_elements(model),
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(freeze_parameters(model, frozen_of(train_cfg)), lr=1e-3)
     # Every data-parallel rank feeds the whole batch, as if each held a copy of it.
     targets, sequences = loss_targets(batch[3]) * dims.dp, len(batch[3]) * dims.dp
-    runner.forward_backward(
-        [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks
-    )
-    optimizer.step()
+    for _ in range(2 if args.lora_rank else 1):
+        runner.forward_backward(
+            [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks
+        )
+        optimizer.step()
+        optimizer.zero_grad()
     result["loss_after_step"] = loss()
+    if args.lora_rank:
+        result["params_after_steps"] = full_params(model, pp_group)
     return result
 
 
@@ -99,6 +116,7 @@ def main() -> None:
     for degree in ("dp-replicate", "tp", "pp", "cp"):
         parser.add_argument(f"--{degree}", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=-1)
+    parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)

@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tests.helpers import REPO
-from train.models.freeze import frozen_names
+from train.config import LoraConfig, ModelConfig, TrainConfig
+from train.layout import frozen_of, model_of
+from train.models.hf_names import PROJECTIONS
 from train.models.inventory import inventory, stage_param_counts
-from train.models.presets import get_preset
 from train.models.shape import SALMConfig
 from train.parallel_dims import DENSE_DIMS, ParallelDims
 from train.pipeline_plan import PipelinePlan, plan_pipeline
@@ -44,11 +45,21 @@ class Case:
     batch: tuple[int, int, int] = (2, 16, 40)  # sequences, fbank frames, tokens per rank
     freeze: tuple[str, ...] = ()  # model.freeze and model.unfreeze
     unfreeze: tuple[str, ...] = ()
+    lora_rank: int = 0  # LoRA adapters on every projection of the LLM
+
+    def model(self) -> ModelConfig:
+        """The trainer's model settings of the case."""
+        lora = LoraConfig(rank=self.lora_rank, target_modules=list(PROJECTIONS))
+        return ModelConfig(
+            preset=self.preset, freeze=list(self.freeze), unfreeze=list(self.unfreeze), lora=lora
+        )
+
+    def shape(self) -> SALMConfig:
+        return model_of(self.model())
 
     def frozen(self) -> frozenset[str]:
-        """The parameter names the case's freeze rules leave frozen, as the trainer finds them."""
-        names = [tensor.name for tensor in inventory(get_preset(self.preset))]
-        return frozenset(frozen_names(names, self.freeze, self.unfreeze))
+        """The parameter names the case leaves frozen, as the trainer finds them."""
+        return frozenset(frozen_of(TrainConfig(model=self.model())))
 
     def dims(self) -> ParallelDims:
         sizes = {key: value for key, value in self.parallel.items() if key in DENSE_DIMS}
@@ -74,6 +85,8 @@ CASES = {
         4, "tiny", {"pp": 2, "dp_shard": 2}, freeze=(r"^llm\.",), unfreeze=(r"llm\.layers\.1\.",)
     ),
     "moe_fsdp2xtp2_ep2": Case(4, "tiny_moe", {"tp": 2, "dp_shard": 2, "ep": 2}),
+    # LoRA: the LLM frozen, adapters A whole or split over TP beside their bases, B likewise.
+    "fsdp2xtp2_lora": Case(4, "tiny", {"tp": 2, "dp_shard": 2}, lora_rank=4),
 }
 
 

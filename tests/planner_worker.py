@@ -127,9 +127,8 @@ def synthetic_batch(sequences: int, frames: int, tokens: int) -> dict[str, torch
 
 def config(case: Case, run_dir: str) -> TrainConfig:
     cfg = TrainConfig(run_dir=run_dir, strategy=case.strategy)
-    cfg.model.preset = case.preset
+    cfg.model = case.model()
     cfg.mixed_precision = case.bf16
-    cfg.model.freeze, cfg.model.unfreeze = list(case.freeze), list(case.unfreeze)
     for key, value in case.parallel.items():
         setattr(cfg.parallel, key, value)
     return cfg

@@ -341,8 +341,9 @@ def test_an_exported_pretrained_llm_is_what_trained_with_its_tokenizer(chat_run,
     assert exported_prompt == ChatPrompt(original, prompt, None).generation_prompt()
 
 
-def test_a_preset_exports_as_a_llama(dense_run, tmp_path):
-    """A preset's decoder (our blocks) loads as LlamaForCausalLM with the same logits."""
+def test_a_preset_exports_as_a_llama(dense_run, dense_alone, tmp_path):
+    """A preset's decoder (our blocks) loads as LlamaForCausalLM with the same logits, and
+    train.evaluate decodes the export (read sharded at dp 2) as it decodes the checkpoint."""
     from train.export import LLM_DIR
 
     out = tmp_path / "export"
@@ -350,6 +351,7 @@ def test_a_preset_exports_as_a_llama(dense_run, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / LLM_DIR / "config.json").read_text())["model_type"] == "llama"
     trained_llm_agrees(dense_run, out / LLM_DIR)
+    assert evaluate(out, nproc=2)["rows"] == dense_alone["rows"]
 
 
 def test_an_export_that_cannot_be_done_is_one_line_and_writes_nothing(dense_run, moe_run, tmp_path):

@@ -14,7 +14,7 @@ from tests.helpers import run_tool
 from tests.hf_tiny import save_tiny
 from tests.test_trainer import final_weights, train
 from train.models.freeze import frozen_names
-from train.models.hf_weights import hf_name
+from train.models.hf_names import hf_name
 from train.models.inventory import inventory
 from train.models.presets import model_shape
 

@@ -129,8 +129,18 @@ def every_family(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def one_process(every_family) -> dict[str, dict]:
     """Each family loaded into the tiny SALM by one plain process: the reference."""
-    args = argparse.Namespace(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1)
+    args = argparse.Namespace(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, lora_rank=0)
     return {family: record(directory, args) for family, directory in every_family.items()}
+
+
+LORA_RANK, LORA_FAMILIES = 4, ["llama", "qwen2"]  # an untied and a tied head with biases
+
+
+@pytest.fixture(scope="module")
+def one_process_lora(every_family) -> dict[str, dict]:
+    """LoRA on every projection, two steps, by one plain process: the reference."""
+    args = argparse.Namespace(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1, lora_rank=LORA_RANK)
+    return {family: record(every_family[family], args) for family in LORA_FAMILIES}
 
 
 def _load_under(layout: list[str], world: int, directories: list[Path], out: Path) -> dict:
@@ -192,3 +202,33 @@ def test_gqa_kv_heads_tp_must_divide_is_refused_in_one_line(every_family) -> Non
     cfg = SALMConfig(**decoder_fields(every_family["llama"]))
     with pytest.raises(ValueError, match="tp=4 must divide the 2 KV heads"):
         ParallelDims(4, tp=4).validate(cfg)
+
+
+def test_lora_trains_its_adapters_alone_and_alike_under_fsdp_and_tp(
+    every_family, one_process, one_process_lora, tmp_path
+) -> None:
+    """peft's LoRA layers on every projection of a pretrained LLM: the adapted model starts as
+    the model (B is zero), two steps move every adapter (A from the second), the encoder and the
+    projector, and not one of the LLM's own weights; FSDP x TP (A whole beside column-parallel
+    bases and split beside row-parallel ones) gives the one process's parameters."""
+    directories = [every_family[family] for family in LORA_FAMILIES]
+    layout = ["--dp-shard", "2", "--tp", "2", "--lora-rank", str(LORA_RANK)]
+    loaded = _load_under(layout, 4, directories, tmp_path / "out.pt")
+    for family, directory in zip(LORA_FAMILIES, directories, strict=True):
+        want, got = one_process_lora[family], loaded[str(directory)]
+        assert want["loss"] == one_process[family]["loss"], "the adapters changed the start"
+        before, after = want["params"], want["params_after_steps"]
+        moved = {name for name in before if not torch.equal(before[name], after[name])}
+        adapters = {name for name in before if ".lora_" in name}
+        assert len(adapters) == 2 * 7 * 2  # two blocks, seven projections, A and B
+        llm_moved = {name for name in moved if name.startswith("llm.")}
+        assert llm_moved == adapters, sorted(llm_moved ^ adapters)[:4]
+        assert any(name.startswith("encoder.") for name in moved), "the encoder did not train"
+        assert got["params_after_steps"].keys() == after.keys()
+        for name, param in after.items():
+            torch.testing.assert_close(
+                got["params_after_steps"][name], param, rtol=1e-4, atol=1e-5, msg=name
+            )
+        torch.testing.assert_close(
+            got["loss_after_step"], want["loss_after_step"], rtol=1e-5, atol=0
+        )

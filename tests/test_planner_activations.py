@@ -25,7 +25,6 @@ import pytest
 from orchestrator.planner.activations import ActivationLayout, Microbatch, activation_bytes
 from tests.helpers import REPO
 from tests.planner_cases import CASES, measured, pipeline
-from train.models.presets import get_preset
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +62,7 @@ def test_activation_formula_is_within_ten_percent_of_measured_peaks():
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.activations])
 def test_activation_formula_holds_per_rank_under_tp_cp_and_pp(name):
     case = CASES[name]
-    cfg = get_preset(case.preset)
+    cfg = case.shape()
     dims = case.dims()
     plan = pipeline(cfg, dims)
     microbatches = case.parallel.get("pp_microbatches", 1)

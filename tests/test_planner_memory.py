@@ -20,7 +20,6 @@ from orchestrator.planner.state import group, state_bytes
 from tests.planner_cases import CASES, measured, pipeline
 from train.memory import STATE_KINDS
 from train.models.inventory import inventory
-from train.models.presets import get_preset
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_state_bytes_are_exact_on_the_rank_the_planner_prices(name):
     case = CASES[name]
-    cfg = get_preset(case.preset)
+    cfg = case.shape()
     dims = case.dims()
     plan = pipeline(cfg, dims)
     grouped = group(inventory(cfg), case.frozen())

@@ -16,6 +16,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from contract.job_env import SEED_LIMIT
+from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from train.parallel_dims import STRATEGIES
 from train.watchdog import STOPPABLE
 
@@ -40,6 +41,18 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the LLM's projections (train/models/lora.py, through peft)."""
+
+    rank: int = 0  # 0: no adapters
+    alpha: float = DEFAULT_ALPHA  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' input
+    # Hugging Face projection names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj),
+    # the same for a preset's decoder (Llama's blocks).
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+
+@dataclass
 class ModelConfig:
     preset: str = "tiny"  # train/models/presets.py: tiny, tiny_moe, small, llm_1b, moe_1b
     init_seed: int = 1234  # the same on every rank, so replicated parameters start identical
@@ -54,6 +67,9 @@ class ModelConfig:
     # pattern and by no unfreeze pattern, a parameter gets no gradient and no optimizer state.
     freeze: list[str] = field(default_factory=list)
     unfreeze: list[str] = field(default_factory=list)
+    # With lora.rank > 0 the LLM's own weights are frozen and only its adapters (and the
+    # encoder and projector, unless frozen) train; model.unfreeze can release LLM weights.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -9,6 +9,9 @@ saved at: DCP reshards it on load. Utterances (sorted by duration, in batches of
 ``RUN_DIR/eval/step_<N>/hypotheses.jsonl`` and ``summary.json``. Scoring is train/wer.py's
 (normalized text, corpus-level rates).
 
+``run_dir`` may also be a directory ``python -m train.export`` wrote (``train/exported.py``):
+the model is then read from its Hugging Face files, sharded, and the results go to its eval/.
+
 Inputs: ``inputs=`` any lhotse cut manifest whose cuts have supervisions and either features
 (80 fbank bins, as the corpus stores) or audio (features are then computed here); by default
 the test split of the corpus the run trained on. The checkpoint: the newest complete one in
@@ -42,6 +45,7 @@ from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig
 from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
+from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
 from train.layout import checked_dims, model_of
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
@@ -78,7 +82,7 @@ class EvaluateConfig:
 class Plan:
     """What preflight resolved: the checkpoint, its step and model, the inputs, the layout."""
 
-    checkpoint: Path
+    source: Path | Export  # the checkpoint, or an export (train/exported.py)
     step: int
     model: SALMConfig  # the shape the run trained (a preset, or with a pretrained LLM)
     text: ByteTokenizer | ChatPrompt  # the run's prompt, decoding and end tokens
@@ -134,23 +138,33 @@ def preflight(cfg: EvaluateConfig) -> Plan:
         raise ConfigError("batch_size and max_new_tokens must be at least 1")
     if not cfg.kv_cache and cfg.parallel.tp > 1:
         raise ConfigError("kv_cache=false (the baseline without a cache) runs at parallel.tp=1")
-    checkpoint = find_checkpoint(Path(cfg.run_dir), cfg.checkpoint, cfg.step)
-    state = saved_state(checkpoint)
-    trainer_state = state.get("trainer_state", {})
-    model = saved_model(checkpoint, state)
+    run_dir = Path(cfg.run_dir)
+    if is_export(run_dir):
+        if cfg.checkpoint or cfg.step is not None:
+            raise ConfigError(
+                f"run_dir={run_dir} is an export (one step, {SPEECH_CONFIG}): drop step= and "
+                "checkpoint="
+            )
+        source = read_export(run_dir)
+        model, step, corpus = source.model, source.step, source.corpus
+    else:
+        source = find_checkpoint(run_dir, cfg.checkpoint, cfg.step)
+        state = saved_state(source)
+        model, step = saved_model(source, state), int(state["step"])
+        corpus = state.get("trainer_state", {}).get("corpus")
     if cfg.inputs:
         inputs = Path(cfg.inputs)
         split = cfg.split or inputs.name.split(".")[0].removeprefix("cuts_")
-    elif "corpus" in trainer_state:
-        inputs = Path(trainer_state["corpus"]) / "cuts_test.jsonl.gz"
+    elif corpus:
+        inputs = Path(corpus) / "cuts_test.jsonl.gz"
         split = cfg.split or "test"
     else:
-        raise ConfigError(f"{checkpoint} does not record its corpus: pass inputs=MANIFEST")
+        raise ConfigError(f"{run_dir} does not record its corpus: pass inputs=MANIFEST")
     check_inputs(inputs)
     shape = model_of(model)
     text = text_codec(model, shape.vocab_size)
     dims = layout(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
-    return Plan(checkpoint, int(state["step"]), shape, text, inputs, split, dims)
+    return Plan(source, step, shape, text, inputs, split, dims)
 
 
 def features_of(cut: Cut) -> torch.Tensor:
@@ -186,7 +200,10 @@ class Evaluation:
         else:
             self.model = build_model(model_cfg, device, 0, meshes, options)
         self.model.eval()
-        CheckpointManager(Path(cfg.run_dir)).load(plan.checkpoint, self.model, None, None)
+        if isinstance(plan.source, Export):
+            load_export(self.model, plan.source)
+        else:
+            CheckpointManager(Path(cfg.run_dir)).load(plan.source, self.model, None, None)
         initialize_sharding(self.model)
         coords = plan.dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
@@ -268,11 +285,12 @@ class Evaluation:
             for row in rows:
                 file.write(json.dumps(row) + "\n")
         audio_s = sum(audio_by_dp.values())
+        source = self.plan.source
         summary = {
             "step": self.plan.step,
             "split": self.plan.split,
             "inputs": str(self.plan.inputs),
-            "checkpoint": str(self.plan.checkpoint),
+            "checkpoint": str(source.directory if isinstance(source, Export) else source),
             "num_utterances": len(rows),
             "wer": counts.wer,
             "cer": counts.cer,

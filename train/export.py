@@ -7,9 +7,14 @@ trained run as Hugging Face files.
   ``model.pretrained_llm`` keeps its family's config (Llama, Qwen2, Qwen3); a preset's decoder is
   written as a Llama (same blocks), with no tokenizer (its text is UTF-8 bytes, ids 0-255, then
   pad, bos, eos).
+- With LoRA adapters (``model.lora``): merged into their projections (``W + alpha/rank B A``,
+  in fp32), or with ``--adapters`` written apart as ``DIR/lora`` (``adapter_config.json`` and
+  ``adapter_model.safetensors`` in peft's names), ``DIR/llm`` then holding the unmerged LLM, so
+  ``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/llm), DIR/lora)``.
 - ``DIR/speech.safetensors`` and ``DIR/speech_config.json``: the audio encoder and projector
   under the project's names, and what joins them to the LLM: the model config (shape, prompt,
-  system), the audio token, the step.
+  system), the audio token, the step, the corpus. ``python -m train.evaluate run_dir=DIR``
+  decodes with the export (``train.exported`` owns this layout and reads it back).
 
 One process on the CPU: the model is built once in fp32 (the log says how much memory that
 takes before it allocates) and filled from the DCP checkpoint, whatever layout saved it. The
@@ -35,11 +40,21 @@ from safetensors.torch import save_file
 
 from contract.job_end import EXIT_CONFIG
 from train.checkpoint import CheckpointError, CheckpointManager
-from train.config import ConfigError, ModelConfig
+from train.config import ConfigError, LoraConfig, ModelConfig
+from train.exported import (
+    ADAPTER_WEIGHTS,
+    LLM_DIR,
+    LORA_DIR,
+    SPEECH_CONFIG,
+    SPEECH_WEIGHTS,
+    peft_name,
+)
 from train.layout import model_of
 from train.models.hf_config import read_config
+from train.models.hf_names import PROJECTIONS, hf_name
 from train.models.hf_weights import llm_state
 from train.models.inventory import inventory
+from train.models.lora import LORA_A, LORA_B, adapter_names, merged_weight
 from train.models.salm import SALM, ByteTokenizer
 from train.models.shape import SALMConfig, llm_head_dim
 from train.prompt import AUDIO_TOKEN, load_tokenizer
@@ -47,7 +62,6 @@ from train.saved_run import find_checkpoint, saved_model, saved_state
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-LLM_DIR, SPEECH_WEIGHTS, SPEECH_CONFIG = "llm", "speech.safetensors", "speech_config.json"
 # What a preset's decoder is in transformers' terms: Llama's blocks are ours (RMSNorm before
 # attention and the SwiGLU FFN, rotate-half RoPE, GQA, no biases).
 MAX_POSITIONS = 8192
@@ -119,15 +133,68 @@ def plan_export(args: argparse.Namespace) -> tuple[Path, dict, ModelConfig, SALM
             f"{checkpoint}: an MoE LLM ({shape.n_experts} experts) has no Hugging Face family "
             "here to export to; export dense models (Llama, Qwen2, Qwen3 or a dense preset)"
         )
+    if args.adapters and not shape.lora_rank:
+        raise ConfigError(
+            f"--adapters: {checkpoint} was trained without LoRA adapters (model.lora.rank=0); "
+            "export without --adapters"
+        )
     return checkpoint, state, model_cfg, shape
 
 
+def llm_weights(model: SALM, shape: SALMConfig, merge: bool) -> dict[str, torch.Tensor]:
+    """The LLM's tensors in Hugging Face names, its LoRA adapters merged when ``merge``."""
+    state = {name: param.detach() for name, param in llm_state(model).items()}
+    if merge:
+        params = dict(model.named_parameters())
+        for prefix in adapted_modules(shape):
+            a, b = adapter_names(prefix)
+            name = hf_name(f"{prefix}.weight")
+            state[name] = merged_weight(state[name], params[a], params[b], shape)
+    return state
+
+
+def adapted_modules(shape: SALMConfig) -> list[str]:
+    """Every projection that carries an adapter, as a plain model names it."""
+    return [
+        f"llm.layers.{index}.{module}"
+        for index in range(shape.n_layers)
+        for module in shape.lora_targets
+    ]
+
+
+def write_adapters(folder: Path, model: SALM, shape: SALMConfig, dtype: torch.dtype) -> None:
+    """DIR/lora: the adapters as peft saves them (its config and its tensor names)."""
+    import peft
+
+    params = dict(model.named_parameters())
+    tensors = {}
+    for prefix in adapted_modules(shape):
+        for part, name in zip((LORA_A, LORA_B), adapter_names(prefix), strict=True):
+            tensors[peft_name(prefix, part)] = params[name].detach().to(dtype).contiguous()
+    targets = sorted(name for name, module in PROJECTIONS.items() if module in shape.lora_targets)
+    config = peft.LoraConfig(
+        r=shape.lora_rank,
+        lora_alpha=shape.lora_alpha,
+        lora_dropout=shape.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=LLM_DIR,
+    )
+    config.save_pretrained(folder)
+    save_file(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+
 def write_llm(
-    folder: Path, model: SALM, model_cfg: ModelConfig, shape: SALMConfig, dtype: torch.dtype
+    folder: Path,
+    model: SALM,
+    model_cfg: ModelConfig,
+    shape: SALMConfig,
+    dtype: torch.dtype,
+    merge: bool,
 ) -> dict:
     """DIR/llm: weights in Hugging Face names, config, tokenizer and generation config."""
     folder.mkdir()
-    state = {name: param.detach().to(dtype) for name, param in llm_state(model).items()}
+    state = {name: t.to(dtype) for name, t in llm_weights(model, shape, merge).items()}
     if shape.tie_embeddings:
         state.pop("lm_head.weight", None)
     if model_cfg.pretrained_llm:
@@ -151,19 +218,28 @@ def write_llm(
     return config
 
 
-def write_speech(out: Path, model: SALM, model_cfg: ModelConfig, shape: SALMConfig, step: int):
+def write_speech(
+    out: Path, model: SALM, model_cfg: ModelConfig, shape: SALMConfig, state: dict, merged: bool
+):
+    """The encoder and projector, and the config that joins them to DIR/llm (and DIR/lora)."""
     parts = {
         name: param.detach().contiguous()
         for name, param in model.named_parameters()
         if not name.startswith("llm.")
     }
     save_file(parts, out / SPEECH_WEIGHTS, metadata={"format": "pt"})
+    model_record = {**dataclasses.asdict(model_cfg), "pretrained_llm": LLM_DIR}
+    if merged:  # the exported LLM carries its adapters in its weights
+        model_record["lora"] = dataclasses.asdict(LoraConfig())
+        shape = dataclasses.replace(shape, lora_rank=0, lora_targets=())
     record = {
-        "step": step,
-        "model": {**dataclasses.asdict(model_cfg), "pretrained_llm": LLM_DIR},
+        "step": int(state["step"]),
+        "corpus": state.get("trainer_state", {}).get("corpus"),
+        "model": model_record,
         "shape": dataclasses.asdict(shape),
         "audio_token": AUDIO_TOKEN if model_cfg.pretrained_llm else None,
         "llm_dir": LLM_DIR,
+        "lora_dir": None if merged or not shape.lora_rank else LORA_DIR,
     }
     (out / SPEECH_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -208,14 +284,19 @@ def export(args: argparse.Namespace) -> Path:
     model = load_trained(Path(args.run_dir), checkpoint, shape)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_llm(staging / LLM_DIR, model, model_cfg, shape, dtype)
-        write_speech(staging, model, model_cfg, shape, int(step))
+        merge = bool(shape.lora_rank) and not args.adapters
+        write_llm(staging / LLM_DIR, model, model_cfg, shape, dtype, merge)
+        if shape.lora_rank and args.adapters:
+            write_adapters(staging / LORA_DIR, model, shape, dtype)
+        write_speech(staging, model, model_cfg, shape, state, merge)
         readable(staging)
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    written = f"{LLM_DIR}/ ({DTYPE_NAMES[dtype]}), {SPEECH_WEIGHTS}, {SPEECH_CONFIG}"
+    lora = f", {LORA_DIR}/" if shape.lora_rank and args.adapters else ""
+    lora += " (LoRA merged)" if shape.lora_rank and not args.adapters else ""
+    written = f"{LLM_DIR}/ ({DTYPE_NAMES[dtype]}){lora}, {SPEECH_WEIGHTS}, {SPEECH_CONFIG}"
     say(f"wrote {out} in {time.perf_counter() - started:.1f} s: {written}")
     return out
 
@@ -233,6 +314,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     which.add_argument("--checkpoint", help="a step_<N> directory")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), help="weights' dtype (default: the pretrained files')"
+    )
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help=f"write LoRA adapters apart as OUT/{LORA_DIR} (peft's files) instead of merging them",
     )
     return parser.parse_args(argv)
 

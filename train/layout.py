@@ -12,6 +12,7 @@ from __future__ import annotations
 from train.config import ConfigError, ModelConfig, TrainConfig, validate
 from train.models.freeze import frozen_names
 from train.models.inventory import inventory
+from train.models.lora import freeze_rules, with_lora
 from train.models.presets import model_shape
 from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
@@ -19,9 +20,12 @@ from train.pipeline_plan import PipelinePlan, pipeline_plan
 
 
 def model_of(model: ModelConfig) -> SALMConfig:
-    """The shape of ``model`` (a preset, or its LLM a pretrained decoder's)."""
+    """The shape of ``model`` (a preset, or its LLM a pretrained decoder's; with LoRA
+    adapters when ``model.lora.rank`` asks for them)."""
+    lora = model.lora
     try:
-        return model_shape(model.preset, model.pretrained_llm)
+        shape = model_shape(model.preset, model.pretrained_llm)
+        return with_lora(shape, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 
@@ -63,11 +67,13 @@ def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
 
 
 def frozen_of(cfg: TrainConfig) -> set[str]:
-    """The parameter names ``model.freeze`` and ``model.unfreeze`` leave frozen (whole-model
-    names, from the inventory: every rank and the planner agree without building anything)."""
+    """The parameter names ``model.freeze`` and ``model.unfreeze`` leave frozen, with the LLM's
+    own weights under LoRA (whole-model names, from the inventory: every rank and the planner
+    agree without building anything)."""
     names = [tensor.name for tensor in inventory(model_of(cfg.model))]
+    freeze = freeze_rules(cfg.model.freeze, cfg.model.lora.rank)
     try:
-        return frozen_names(names, cfg.model.freeze, cfg.model.unfreeze)
+        return frozen_names(names, freeze, cfg.model.unfreeze)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 

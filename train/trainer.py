@@ -216,10 +216,11 @@ class Trainer:
         # named as in the whole model, through one module.
         self.model = merged_view(self.runner.parts)
         trainable = freeze_parameters(self.model, frozen_of(cfg))
-        if cfg.model.freeze and self.rank == 0:
+        if (cfg.model.freeze or cfg.model.lora.rank) and self.rank == 0:
             count = sum(p.numel() for p in trainable)
             total = sum(p.numel() for p in self.model.parameters())
-            say(f"trainable: {count:,} of rank 0's {total:,} parameter elements (model.freeze)")
+            why = "model.lora" if cfg.model.lora.rank else "model.freeze"
+            say(f"trainable: {count:,} of rank 0's {total:,} parameter elements ({why})")
         # fused: the only AdamW that skips a step on the device (``found_inf``), with no sync.
         self.optimizer = torch.optim.AdamW(
             trainable,

@@ -15,6 +15,7 @@ from orchestrator.planner.shapes import model_names, model_preset, with_override
 from train.models.freeze import frozen_names
 from train.models.hf_config import decoder_fields
 from train.models.inventory import inventory
+from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, freeze_rules, with_lora
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
 SHAPE_FLAGS = {
@@ -63,6 +64,21 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--unfreeze", action="append", default=[], metavar="REGEX", help="model.unfreeze"
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA adapters of rank R on the LLM (model.lora.rank): the LLM's own weights "
+        "frozen, the adapters, encoder and projector trained",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=",".join(DEFAULT_TARGETS),
+        metavar="NAMES",
+        help="the adapted projections, comma-separated (model.lora.target_modules; default "
+        "%(default)s)",
+    )
     shape = parser.add_argument_group("model shape (overrides --model's and --hf-config's)")
     for flag in SHAPE_FLAGS:
         shape.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag)
@@ -101,8 +117,10 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         if args.hf_config:
             model = replace(model, **decoder_fields(args.hf_config, "--hf-config"))
         model = with_overrides(model, **shape)
+        targets = [name for name in args.lora_targets.split(",") if name]
+        model = with_lora(model, args.lora_rank, DEFAULT_ALPHA, 0.0, targets)
         names = [tensor.name for tensor in inventory(model)]
-        frozen = frozen_names(names, args.freeze, args.unfreeze)
+        frozen = frozen_names(names, freeze_rules(args.freeze, args.lora_rank), args.unfreeze)
         gpu = gpu_preset(args.gpu)
         cluster = Cluster(
             gpus=args.gpus,

@@ -63,8 +63,8 @@ def freeze_parameters(model: nn.Module, frozen: set[str]) -> list[nn.Parameter]:
     others)."""
     trainable = []
     for name, param in model.named_parameters():
-        if canonical_name(name) in frozen:
-            param.requires_grad_(False)
-        else:
+        trains = canonical_name(name) not in frozen
+        param.requires_grad_(trains)  # peft's layers leave their own marks: these decide
+        if trains:
             trainable.append(param)
     return trainable

@@ -10,59 +10,25 @@ RoPE's tables are computed at each forward from ``rope_theta`` (no buffer to res
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from train.models.hf_names import hf_name
 from train.models.init import canonical_name
-
-# Our name inside an LLM block -> the Hugging Face name inside ``model.layers.N``.
-BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wq.bias": "self_attn.q_proj.bias",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wk.bias": "self_attn.k_proj.bias",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wv.bias": "self_attn.v_proj.bias",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn.w1.weight": "mlp.gate_proj.weight",
-    "ffn.w3.weight": "mlp.up_proj.weight",
-    "ffn.w2.weight": "mlp.down_proj.weight",
-}
-OUTER_NAMES = {
-    "llm.embed.weight": "model.embed_tokens.weight",
-    "llm.norm.weight": "model.norm.weight",
-    "llm.lm_head.weight": "lm_head.weight",
-}
-_BLOCK = re.compile(r"^llm\.layers\.(\d+)\.(.+)$")
-
-
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of our parameter ``name`` (canonical, as a plain model has it);
-    None for what is not the LLM's (the encoder, the projector)."""
-    if name in OUTER_NAMES:
-        return OUTER_NAMES[name]
-    match = _BLOCK.match(name)
-    if match is None:
-        return None
-    inner = BLOCK_NAMES.get(match.group(2))
-    if inner is None:
-        raise KeyError(f"{name}: no Hugging Face counterpart (an option the family lacks?)")
-    return f"model.layers.{match.group(1)}.{inner}"
+from train.models.lora import is_adapter
 
 
 def llm_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The LLM's parameters of ``model`` (plain or DTensor shards) under their Hugging Face
-    names; a tied output head appears once, as the embedding."""
+    names; a tied output head appears once, as the embedding. LoRA adapters are not among them
+    (``train.export`` merges them or writes them apart)."""
     state = {}
     for name, param in model.named_parameters():
+        if is_adapter(name):
+            continue
         hf = hf_name(canonical_name(name))
         if hf is not None:
             state[hf] = param

@@ -18,10 +18,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from train.models.lora import is_adapter_b
 from train.models.moe import GroupedExperts
 
-# Wrappers that sit between a module and its children without changing the model's meaning.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+# Wrappers that sit between a module and its children without changing the model's meaning
+# (peft's LoRA layer keeps the layer it adapts as ``base_layer``).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "base_layer.")
 
 
 def canonical_name(name: str) -> str:
@@ -63,7 +65,8 @@ def initial_value(
 @torch.no_grad()
 def init_weights(model: nn.Module, init_seed: int) -> None:
     """Fill every parameter of ``model`` (plain or sharded DTensors, already materialized); a
-    tied parameter once, by its first owner's rule (the embedding's, for a tied output head)."""
+    tied parameter once, by its first owner's rule (the embedding's, for a tied output head);
+    a LoRA B matrix with zeros, so the adapted model starts as the model."""
     filled: set[int] = set()
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
@@ -72,7 +75,10 @@ def init_weights(model: nn.Module, init_seed: int) -> None:
             filled.add(id(param))
             name = canonical_name(f"{module_name}.{attr}" if module_name else attr)
             generator = torch.Generator().manual_seed(name_seed(init_seed, name))
-            full = initial_value(module, attr, param.shape, generator).to(param.dtype)
+            if is_adapter_b(name):
+                full = torch.zeros(param.shape, dtype=param.dtype)
+            else:
+                full = initial_value(module, attr, param.shape, generator).to(param.dtype)
             if isinstance(param, DTensor):
                 shard = distribute_tensor(
                     full.to(param.device), param.device_mesh, param.placements, src_data_rank=None

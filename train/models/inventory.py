@@ -10,6 +10,8 @@ Placement, as ``train.models.parallelize`` applies it:
 - TP (LLM only): q/k/v projections, the FFN's w1/w3 and the output head are column-parallel
   (dim 0 split), the attention output and w2 row-parallel (dim 1 split); norms and the MoE
   router stay whole. Splits follow ``torch.chunk``: ``ceil(n / tp)`` rows, the last ranks fewer.
+- LoRA (``train.models.lora``): an adapter's A is split like its base's input (row-parallel
+  bases), its B like its base's output (column-parallel bases); the rest stays whole.
 - EP: each expert tensor (experts, a, b) keeps ``experts / ep`` experts.
 - FSDP2 (when it runs): every dense tensor's dim 0 is split over dp_shard x cp, each shard padded
   to ``ceil(n / shards)`` rows (FSDP2 allocates the padded shard). Experts are split over the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from train.models.lora import adapter_names
 from train.models.shape import SALMConfig, encoder_lens, llm_head_dim
 
 COLUMN, ROW = "column", "row"
@@ -51,6 +54,19 @@ def _linear(name: str, out: int, inp: int, bias: bool, **kw) -> list[ParamTensor
     return tensors
 
 
+def _adapted(
+    prefix: str, module: str, out: int, inp: int, bias: bool, tp: str | None, cfg: SALMConfig, **kw
+) -> list[ParamTensor]:
+    """A projection of an LLM block with its LoRA adapter when ``cfg`` targets it: A (rank, in)
+    split like the base's input under TP, B (out, rank) like the base's output."""
+    tensors = _linear(f"{prefix}.{module}", out, inp, bias, tp=tp, **kw)
+    if module in cfg.lora_targets:
+        a, b = adapter_names(f"{prefix}.{module}")
+        tensors.append(ParamTensor(a, (cfg.lora_rank, inp), tp=ROW if tp == ROW else None, **kw))
+        tensors.append(ParamTensor(b, (out, cfg.lora_rank), tp=tp if tp == COLUMN else None, **kw))
+    return tensors
+
+
 def _block(
     prefix: str, dim: int, heads: int, kv_heads: int, ffn: int, cfg: SALMConfig, block: int | None
 ) -> list[ParamTensor]:
@@ -64,11 +80,14 @@ def _block(
     head_dim = llm_head_dim(cfg) if llm else dim // heads
     bias = llm and cfg.qkv_bias
     kw = {"block": block, "section": section}
+    # LoRA adapts the LLM's projections only (the encoder's blocks have no targets).
+    adapted = cfg if llm else SALMConfig()
     tensors = [ParamTensor(f"{prefix}.attn_norm.weight", (dim,), **kw)]
-    tensors += _linear(f"{prefix}.attn.wq", heads * head_dim, dim, bias, tp=rule(COLUMN), **kw)
-    tensors += _linear(f"{prefix}.attn.wk", kv_heads * head_dim, dim, bias, tp=rule(COLUMN), **kw)
-    tensors += _linear(f"{prefix}.attn.wv", kv_heads * head_dim, dim, bias, tp=rule(COLUMN), **kw)
-    tensors += _linear(f"{prefix}.attn.wo", dim, heads * head_dim, False, tp=rule(ROW), **kw)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    tensors += _adapted(prefix, "attn.wq", q, dim, bias, rule(COLUMN), adapted, **kw)
+    tensors += _adapted(prefix, "attn.wk", kv, dim, bias, rule(COLUMN), adapted, **kw)
+    tensors += _adapted(prefix, "attn.wv", kv, dim, bias, rule(COLUMN), adapted, **kw)
+    tensors += _adapted(prefix, "attn.wo", dim, q, False, rule(ROW), adapted, **kw)
     if llm and cfg.qk_norm:
         tensors.append(ParamTensor(f"{prefix}.attn.q_norm.weight", (head_dim,), **kw))
         tensors.append(ParamTensor(f"{prefix}.attn.k_norm.weight", (head_dim,), **kw))
@@ -79,9 +98,9 @@ def _block(
         for name, shape in (("w1", (e, dim, h)), ("w3", (e, dim, h)), ("w2", (e, h, dim))):
             tensors.append(ParamTensor(f"{prefix}.moe.experts.{name}", shape, expert=True, **kw))
     else:
-        tensors += _linear(f"{prefix}.ffn.w1", ffn, dim, False, tp=rule(COLUMN), **kw)
-        tensors += _linear(f"{prefix}.ffn.w3", ffn, dim, False, tp=rule(COLUMN), **kw)
-        tensors += _linear(f"{prefix}.ffn.w2", dim, ffn, False, tp=rule(ROW), **kw)
+        tensors += _adapted(prefix, "ffn.w1", ffn, dim, False, rule(COLUMN), adapted, **kw)
+        tensors += _adapted(prefix, "ffn.w3", ffn, dim, False, rule(COLUMN), adapted, **kw)
+        tensors += _adapted(prefix, "ffn.w2", dim, ffn, False, rule(ROW), adapted, **kw)
     return tensors
 
 

@@ -32,10 +32,12 @@ import torch
 from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -50,6 +52,7 @@ from torch.utils.checkpoint import (
 from train.config import AC_MODES
 from train.mesh import Meshes
 from train.models.compiled import compile_region
+from train.models.lora import ADAPTER, LORA_A, LORA_B
 from train.models.moe import MoE
 from train.models.salm import SALM, Block
 
@@ -197,7 +200,36 @@ def apply_tp(model: SALM | PipelinePart, meshes: Meshes) -> None:
         parallelize_module(llm.embed, tp_mesh, vocab_split)
         llm.tie_head()
     for block in llm.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_module(block, tp_mesh, _with_adapters(block, _block_plan(block)))
+
+
+class ReplicateParameters(ParallelStyle):
+    """Every parameter whole on each TP rank (a DTensor replicated over TP); inputs and outputs
+    untouched. For a LoRA A that reads the replicated input of a column-parallel layer."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
+
+
+def _with_adapters(block: Block, plan: dict) -> dict:
+    """``plan`` for a block whose projections may carry LoRA adapters (``train.models.lora``):
+    the base layer takes the projection's style; a column-parallel base keeps A whole and
+    splits B like itself; a row-parallel base splits A like itself (its partial output
+    reduce-scattered over the sequence) and keeps B whole on the sequence shard."""
+    adapted = {}
+    for name, style in plan.items():
+        module = block.get_submodule(name)
+        if not hasattr(module, "base_layer"):
+            adapted[name] = style
+            continue
+        adapted[f"{name}.base_layer"] = style
+        a, b = f"{name}.{LORA_A}.{ADAPTER}", f"{name}.{LORA_B}.{ADAPTER}"
+        if isinstance(style, ColwiseParallel):
+            adapted[a], adapted[b] = ReplicateParameters(), ColwiseParallel()
+        else:
+            adapted[a] = RowwiseParallel(output_layouts=Shard(1))
+            adapted[b] = SequenceParallel(use_local_output=True)
+    return adapted
 
 
 def _block_plan(block: Block) -> dict:

@@ -25,6 +25,7 @@ from train.models.context import (
     local_positions,
     shard_sequence,
 )
+from train.models.lora import add_adapters
 from train.models.moe import MoE
 from train.models.shape import (
     BOS_ID,
@@ -297,6 +298,8 @@ class Decoder(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.head_dim = llm_head_dim(cfg)
         self.cp_mesh: DeviceMesh | None = None  # set under CP: inputs are this rank's chunks
+        if cfg.lora_rank:
+            add_adapters(self, cfg)
 
     def tie_head(self) -> None:
         """Make a tied model's output head the embedding matrix (again): materializing from the

@@ -35,11 +35,16 @@ class SALMConfig:
     vocab_size: int = VOCAB_SIZE
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    # What pretrained decoder families need (train/models/hf_llm.py maps them from config.json).
+    # What pretrained decoder families need (train/models/hf_config.py reads them from config.json).
     head_dim: int = 0  # the LLM's attention head width; 0: d_model // n_heads
     qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     tie_embeddings: bool = False  # the output head is the embedding matrix
+    # LoRA adapters (train/models/lora.py): our projection names inside each LLM block.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.d_model % self.n_heads and not self.head_dim) or self.enc_dim % self.enc_heads:

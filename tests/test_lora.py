@@ -1,0 +1,277 @@
+"""LoRA through peft on a pretrained LLM, as a user runs it: ``python -m train`` with
+``model.lora``, a chain of two jobs, export merged and as peft's adapter files, evaluation at
+another layout; and bad settings refused before anything is queued.
+
+The model is a tiny random Qwen2 (tied head, q/k/v biases, GQA) written by ``save_pretrained``;
+every projection carries an adapter, so each TP placement of A and B is exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import REPO, queue_ids, run_tool
+from tests.hf_tiny import save_tiny
+from tests.test_evaluate import evaluate, exported, run_module, trained_llm_agrees
+from train.models.hf_names import PROJECTIONS, hf_name
+from train.models.init import canonical_name
+from train.models.lora import is_adapter
+
+STEPS = 24
+LORA = (
+    "model.lora.rank=8",
+    "model.lora.alpha=16",
+    f"model.lora.target_modules=[{','.join(PROJECTIONS)}]",
+)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    return save_tiny("qwen2", tmp_path_factory.mktemp("qwen2"))
+
+
+def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str) -> str:
+    result = run_module(
+        "train",
+        f"run_dir={run_dir}",
+        f"data.corpus={corpus}",
+        "data.max_duration=6",
+        "wandb.mode=disabled",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=2",
+        f"train.max_steps={STEPS}",
+        f"checkpoint.interval={STEPS // 2}",
+        f"model.pretrained_llm={pretrained}",
+        *LORA,
+        *overrides,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory, corpus, pretrained) -> tuple[Path, list[str]]:
+    """Two jobs of STEPS / 2 steps each, the second resuming the first: the run dir and logs."""
+    run_dir = tmp_path_factory.mktemp("lora_chain") / "run"
+    logs = [
+        train(run_dir, corpus, pretrained, f"train.max_steps_per_run={STEPS // 2}")
+        for _ in range(2)
+    ]
+    return run_dir, logs
+
+
+def trained_model(run_dir: Path):
+    """The run's newest checkpoint as one fp32 model on the CPU (adapters included)."""
+    from train.export import load_trained
+    from train.layout import model_of
+    from train.saved_run import find_checkpoint, saved_model, saved_state
+
+    checkpoint = find_checkpoint(run_dir, None, None)
+    shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))
+    return load_trained(run_dir, checkpoint, shape)
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trained_model(run_dir).named_parameters()}
+
+
+def test_a_lora_chain_trains_only_adapters_and_resumes_bitwise(
+    chained, corpus, pretrained, tmp_path
+):
+    """The chain's final weights are bitwise those of one job of all the steps; the LLM's own
+    weights are still the pretrained file's, bitwise; every adapter moved; the trainer said
+    what trains."""
+    run_dir, (first, second) = chained
+    assert "LLM weights loaded" in first and "resumed from" in second
+    assert "(model.lora)" in first
+    alone = tmp_path / "alone"
+    train(alone, corpus, pretrained)
+    chain_weights, one_job = final_model(run_dir), final_model(alone)
+    assert chain_weights.keys() == one_job.keys()
+    for name, weight in one_job.items():
+        assert torch.equal(chain_weights[name], weight), name
+
+    files = load_file(pretrained / "model.safetensors")
+    named = {canonical_name(name): weight for name, weight in chain_weights.items()}
+    base = {hf_name(name): w for name, w in named.items() if is_llm_base(name)}
+    assert base.keys() == files.keys() - {"lm_head.weight"}  # the tied head is the embedding
+    for name, weight in base.items():
+        assert torch.equal(weight, files[name]), name
+    adapters_b = [w for name, w in named.items() if ".lora_B." in name]
+    assert len(adapters_b) == 2 * len(PROJECTIONS) and all(w.abs().max() > 0 for w in adapters_b)
+
+
+def is_llm_base(name: str) -> bool:
+    return name.startswith("llm.") and not is_adapter(name)
+
+
+def logits_of(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The trained LLM's logits (adapters on) for ``tokens``, fp32 on the CPU."""
+    model = trained_model(run_dir)
+    with torch.no_grad():
+        logits, _ = model.llm(model.llm.embed(tokens), torch.ones_like(tokens, dtype=torch.bool))
+    return logits
+
+
+def test_an_exported_lora_model_is_what_trained_merged_and_as_adapters(
+    chained, decoded, pretrained, tmp_path
+):
+    """Merged: transformers loads OUT/llm and computes the trained logits. --adapters: OUT/llm
+    is the pretrained LLM bitwise and peft's PeftModel over it with OUT/lora computes them.
+    train.evaluate decodes either export (read sharded at tp=2) as it decodes the checkpoint."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from train.export import LLM_DIR, LORA_DIR
+
+    run_dir, _ = chained
+    merged = tmp_path / "merged"
+    done = exported(run_dir, merged, "--dtype", "fp32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LoRA merged" in done.stderr and not (merged / LORA_DIR).exists()
+    trained_llm_agrees(run_dir, merged / LLM_DIR)
+
+    apart = tmp_path / "apart"
+    done = exported(run_dir, apart, "--dtype", "fp32", "--adapters")
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = load_file(apart / LLM_DIR / "model.safetensors")
+    for name, weight in load_file(pretrained / "model.safetensors").items():
+        if name != "lm_head.weight":
+            assert torch.equal(written[name], weight), name
+    base = AutoModelForCausalLM.from_pretrained(apart / LLM_DIR, local_files_only=True)
+    adapted = PeftModel.from_pretrained(base, apart / LORA_DIR).eval()
+    tokens = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5, 64]])
+    expected = logits_of(run_dir, tokens)
+    with torch.no_grad():
+        got = adapted(tokens).logits[:, :, : expected.shape[-1]]
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), (got - expected).abs().max()
+    assert evaluate(apart, "parallel.tp=2", nproc=2)["rows"] == decoded
+    from_merged = evaluate(merged)
+    assert from_merged["rows"] == decoded and from_merged["summary"]["split"] == "test"
+
+
+@pytest.fixture(scope="module")
+def decoded(chained) -> list[dict]:
+    """The chain's test-split hypotheses, decoded by one process from its checkpoint."""
+    run_dir, _ = chained
+    rows = evaluate(run_dir)["rows"]
+    assert rows
+    return rows
+
+
+def test_a_lora_model_decodes_alike_at_tp2(chained, decoded):
+    """train.evaluate rebuilds the adapters from the checkpoint's record: the same hypotheses
+    from one process and from tp=2 (A whole and B split, or A split and B whole)."""
+    run_dir, _ = chained
+    assert evaluate(run_dir, "parallel.tp=2", nproc=2)["rows"] == decoded
+
+
+def test_an_export_with_adapters_needs_a_lora_run(chained, tmp_path, pretrained, corpus):
+    plain = tmp_path / "plain"
+    run_module(
+        "train",
+        f"run_dir={plain}",
+        f"data.corpus={corpus}",
+        "wandb.mode=disabled",
+        "train.max_steps=1",
+    )
+    done = exported(plain, tmp_path / "out", "--adapters")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "without LoRA adapters" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+BAD = {
+    "a hub id": (["model.pretrained_llm=Qwen/Qwen2-0.5B"], "looks like a hub id"),
+    "a missing file": (["model.pretrained_llm={missing}"], "config.json"),
+    "an unsupported architecture": (["model.pretrained_llm={gpt2}"], "gpt2"),
+    "tp not dividing the KV heads": (
+        ["model.pretrained_llm={one_kv_head}", "parallel.tp=2", "parallel.dp_shard=1"],
+        "tp=2 must divide the 1 KV heads",
+    ),
+    "a LoRA target that is no projection": (
+        ["model.pretrained_llm={qwen2}", "model.lora.rank=4", "model.lora.target_modules=[qkv]"],
+        "'qkv' is not a projection",
+    ),
+    "a negative LoRA rank": (
+        ["model.pretrained_llm={qwen2}", "model.lora.rank=-1"],
+        "model.lora.rank=-1",
+    ),
+}
+
+
+@pytest.mark.slurm
+def test_bad_pretrained_settings_are_refused_before_anything_is_queued(
+    empty_queue, tmp_path, pretrained
+):
+    """Through auto_launch: the plan check composes the trainer's config and checks the model
+    (config.json read with json, no torch): one error line each, exit 2, nothing queued."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    gpt2, one_kv_head = tmp_path / "gpt2", tmp_path / "one_kv_head"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2)).save_pretrained(gpt2)
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}
+    LlamaForCausalLM(LlamaConfig(**shape, **heads)).save_pretrained(one_kv_head)
+    paths = {"missing": missing, "gpt2": gpt2, "qwen2": pretrained, "one_kv_head": one_kv_head}
+    for name, (overrides, message) in BAD.items():
+        done = run_tool(
+            "auto_launch",
+            "-n2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "recipes/train_tiny_fsdp2.yaml",
+            "--",
+            *(override.format(**paths) for override in overrides),
+            cwd=REPO,
+        )
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2 and len(errors) == 1, (name, done.stderr)
+        assert message in errors[0], (name, errors[0])
+        assert queue_ids() == [] and not (tmp_path / "run").exists(), name
+
+
+def test_a_compiled_lora_run_validates_within_its_recompile_budget(tmp_path, corpus, pretrained):
+    """peft's LoRA layers inside compiled blocks (fullgraph, selective AC) on the real data
+    pipeline, batches of varying shape and validation passes: the run ends, every region
+    within its recompile limit."""
+    log = train(
+        tmp_path / "run",
+        corpus,
+        pretrained,
+        "train.max_steps=6",
+        "checkpoint.interval=6",
+        "eval.interval=3",
+        "compile=true",
+        "activation_checkpointing=selective",
+    )
+    assert "validation at step 6" in log and "compiled graphs per region" in log
+
+
+def test_the_plan_prices_adapters_and_a_frozen_llm(pretrained):
+    """``orchestrator plan --lora-rank R``: the adapters count as parameters, and only they, the
+    encoder and the projector train (what tests/test_planner_memory.py holds exact against the
+    trainer's measurement at FSDP x TP)."""
+    import json
+
+    from train.models.inventory import inventory
+    from train.models.lora import with_lora
+    from train.models.presets import model_shape
+
+    plan = ("plan", "--model", "tiny", "--hf-config", str(pretrained), "--gpus", "2", "--json")
+    whole = json.loads(run_tool("orchestrator", *plan).stdout)
+    adapted = json.loads(run_tool("orchestrator", *plan, "--lora-rank", "8").stdout)
+    shape = with_lora(model_shape("tiny", str(pretrained)), 8, 16.0, 0.0, ["q_proj", "k_proj"])
+    tensors = inventory(shape)
+    adapters = sum(t.numel for t in tensors if ".lora_" in t.name)
+    llm = sum(t.numel for t in tensors if t.name.startswith("llm.") and ".lora_" not in t.name)
+    assert adapted["parameters"] == whole["parameters"] + 2 * adapters  # q, k, v and o
+    assert adapted["trainable_parameters"] == whole["parameters"] - llm + 2 * adapters
+    refused = run_tool("orchestrator", *plan, "--lora-rank", "8", "--lora-targets", "qkv")
+    assert refused.returncode == 2 and "'qkv' is not a projection" in refused.stderr
