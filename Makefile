@@ -15,7 +15,7 @@ PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
 PIP_OPTIONS ?=
 
-.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr hf-llm demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed $(WHEELHOUSE)/.complete
 
@@ -75,6 +75,11 @@ corpus-long: corpus
 # A larger corpus for a model that learns (recipes/train_asr.yaml): 4,000 utterances, ~2 h.
 corpus-asr: setup setup-system
 	$(PY) recipes/make_corpus.py --out $(CORPUS)_asr --num 4000 --jobs 2
+
+# A small random-init Hugging Face decoder (Qwen2-shaped) with a BPE tokenizer learnt from the
+# corpus-asr transcripts, for recipes/train_asr_hf.yaml (model.pretrained_llm=data/hf/qwen2_asr).
+hf-llm: corpus-asr
+	$(PY) recipes/make_hf_llm.py --corpus $(CORPUS)_asr --out data/hf/qwen2_asr
 
 demo: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -24,6 +23,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from recipes.make_hf_llm import CHATML_TEMPLATE, QWEN2_EXTRA, QWEN2_SPECIALS, byte_level_bpe
 
 SHARED = {
     "vocab_size": 301,
@@ -84,17 +85,7 @@ LLAMA_TEMPLATE = (
     "{%- endif %}"
 )
 
-QWEN2_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+QWEN2_TEMPLATE = CHATML_TEMPLATE
 
 QWEN3_TEMPLATE = (
     "{%- for message in messages %}"
@@ -111,20 +102,6 @@ QWEN3_TEMPLATE = (
 )
 
 
-def byte_level_bpe() -> Tokenizer:
-    """A byte-level BPE trained on TEXT: every byte is a token, so nothing is unknown."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(TEXT, trainer=trainer)
-    return tokenizer
-
-
 def save_tiny_tokenizer(family: str, directory: Path) -> Path:
     """Write a tiny tokenizer of ``family`` (one of FAMILIES) to ``directory``; returns it."""
     if family == "llama":
@@ -132,13 +109,9 @@ def save_tiny_tokenizer(family: str, directory: Path) -> Path:
         extra = ["<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
         template: str | None = LLAMA_TEMPLATE
     elif family == "qwen2":
-        specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-        extra = ["<|im_start|>"]
-        template = QWEN2_TEMPLATE
+        specials, extra, template = QWEN2_SPECIALS, QWEN2_EXTRA, QWEN2_TEMPLATE
     elif family == "qwen3":
-        specials = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-        extra = ["<|im_start|>"]
-        template = QWEN3_TEMPLATE
+        specials, extra, template = QWEN2_SPECIALS, QWEN2_EXTRA, QWEN3_TEMPLATE
     elif family == "plain":
         specials = {"bos_token": "<s>", "eos_token": "</s>"}
         extra = []
@@ -147,7 +120,7 @@ def save_tiny_tokenizer(family: str, directory: Path) -> Path:
         raise ValueError(f"unknown tokenizer family {family!r}; one of {', '.join(FAMILIES)}")
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_bpe(), **specials, extra_special_tokens=extra
+        tokenizer_object=byte_level_bpe(TEXT, VOCAB_SIZE), **specials, extra_special_tokens=extra
     )
     if family == "qwen3":
         tokenizer.add_tokens(["<think>", "</think>"])  # added but not special, as in Qwen3

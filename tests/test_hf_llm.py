@@ -232,3 +232,27 @@ def test_lora_trains_its_adapters_alone_and_alike_under_fsdp_and_tp(
         torch.testing.assert_close(
             got["loss_after_step"], want["loss_after_step"], rtol=1e-5, atol=0
         )
+
+
+def test_the_recipe_writes_a_decoder_the_trainer_takes(corpus, tmp_path) -> None:
+    """recipes/make_hf_llm.py (make hf-llm): a Qwen2 directory with a BPE learnt from the
+    corpus's training transcripts and ChatML; the trainer's reader takes it, transformers loads
+    it, and a transcript tokenizes into fewer tokens than bytes. A rerun leaves it as it is."""
+    from recipes.make_hf_llm import main
+    from train.prompt import ChatPrompt, load_tokenizer
+
+    out = tmp_path / "hf" / "qwen2"
+    args = ["--corpus", str(corpus), "--out", str(out), "--hidden", "32", "--ffn", "64"]
+    assert main(args) == 0
+    fields = decoder_fields(out)
+    assert fields["qkv_bias"] and fields["tie_embeddings"] and fields["d_model"] == 32
+    tokenizer = load_tokenizer(out)
+    assert len(tokenizer) <= fields["vocab_size"] + 1  # <|audio|> needs no row
+    text = "seven hundred and twelve"
+    assert len(tokenizer.encode(text, add_special_tokens=False)) < len(text) // 2
+    prompt = ChatPrompt(tokenizer, "Transcribe the audio.", None).generation_prompt()
+    assert tokenizer.decode(prompt.tokens).endswith("<|im_start|>assistant\n")
+    assert AutoModelForCausalLM.from_pretrained(out, local_files_only=True).num_parameters() > 0
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert main(args) == 0 and (out / "config.json").stat().st_mtime_ns == stamp
+    assert main(["--corpus", str(tmp_path), "--out", str(tmp_path / "x")]) == 2

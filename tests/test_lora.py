@@ -22,6 +22,7 @@ from train.models.init import canonical_name
 from train.models.lora import is_adapter
 
 STEPS = 24
+TP2 = ("parallel.tp=2", "parallel.dp_shard=1")  # the trainer checks that TP peers read alike
 LORA = (
     "model.lora.rank=8",
     "model.lora.alpha=16",
@@ -34,7 +35,7 @@ def pretrained(tmp_path_factory) -> Path:
     return save_tiny("qwen2", tmp_path_factory.mktemp("qwen2"))
 
 
-def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str) -> str:
+def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str, nproc: int = 1) -> str:
     result = run_module(
         "train",
         f"run_dir={run_dir}",
@@ -47,7 +48,9 @@ def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str) -> str
         f"checkpoint.interval={STEPS // 2}",
         f"model.pretrained_llm={pretrained}",
         *LORA,
+        *(TP2 if nproc == 2 else ()),
         *overrides,
+        nproc=nproc,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
@@ -55,12 +58,11 @@ def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str) -> str
 
 @pytest.fixture(scope="module")
 def chained(tmp_path_factory, corpus, pretrained) -> tuple[Path, list[str]]:
-    """Two jobs of STEPS / 2 steps each, the second resuming the first: the run dir and logs."""
+    """Two jobs of STEPS / 2 steps each at tp=2, the second resuming the first from an
+    asynchronous save: the run dir and logs."""
     run_dir = tmp_path_factory.mktemp("lora_chain") / "run"
-    logs = [
-        train(run_dir, corpus, pretrained, f"train.max_steps_per_run={STEPS // 2}")
-        for _ in range(2)
-    ]
+    per_run = (f"train.max_steps_per_run={STEPS // 2}", "checkpoint.async_save=true")
+    logs = [train(run_dir, corpus, pretrained, *per_run, nproc=2) for _ in range(2)]
     return run_dir, logs
 
 
@@ -82,14 +84,14 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_a_lora_chain_trains_only_adapters_and_resumes_bitwise(
     chained, corpus, pretrained, tmp_path
 ):
-    """The chain's final weights are bitwise those of one job of all the steps; the LLM's own
-    weights are still the pretrained file's, bitwise; every adapter moved; the trainer said
-    what trains."""
+    """The chain's final weights are bitwise those of one job of all the steps at the same
+    layout; the LLM's own weights are still the pretrained file's, bitwise; every adapter
+    moved; the trainer said what trains."""
     run_dir, (first, second) = chained
     assert "LLM weights loaded" in first and "resumed from" in second
     assert "(model.lora)" in first
     alone = tmp_path / "alone"
-    train(alone, corpus, pretrained)
+    train(alone, corpus, pretrained, nproc=2)
     chain_weights, one_job = final_model(run_dir), final_model(alone)
     assert chain_weights.keys() == one_job.keys()
     for name, weight in one_job.items():
@@ -275,3 +277,27 @@ def test_the_plan_prices_adapters_and_a_frozen_llm(pretrained):
     assert adapted["trainable_parameters"] == whole["parameters"] - llm + 2 * adapters
     refused = run_tool("orchestrator", *plan, "--lora-rank", "8", "--lora-targets", "qkv")
     assert refused.returncode == 2 and "'qkv' is not a projection" in refused.stderr
+
+
+def test_a_chain_keeps_its_adapters(chained, corpus, pretrained):
+    """A job whose model.lora differs from the run dir's checkpoint (other rank, or none) is
+    refused before it starts: one line naming both, exit 2, the checkpoints untouched."""
+    run_dir, _ = chained
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for overrides in (["model.lora.rank=4"], ["model.lora.rank=0"]):
+        result = run_module(
+            "train",
+            f"run_dir={run_dir}",
+            f"data.corpus={corpus}",
+            "wandb.mode=disabled",
+            f"train.max_steps={2 * STEPS}",
+            f"model.pretrained_llm={pretrained}",
+            *LORA[1:],
+            *overrides,
+        )
+        errors = [
+            line for line in result.stderr.splitlines() if "a chain keeps its adapters" in line
+        ]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+        assert "rank 8 on q_proj" in errors[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

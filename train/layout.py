@@ -9,7 +9,11 @@ count) and the Hydra launcher's members, all before any torch is loaded. Every f
 
 from __future__ import annotations
 
-from train.config import ConfigError, ModelConfig, TrainConfig, validate
+import json
+from pathlib import Path
+
+from contract.run_dir import STATE_FILE, complete_checkpoints
+from train.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, validate
 from train.models.freeze import frozen_names
 from train.models.inventory import inventory
 from train.models.lora import freeze_rules, with_lora
@@ -78,6 +82,34 @@ def frozen_of(cfg: TrainConfig) -> set[str]:
         raise ConfigError(str(error)) from error
 
 
+def check_adapters_kept(cfg: TrainConfig) -> None:
+    """A chain keeps its LoRA adapters: a config whose adapters (rank, targets) differ from
+    those of the run dir's newest checkpoint would not find its parameters there. One line
+    naming both, and what to do, before anything starts."""
+    complete = complete_checkpoints(Path(cfg.run_dir))
+    if not complete:
+        return
+    newest = complete[max(complete)]
+    try:
+        model = json.loads((newest / STATE_FILE).read_text())["trainer_state"].get("model")
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an unreadable checkpoint is the loader's to skip, with its own warning
+    if model is None:
+        return
+    saved = LoraConfig(**model.get("lora", {}))
+    now = cfg.model.lora
+
+    def adapters(lora: LoraConfig) -> str:
+        return f"rank {lora.rank} on {','.join(lora.target_modules)}" if lora.rank else "none"
+
+    if adapters(saved) != adapters(now):
+        raise ConfigError(
+            f"model.lora: {newest} trained with adapters {adapters(saved)}, this config asks "
+            f"for {adapters(now)}; a chain keeps its adapters: resume with the same model.lora, "
+            "or export the run (python -m train.export) and start a new run_dir from it"
+        )
+
+
 def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, PipelinePlan | None]:
     """The config checked, and the layout and pipeline plan it runs on ``world_size`` ranks."""
     try:
@@ -86,4 +118,5 @@ def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, Pi
         raise ConfigError(str(error)) from error
     dims = parallel_dims(cfg, world_size)
     frozen_of(cfg)
+    check_adapters_kept(cfg)
     return dims, pipeline_for(cfg, dims)
