@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints
 from tests.helpers import REPO, queue_ids, run_tool
 from tests.hf_tiny import save_tiny
 from tests.test_evaluate import evaluate, exported, run_module, trained_llm_agrees
@@ -172,16 +173,22 @@ def test_a_lora_model_decodes_alike_at_tp2(chained, decoded):
     assert evaluate(run_dir, "parallel.tp=2", nproc=2)["rows"] == decoded
 
 
-def test_an_export_with_adapters_needs_a_lora_run(chained, tmp_path, pretrained, corpus):
-    plain = tmp_path / "plain"
-    run_module(
-        "train",
-        f"run_dir={plain}",
-        f"data.corpus={corpus}",
-        "wandb.mode=disabled",
-        "train.max_steps=1",
-    )
-    done = exported(plain, tmp_path / "out", "--adapters")
+def test_an_export_with_adapters_needs_a_lora_run(chained, tmp_path):
+    """--adapters on a run without adapters: refused from the checkpoint's record, one line,
+    exit 2, nothing written."""
+    import json
+    import shutil
+
+    run_dir, _ = chained
+    complete = complete_checkpoints(run_dir)
+    newest = complete[max(complete)]
+    plain = tmp_path / "plain" / CHECKPOINTS_DIR / newest.name
+    plain.mkdir(parents=True)
+    shutil.copy(newest / MARKER, plain)
+    state = json.loads((newest / STATE_FILE).read_text())
+    state["trainer_state"]["model"]["lora"]["rank"] = 0
+    (plain / STATE_FILE).write_text(json.dumps(state))
+    done = exported(tmp_path / "plain", tmp_path / "out", "--adapters")
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1 and "without LoRA adapters" in errors[0]
     assert not (tmp_path / "out").exists()
