@@ -72,6 +72,12 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
+def model_from_record(record: dict) -> ModelConfig:
+    """A ``model`` config as a checkpoint or an export records it (JSON); one saved before
+    LoRA has no ``lora`` (none)."""
+    return ModelConfig(**{**record, "lora": LoraConfig(**record.get("lora", {}))})
+
+
 @dataclass
 class DataConfig:
     corpus: str = "data/corpus"  # made by recipes/make_corpus.py

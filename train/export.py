@@ -239,7 +239,7 @@ def write_speech(
         "shape": dataclasses.asdict(shape),
         "audio_token": AUDIO_TOKEN if model_cfg.pretrained_llm else None,
         "llm_dir": LLM_DIR,
-        "lora_dir": None if merged or not shape.lora_rank else LORA_DIR,
+        "lora_dir": LORA_DIR if shape.lora_rank else None,  # merged: the shape has none
     }
     (out / SPEECH_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
 

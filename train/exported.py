@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from train.config import ConfigError, LoraConfig, ModelConfig
+from train.config import ConfigError, ModelConfig, model_from_record
 from train.models.hf_names import hf_name
 from train.models.hf_weights import load_llm_weights
 from train.models.init import canonical_name
@@ -60,7 +60,6 @@ def read_export(directory: Path) -> Export:
     """The export in ``directory``; a missing part is one ConfigError line."""
     record = json.loads((directory / SPEECH_CONFIG).read_text())
     model = dict(record["model"])
-    model["lora"] = LoraConfig(**model.get("lora", {}))
     # A pretrained LLM's export carries its tokenizer (with the audio token); a preset's LLM
     # reads bytes, and its shape is the preset's (written as a Llama of the same blocks).
     pretrained = record.get("audio_token") is not None
@@ -71,7 +70,8 @@ def read_export(directory: Path) -> Export:
     for path in needed:
         if not path.exists():
             raise ConfigError(f"{directory} is an incomplete export: {path.name} is missing")
-    return Export(directory, ModelConfig(**model), int(record["step"]), record.get("corpus"), lora)
+    step, corpus = int(record["step"]), record.get("corpus")
+    return Export(directory, model_from_record(model), step, corpus, lora)
 
 
 @torch.no_grad()

@@ -13,7 +13,14 @@ import json
 from pathlib import Path
 
 from contract.run_dir import STATE_FILE, complete_checkpoints
-from train.config import ConfigError, LoraConfig, ModelConfig, TrainConfig, validate
+from train.config import (
+    ConfigError,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+    model_from_record,
+    validate,
+)
 from train.models.freeze import frozen_names
 from train.models.inventory import inventory
 from train.models.lora import freeze_rules, with_lora
@@ -96,7 +103,7 @@ def check_adapters_kept(cfg: TrainConfig) -> None:
         return  # an unreadable checkpoint is the loader's to skip, with its own warning
     if model is None:
         return
-    saved = LoraConfig(**model.get("lora", {}))
+    saved = model_from_record(model).lora
     now = cfg.model.lora
 
     def adapters(lora: LoraConfig) -> str:

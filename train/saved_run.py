@@ -11,7 +11,7 @@ from pathlib import Path
 
 from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints, step_name
 from train.checkpoint import CheckpointManager
-from train.config import ConfigError, LoraConfig, ModelConfig
+from train.config import ConfigError, ModelConfig, model_from_record
 
 
 def find_checkpoint(run_dir: Path, checkpoint: str | None, step: int | None) -> Path:
@@ -47,9 +47,7 @@ def saved_model(checkpoint: Path, state: dict) -> ModelConfig:
     """The model config the run trained, as its checkpoint recorded it."""
     trainer_state = state.get("trainer_state", {})
     if "model" in trainer_state:
-        model = dict(trainer_state["model"])
-        model["lora"] = LoraConfig(**model.get("lora", {}))  # saved before LoRA: none
-        return ModelConfig(**model)
+        return model_from_record(trainer_state["model"])
     if "model_preset" in trainer_state:  # saved before pretrained LLMs
         return ModelConfig(preset=trainer_state["model_preset"])
     raise ConfigError(f"{checkpoint} does not record its model (saved by an older trainer)")
