@@ -15,7 +15,7 @@ PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
 PIP_OPTIONS ?=
 
-.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr hf-llm demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr librispeech mix hf-llm demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed $(WHEELHOUSE)/.complete
 
@@ -75,6 +75,18 @@ corpus-long: corpus
 # A larger corpus for a model that learns (recipes/train_asr.yaml): 4,000 utterances, ~2 h.
 corpus-asr: setup setup-system
 	$(PY) recipes/make_corpus.py --out $(CORPUS)_asr --num 4000 --jobs 2
+
+# A small corpus in LibriSpeech's own layout (speaker/chapter folders, FLAC, *.trans.txt), made
+# with the corpus's voices and prepared by lhotse's own recipe into $(LIBRISPEECH)/manifests:
+# "your own data" in a real third-party format. Its manifests/ appear only when it is finished.
+LIBRISPEECH ?= data/librispeech
+librispeech: setup setup-system
+	test -d $(LIBRISPEECH)/manifests || $(PY) -m recipes.make_librispeech --out $(LIBRISPEECH)
+
+# The data of recipes/train_asr_mix.yaml: the LibriSpeech-layout corpus and corpus-asr, with the
+# source files (recipes/mix/*.yaml: relative paths resolve beside them) copied to data/mix/.
+mix: corpus-asr librispeech
+	mkdir -p data/mix && cp recipes/mix/*.yaml data/mix/
 
 # A small random-init Hugging Face decoder (Qwen2-shaped) with a BPE tokenizer learnt from the
 # corpus-asr transcripts, for recipes/train_asr_hf.yaml (model.pretrained_llm=data/hf/qwen2_asr).

@@ -93,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     targets = loss_targets(token_lens).float()
     sequences = torch.tensor(1.0)
-    seq_len = host_seq_len(batch, model.seq_multiple)
+    seq_len = host_seq_len(batch, model)
 
     def step() -> None:
         runner.forward_backward([batch], targets, sequences, dims.gradient_ranks)

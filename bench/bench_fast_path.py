@@ -54,7 +54,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from train.models.build import build_model
     from train.models.parallelize import ParallelizeOptions, compute_autocast
     from train.models.presets import get_preset
-    from train.models.salm import encoder_lens, loss_for_backward
+    from train.models.salm import audio_positions, loss_for_backward
     from train.parallel_dims import ParallelDims
     from train.step import host_seq_len
     from train.trainer import clip_grad_norm
@@ -81,10 +81,10 @@ def run_one(args: argparse.Namespace) -> dict:
     ]
     targets = torch.tensor(float(args.batch * (args.text_tokens - 1)), device=device)
     sequences = torch.tensor(float(args.batch), device=device)
-    positions = float((encoder_lens(feature_lens) + token_lens).sum())
+    positions = float((audio_positions(cfg, feature_lens) + token_lens).sum())
     flops = step_flops(cfg, feature_lens, token_lens)
     # As the trainer: the packed length from the host lengths, no read from the device.
-    seq_len = host_seq_len((None, feature_lens, None, token_lens), model.seq_multiple)
+    seq_len = host_seq_len((None, feature_lens, None, token_lens), model)
 
     def step() -> None:
         with compute_autocast(options, device.type):

@@ -60,8 +60,7 @@ def epoch_batches(corpus: Path) -> int:
         dp_rank=0,
         dp_size=1,
         num_workers=0,
-        encode_text=ByteTokenizer().example,
-        pad_id=0,
+        text=ByteTokenizer(),
         buckets=BUCKETS,
     )
     return sum(1 for _ in loader.sampler)

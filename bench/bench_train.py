@@ -70,9 +70,10 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     from train.data import build_dataloader
     from train.models.build import build_model
     from train.models.presets import get_preset
-    from train.models.salm import PAD_ID, ByteTokenizer, encoder_lens
+    from train.models.salm import ByteTokenizer, audio_positions
 
-    model = build_model(get_preset(args.preset), torch.device("cpu"), 1234)
+    cfg = get_preset(args.preset)
+    model = build_model(cfg, torch.device("cpu"), 1234)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     loader = build_dataloader(
         Path(args.corpus) / "cuts_train.jsonl.gz",
@@ -81,8 +82,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
         dp_rank=0,
         dp_size=1,
         num_workers=0,
-        encode_text=ByteTokenizer().example,
-        pad_id=PAD_ID,
+        text=ByteTokenizer(),
     )
     batches = iter(loader)
     positions, seconds = 0.0, 0.0
@@ -96,7 +96,8 @@ def hand_written_loop(args: argparse.Namespace) -> float:
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         if step >= WARMUP_STEPS:
-            positions += float((encoder_lens(batch["feature_lens"]) + batch["token_lens"]).sum())
+            audio = audio_positions(cfg, batch["feature_lens"])
+            positions += float((audio + batch["token_lens"]).sum())
             seconds += elapsed
     return positions / seconds
 

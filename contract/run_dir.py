@@ -22,6 +22,11 @@ CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMPLETE"  # written last into a checkpoint: one without it is not complete
 STATE_FILE = "state.json"  # a checkpoint's step, data position and layout
 METRICS_FILE = "metrics.jsonl"
+# metrics.jsonl keys with a name after them: the validation loss of each of several validation
+# sets (``val_loss/<set>``, beside the pooled ``val_loss``) and the cuts drawn from each
+# training source (``cuts/<source>``, summed over ranks since the previous row).
+VAL_LOSS_PREFIX = "val_loss/"
+CUTS_PREFIX = "cuts/"
 EVAL_DIR = "eval"
 JOB_ENDS_DIR = "job_ends"
 LOGS_DIR = "logs"

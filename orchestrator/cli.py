@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from contract.slurm_states import REQUEUE_GRACE_S, has_ended
@@ -27,7 +26,7 @@ from orchestrator.manifest import (
     orch_home,
     sweep_labels,
 )
-from orchestrator.results import RunResults, disk_problem, format_wer, last_progress
+from orchestrator.results import RunResults, as_json, disk_problem, format_wer, last_progress
 from orchestrator.scripts import PreparedScript, read_recipe
 
 
@@ -360,8 +359,8 @@ def status_payload(
         row["source"] = status.source if status else ""
         row["last_step"], row["last_loss"] = progress.get(job.index, (None, None))
     payload["disk_problem"] = disk_problem(Path(manifest.run_dir))
-    payload["validation"] = asdict(results.validation) if results.validation else None
-    payload["evaluation"] = asdict(results.evaluation) if results.evaluation else None
+    payload["validation"] = as_json(results.validation)
+    payload["evaluation"] = as_json(results.evaluation)
     return payload
 
 
@@ -409,6 +408,15 @@ def print_status(payload: dict, results: RunResults) -> None:
     if payload["error"]:
         print(f"error: {payload['error']}")
     print(f"latest: {results.describe()}")
+    per_set = results.per_set()
+    if per_set:
+        print_table(
+            [
+                [name, format_loss(val_loss), format_wer(wer) if wer is not None else "-"]
+                for name, (val_loss, wer) in per_set.items()
+            ],
+            ["set", "val_loss", "wer"],
+        )
     rows = [
         [
             index_label(job["index"], job["then"]),

@@ -1,14 +1,16 @@
 """``orchestrator plot``: loss and throughput of a chain, or of a sweep's chains, as one PNG.
 
 Reading and drawing are split: ``plot_data`` turns the chains' ``metrics.jsonl`` into plain series
-(steps, losses, tokens/s, the jobs each series is made of, validation losses, the run's latest
-evaluation), which tests check against the files; ``draw`` only renders them. matplotlib is
-imported inside ``draw``, so the other commands never pay for it.
+(steps, losses, tokens/s, the jobs each series is made of, validation losses, pooled and per
+validation set, the run's evaluations, pooled and per test set), which tests check against the
+files; ``draw`` only renders them. matplotlib is imported inside ``draw``, so the other
+commands never pay for it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from orchestrator.manifest import (
 )
 from orchestrator.results import (
     Evaluation,
+    Validation,
     chain_rows,
     evaluations,
     format_wer,
@@ -31,6 +34,8 @@ from orchestrator.results import (
     is_training_row,
     validations,
 )
+
+SET_MARKERS = ("^", "v", "D", "P", "X", "*", "<", ">")  # one per named set; pooled: o and s
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,14 @@ class JobSpan:
 
 
 @dataclass(frozen=True)
+class SetSeries:
+    """One named validation or test set's values (val_loss or WER) against step."""
+
+    steps: list[int]
+    values: list[float]
+
+
+@dataclass(frozen=True)
 class ChainSeries:
     label: str
     chain_id: str
@@ -52,8 +65,10 @@ class ChainSeries:
     tokens_per_s: list[float]
     jobs: list[JobSpan]
     val_steps: list[int]
-    val_losses: list[float]
+    val_losses: list[float]  # pooled over the validation sets where there are several
+    val_sets: dict[str, SetSeries]  # each validation set's val_loss
     evaluated: list[Evaluation]  # the run's evaluations, by step
+    wer_sets: dict[str, SetSeries]  # each test set's WER
 
     @property
     def evaluation(self) -> Evaluation | None:
@@ -99,6 +114,17 @@ def job_spans(rows: list[dict[str, Any]]) -> list[JobSpan]:
     return spans
 
 
+def by_set(points: Iterable[Validation | Evaluation]) -> dict[str, SetSeries]:
+    """Each named set's series, from the points (validations or evaluations) of several sets."""
+    found: dict[str, SetSeries] = {}
+    for point in points:
+        for name, number in point.sets.items():
+            series = found.setdefault(name, SetSeries([], []))
+            series.steps.append(point.step)
+            series.values.append(number)
+    return found
+
+
 def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
     """The chain's series, or None when it has logged no row yet."""
     rows = chain_rows(manifest)
@@ -106,6 +132,7 @@ def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
         return None
     training = [row for row in rows if is_training_row(row)]
     validated = validations(rows)
+    evaluated = evaluations(Path(manifest.run_dir))
     return ChainSeries(
         label=label,
         chain_id=manifest.chain_id,
@@ -115,7 +142,9 @@ def chain_series(manifest: Manifest, label: str) -> ChainSeries | None:
         jobs=job_spans(training),
         val_steps=[point.step for point in validated],
         val_losses=[point.val_loss for point in validated],
-        evaluated=evaluations(Path(manifest.run_dir)),
+        val_sets=by_set(validated),
+        evaluated=evaluated,
+        wer_sets=by_set(evaluated),
     )
 
 
@@ -152,12 +181,16 @@ def default_output(name: str) -> Path:
 def draw(data: PlotData, out: Path) -> Path:
     """Render loss and tokens/s against step, job boundaries dashed, each job's seed named;
     validation losses as dotted points on the loss axes, each evaluation's WER as a square on a
-    WER axis at the right, the latest WER in the legend. The loss axis is logarithmic."""
+    WER axis at the right, the latest WER in the legend. Where there are several validation or
+    test sets, each set gets a line of its own (its own marker, the chain's colour) beside the
+    pooled one. The loss axis is logarithmic."""
     from matplotlib.figure import Figure  # the Agg canvas: no display, no pyplot state
 
     figure = Figure(figsize=(10, 7), layout="constrained")
     loss_axes, speed_axes = figure.subplots(2, 1, sharex=True)
     colors = [f"C{i % 10}" for i in range(len(data.series))]
+    names = sorted({name for s in data.series for name in [*s.val_sets, *s.wer_sets]})
+    markers = {name: SET_MARKERS[i % len(SET_MARKERS)] for i, name in enumerate(names)}
     wer_axes = None
     if any(series.evaluated for series in data.series):
         wer_axes = loss_axes.twinx()
@@ -174,6 +207,16 @@ def draw(data: PlotData, out: Path) -> Path:
                 markersize=4,
                 label=f"{series.label} val_loss",
             )
+        for name, points in series.val_sets.items():
+            loss_axes.plot(
+                points.steps,
+                points.values,
+                color=color,
+                linestyle=":",
+                marker=markers[name],
+                markersize=4,
+                label=f"{series.label} val_loss/{name}",
+            )
         if wer_axes is not None and series.evaluated:
             wer_axes.plot(
                 [evaluation.step for evaluation in series.evaluated],
@@ -182,6 +225,16 @@ def draw(data: PlotData, out: Path) -> Path:
                 linestyle="-.",
                 marker="s",
                 markersize=5,
+            )
+        for name, points in series.wer_sets.items():
+            wer_axes.plot(
+                points.steps,
+                [100 * wer for wer in points.values],
+                color=color,
+                linestyle="-.",
+                marker=markers[name],
+                markersize=5,
+                label=f"{series.label} WER {name}",
             )
         speed_axes.plot(series.steps, series.tokens_per_s, color=color, label=series.label)
         for x in series.boundaries:
@@ -203,7 +256,11 @@ def draw(data: PlotData, out: Path) -> Path:
     speed_axes.set_ylabel("tokens/s")
     speed_axes.set_xlabel("step")
     loss_axes.set_title(data.title)
-    loss_axes.legend(loc="lower left", fontsize=8)
+    handles, labels = loss_axes.get_legend_handles_labels()
+    if wer_axes is not None:  # the per-set WER lines are labelled on their own axes
+        wer_handles, wer_labels = wer_axes.get_legend_handles_labels()
+        handles, labels = handles + wer_handles, labels + wer_labels
+    loss_axes.legend(handles, labels, loc="lower left", fontsize=8)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)

@@ -4,7 +4,9 @@ The files are written by the trainer and ``python -m train.evaluate``; this modu
 and never imports either (nor torch):
 
 - ``metrics.jsonl``: one JSON object per line. Training rows have ``loss``. Validation rows
-  (rank 0) have ``val_loss``, ``val_tokens`` and ``val_split`` and no ``loss``. Both carry
+  (rank 0) have ``val_loss``, ``val_tokens`` and ``val_split`` and no ``loss``; with several
+  validation sets ``val_split`` is their names joined by commas, ``val_loss`` their pooled loss
+  and ``val_loss/<set>`` each set's. Both carry
   ``step``, ``time`` and the job's context (``job_index``, ``seed``, ``chain_id``,
   ``slurm_job_id``). Each job's first step also writes one ``memory`` row (a list of every
   rank's measured ``params_bytes``, ``grads_bytes`` and ``optimizer_bytes``). Any other row
@@ -12,6 +14,8 @@ and never imports either (nor torch):
 - ``eval/step_<N>/summary.json`` (``hypotheses.jsonl`` beside it): at least ``step``, ``split``,
   ``num_utterances``, ``wer`` and ``cer`` (fractions: 0.153 is 15.3 %), ``utterances_per_s``,
   ``layout``. The latest evaluation is the highest N whose summary parses and has a ``wer``.
+  An evaluation of several test sets has the pooled figures there, each set's under ``sets``
+  (``{name: {wer, cer, ...}}``), and a folder per set beside them.
 
 Members of a sweep are ranked best first: by WER where they have one, else by validation loss,
 members with neither last.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ from contract.run_dir import (
     EVAL_DIR,
     METRICS_FILE,
     STEP_DIR,
+    VAL_LOSS_PREFIX,
     not_writable,
     room_shortfall,
 )
@@ -80,18 +85,29 @@ def last_progress(manifest: Manifest) -> dict[int, tuple[int, float | None]]:
 
 @dataclass(frozen=True)
 class Validation:
-    """A validation loss the trainer logged."""
+    """A validation loss the trainer logged (pooled), and each set's where there were several."""
 
     step: int
     val_loss: float
     split: str | None
     job_index: int | None
+    sets: dict[str, float] = field(default_factory=dict)  # from ``val_loss/<set>``
 
 
 def validations(rows: list[dict[str, Any]]) -> list[Validation]:
     """The rows that carry a numeric ``val_loss``, in the order they were logged."""
     return [
-        Validation(row["step"], float(row["val_loss"]), row.get("val_split"), row.get("job_index"))
+        Validation(
+            row["step"],
+            float(row["val_loss"]),
+            row.get("val_split"),
+            row.get("job_index"),
+            {
+                key.removeprefix(VAL_LOSS_PREFIX): float(value)
+                for key, value in row.items()
+                if key.startswith(VAL_LOSS_PREFIX) and is_number(value)
+            },
+        )
         for row in rows
         if is_number(row.get("val_loss"))
     ]
@@ -109,9 +125,10 @@ class Evaluation:
 
     step: int
     split: str | None
-    wer: float
+    wer: float  # pooled over the sets where there were several
     cer: float | None
     num_utterances: int | None
+    sets: dict[str, float] = field(default_factory=dict)  # each set's WER
 
 
 def read_evaluation(path: Path, step: int) -> Evaluation | None:
@@ -124,12 +141,18 @@ def read_evaluation(path: Path, step: int) -> Evaluation | None:
         return None
     cer = data.get("cer")
     count = data.get("num_utterances")
+    sets = data.get("sets")
     return Evaluation(
         step=step,
         split=data.get("split"),
         wer=float(data["wer"]),
         cer=float(cer) if is_number(cer) else None,
         num_utterances=count if isinstance(count, int) else None,
+        sets={
+            name: float(figures["wer"])
+            for name, figures in (sets.items() if isinstance(sets, dict) else ())
+            if isinstance(figures, dict) and is_number(figures.get("wer"))
+        },
     )
 
 
@@ -188,6 +211,24 @@ class RunResults:
                 f" ({where})" if where else ""
             )
         return "; ".join(parts)
+
+    def per_set(self) -> dict[str, tuple[float | None, float | None]]:
+        """Each named set's (latest val_loss, latest WER), None where it has none; empty
+        unless training validated or the evaluation scored several sets."""
+        validated = self.validation.sets if self.validation else {}
+        scored = self.evaluation.sets if self.evaluation else {}
+        return {name: (validated.get(name), scored.get(name)) for name in {**validated, **scored}}
+
+
+def as_json(found: Validation | Evaluation | None) -> dict[str, Any] | None:
+    """A result as ``status --json`` prints it: ``sets`` only where there were several sets,
+    as in the files it was read from."""
+    if found is None:
+        return None
+    record = asdict(found)
+    if not record["sets"]:
+        del record["sets"]
+    return record
 
 
 def finite_or_inf(value: float) -> float:

@@ -145,6 +145,36 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+LIBRISPEECH_UTTERANCES = 20  # 12 train-clean-100, 4 dev-clean, 4 test-clean
+
+
+@pytest.fixture(scope="session")
+def librispeech(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny corpus in LibriSpeech's own layout with lhotse's manifests (made by lhotse's own
+    `lhotse prepare librispeech`) in manifests/, made once per session."""
+    out = tmp_path_factory.mktemp("librispeech") / "corpus"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.make_librispeech",
+            "--out",
+            str(out),
+            "--utterances",
+            str(LIBRISPEECH_UTTERANCES),
+            "--jobs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return out
+
+
 @pytest.fixture
 def small_disk(tmp_path) -> Iterator[Path]:
     """A real 2 MiB file system (tmpfs) to fill up."""

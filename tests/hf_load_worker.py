@@ -23,19 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.synthetic import full_params, synthetic_batch
+from tests.synthetic import built, full_params, save_and_end, synthetic_batch
 from train.config import LoraConfig, ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.mesh import build_meshes
-from train.models.build import build_model, build_pipeline, freeze_parameters
+from train.models.build import freeze_parameters
 from train.models.hf_names import PROJECTIONS
 from train.models.hf_weights import llm_state, load_llm_weights
-from train.models.parallelize import ParallelizeOptions
-from train.models.pipeline import PipelineRunner, merged_view
 from train.models.salm import loss_targets
 from train.parallel_dims import ParallelDims
-from train.pipeline_plan import pipeline_plan
-from train.step import WholeModelRunner
 
 
 def local_elements(model: torch.nn.Module) -> dict[str, int]:
@@ -54,10 +50,9 @@ def lora_config(directory: Path, rank: int) -> TrainConfig:
 
 
 def record(directory: Path, args: argparse.Namespace) -> dict:
-    cpu = torch.device("cpu")
     train_cfg = lora_config(directory, args.lora_rank)
     cfg = model_of(train_cfg.model)
-    meshes, pp_group, dims = None, None, ParallelDims(1)
+    meshes, dims = None, ParallelDims(1)
     if dist.is_initialized():
         dims = ParallelDims(
             dist.get_world_size(),
@@ -69,15 +64,7 @@ def record(directory: Path, args: argparse.Namespace) -> dict:
         )
         dims.validate(cfg)
         meshes = build_meshes(dims, "cpu")
-    if args.pp > 1:
-        plan = pipeline_plan(cfg, args.pp, "1f1b", 0, 0, [])
-        parts = build_pipeline(cfg, cpu, 99, meshes, ParallelizeOptions(), plan)
-        pp_group = meshes.pp.get_group()
-        runner = PipelineRunner(parts, plan, pp_group, cpu, torch.float32, args.tp)
-        model = merged_view(parts)
-    else:
-        model = build_model(cfg, cpu, 99, meshes)
-        runner = WholeModelRunner(model, cpu)
+    runner, model, pp_group = built(cfg, dims, meshes)
     load_llm_weights(model, directory)
     batch = synthetic_batch()
 
@@ -123,10 +110,7 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     results = {str(directory): record(directory, args) for directory in args.directories}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(results, args.out)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    save_and_end(results, args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Tiny Hugging Face models and tokenizers in the formats of real LLM families, built offline
 and written by ``save_pretrained`` (nothing downloaded).
 
+``save_tiny_encoder(kind, directory)`` writes a random speech encoder as a real checkpoint holds
+it (a WhisperForConditionalGeneration or WhisperModel, a ParakeetEncoder or ParakeetForCTC) with
+its feature extractor's config beside it.
+
 ``save_tiny(family, directory)`` writes a random Llama, Qwen2 or Qwen3 decoder with its tokenizer:
 
 A byte-level BPE (256 byte tokens plus a few merges learned from a short built-in text) tokenizes
@@ -19,9 +23,18 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    ParakeetCTCConfig,
+    ParakeetEncoder,
+    ParakeetEncoderConfig,
+    ParakeetFeatureExtractor,
+    ParakeetForCTC,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    WhisperConfig,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+    WhisperModel,
 )
 
 from recipes.make_hf_llm import CHATML_TEMPLATE, QWEN2_EXTRA, QWEN2_SPECIALS, byte_level_bpe
@@ -46,17 +59,78 @@ FAMILIES = {
 }
 
 
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its biases and norms (scales, shifts, running statistics) moved off their
+    initial constants, so that a mapping that drops them shows."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and ("bias" in name or "norm" in name):
+                tensor.add_(torch.randn_like(tensor) * 0.1)
+                if name.endswith("running_var"):
+                    tensor.abs_()  # a variance stays positive
+    return model
+
+
 def save_tiny(family: str, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
     """A random ``family`` decoder and its tokenizer in ``directory``, as ``save_pretrained``
-    writes them; biases and norms perturbed so that a mapping that drops them shows."""
+    writes them; biases and norms perturbed."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "bias" in name or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory)
+    perturbed(model).save_pretrained(directory)
     save_tiny_tokenizer(family, directory)
+    return directory
+
+
+WHISPER = {
+    "d_model": 32,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "decoder_layers": 1,
+    "decoder_attention_heads": 4,
+    "decoder_ffn_dim": 64,
+    "num_mel_bins": 80,
+    "vocab_size": 64,
+    "max_target_positions": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 3,
+}
+PARAKEET = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "subsampling_conv_channels": 8,
+    "conv_kernel_size": 5,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    "activation_dropout": 0.0,
+}
+# A checkpoint kind -> (how to build it, its family's feature extractor), each as real
+# checkpoints hold the encoder: under model.encoder., encoder., or alone.
+ENCODER_KINDS = {
+    "whisper": (lambda: WhisperForConditionalGeneration(WhisperConfig(**WHISPER)), "whisper"),
+    "whisper_model": (lambda: WhisperModel(WhisperConfig(**WHISPER)), "whisper"),
+    "parakeet": (lambda: ParakeetEncoder(ParakeetEncoderConfig(**PARAKEET)), "parakeet"),
+    "parakeet_ctc": (
+        lambda: ParakeetForCTC(
+            ParakeetCTCConfig(encoder_config=PARAKEET, vocab_size=32, pad_token_id=31)
+        ),
+        "parakeet",
+    ),
+}
+
+
+def save_tiny_encoder(kind: str, directory: Path) -> Path:
+    """A random tiny speech encoder checkpoint of ``kind`` (one of ENCODER_KINDS) and its
+    feature extractor's config in ``directory``, as ``save_pretrained`` writes them."""
+    torch.manual_seed(0)
+    build, family = ENCODER_KINDS[kind]
+    perturbed(build()).save_pretrained(directory)
+    extractor = WhisperFeatureExtractor(feature_size=80) if family == "whisper" else None
+    (extractor or ParakeetFeatureExtractor()).save_pretrained(directory)
     return directory
 
 

@@ -58,9 +58,9 @@ def main() -> None:
     cfg.data.max_duration = 5.0
     cfg.data.num_workers = 0
     cfg.wandb.enabled = False
-    dims, plan = preflight(cfg)
+    prepared = preflight(cfg)
     device = init_distributed(cfg.train.hang_timeout_s)
-    trainer = Trainer(cfg, dims, plan, device, StopRequest(0.0))
+    trainer = Trainer(cfg, prepared, device, StopRequest(0.0))
     batches = trainer.batches()
     trainer.train_step([next(batches)])  # the first step also measures the state's memory
 

@@ -7,8 +7,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from train.mesh import Meshes
+from train.models.build import build_model, build_pipeline
 from train.models.init import canonical_name
+from train.models.parallelize import ParallelizeOptions
+from train.models.pipeline import PipelineRunner, merged_view
 from train.models.salm import PAD_ID
+from train.models.shape import SALMConfig
+from train.parallel_dims import ParallelDims
+from train.pipeline_plan import pipeline_plan
+from train.step import WholeModelRunner
 
 GLOBAL_BATCH = 4
 DATA_SEED = 99
@@ -38,3 +46,28 @@ def full_params(model: torch.nn.Module, pp_group=None) -> dict[str, torch.Tensor
     stages: list[dict | None] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(stages, params, group=pp_group)
     return {name: value for stage in stages for name, value in stage.items()}
+
+
+def built(
+    cfg: SALMConfig, dims: ParallelDims, meshes: Meshes | None
+) -> tuple[WholeModelRunner | PipelineRunner, torch.nn.Module, dist.ProcessGroup | None]:
+    """``cfg``'s model at ``dims`` as the trainer builds it (initial seed 99, fp32; 1F1B
+    pipeline stages when pp > 1), the runner that steps it, and the pipeline's group."""
+    cpu = torch.device("cpu")
+    if not dims.pp_enabled:
+        model = build_model(cfg, cpu, 99, meshes)
+        return WholeModelRunner(model, cpu), model, None
+    plan = pipeline_plan(cfg, dims.pp, "1f1b", 0, 0, [])
+    parts = build_pipeline(cfg, cpu, 99, meshes, ParallelizeOptions(), plan)
+    pp_group = meshes.pp.get_group()
+    runner = PipelineRunner(parts, plan, pp_group, cpu, torch.float32, dims.tp)
+    return runner, merged_view(parts), pp_group
+
+
+def save_and_end(results: dict, out: str) -> None:
+    """A worker's last act: rank 0 (or the one plain process) saves ``results`` to ``out``,
+    then the process group ends."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, out)
+    if dist.is_initialized():
+        dist.destroy_process_group()

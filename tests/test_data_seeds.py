@@ -37,8 +37,7 @@ def read(source: Path, **overrides) -> list[dict]:
         "dp_rank": 0,
         "dp_size": 1,
         "num_workers": 0,
-        "encode_text": BYTES.example,
-        "pad_id": PAD_ID,
+        "text": BYTES,
         "buckets": 2,
         **overrides,
     }
@@ -134,8 +133,7 @@ def test_epochs_reshuffle_within_a_job(train_cuts):
             dp_rank=0,
             dp_size=1,
             num_workers=0,
-            encode_text=BYTES.example,
-            pad_id=PAD_ID,
+            text=BYTES,
             buckets=2,
             epoch=epoch,
         )

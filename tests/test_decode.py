@@ -16,8 +16,8 @@ from train.models.presets import get_preset, model_shape
 from train.models.salm import (
     IGNORE_INDEX,
     ByteTokenizer,
+    audio_positions,
     embed_inputs,
-    encoder_lens,
     loss_targets,
     sequence_layout,
 )
@@ -67,10 +67,12 @@ def decode_through_training_forward(
             torch.tensor([prompt.prefix_len]),
             torch.tensor([prompt.answer_start]),
         )
-        seq_len = host_seq_len(batch, model.seq_multiple)
+        seq_len = host_seq_len(batch, model)
         x, layout = embed_inputs(model.encoder, model.projector, model.llm.embed, batch, seq_len)
         logits, _ = model.llm(x, layout.token_mask)
-        next_token = int(logits[0, int(encoder_lens(lens)[0]) + len(tokens) - 1].argmax())
+        next_token = int(
+            logits[0, int(audio_positions(model.cfg, lens)[0]) + len(tokens) - 1].argmax()
+        )
         if next_token in eos_ids:
             break
         tokens.append(next_token)

@@ -1,4 +1,5 @@
-"""train.evaluate: the same hypotheses at every layout, any manifest, clear refusals.
+"""train.evaluate: the same hypotheses at every layout, any manifest, several test sets in one
+run, clear refusals.
 
 The models decoded here learnt a handful of utterances by heart, so their transcripts depend on
 the audio and end with EOS at different steps: a broken audio path under TP, PP or EP, a row cut
@@ -9,22 +10,28 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jiwer
 import pytest
+import yaml
 from hydra import compose, initialize_config_module
 from lhotse import CutSet
+from lhotse.audio import AudioSource
+from lhotse.utils import fastcopy
 from omegaconf import OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS
+from orchestrator.results import latest_evaluation
 from tests.helpers import launch_json, run_tool, wait_chain
 from tests.hf_tiny import save_tiny
 from train.config import ConfigError
 from train.data import load_cuts
 from train.evaluate import preflight
+from train.normalizers import whisper_en
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones
@@ -223,12 +230,98 @@ def test_an_external_manifest_with_audio_only(dense_run, corpus, tmp_path):
     cuts = CutSet.from_cuts(list(load_cuts(corpus / "cuts_dev.jsonl.gz"))[:3]).drop_features()
     manifest = tmp_path / "cuts_mine.jsonl.gz"
     cuts.to_file(manifest)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "checkpoints").symlink_to(dense_run / "checkpoints")
-    result = evaluate(run_dir, f"inputs={manifest}")
+    result = evaluate(with_checkpoints_of(dense_run, tmp_path / "run"), f"inputs={manifest}")
     assert result["summary"]["split"] == "mine"
     assert result["summary"]["num_utterances"] == 3
+
+
+def with_checkpoints_of(trained_run: Path, run_dir: Path) -> Path:
+    """A fresh run dir reading ``trained_run``'s checkpoints, so its eval/ starts empty."""
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(trained_run / "checkpoints")
+    return run_dir
+
+
+def untranscribed(cut):
+    """The cut with an empty transcript: a source's cut that checking sets aside."""
+    supervisions = [fastcopy(sup, text="") for sup in cut.supervisions]
+    return fastcopy(cut, id=f"{cut.id}-untranscribed", supervisions=supervisions)
+
+
+def unreadable(cut, directory: Path):
+    """The cut with its features dropped and its audio file garbage: it passes checking (the
+    file exists) and is skipped when decoding finds it unreadable."""
+    broken = directory / "broken.wav"
+    broken.write_bytes(b"not audio at all")
+    cut = cut.drop_features()
+    sources = [AudioSource(type="file", channels=[0], source=str(broken))]
+    recording = fastcopy(cut.recording, id=f"{cut.recording.id}-broken", sources=sources)
+    return fastcopy(cut, id=f"{cut.id}-unreadable", recording=recording)
+
+
+def test_several_sets_in_one_run(dense_run, memorable, tmp_path):
+    """``sets=`` of the learnt and the unheard utterances, decoded at 2 data-parallel ranks in
+    one run with Whisper's English normalizer: each set has its own hypotheses and figures, the
+    pooled summary's counts are their sums, and the cuts no decoder can use are reported per
+    set (one without transcript set aside before decoding, one with garbage audio skipped)."""
+    cuts = list(load_cuts(memorable / "cuts_test.jsonl.gz"))
+    learnt, unheard = cuts[:MEMORIZED], cuts[MEMORIZED:]
+    CutSet.from_cuts(learnt).to_file(tmp_path / "learnt.jsonl.gz")
+    extra = [untranscribed(unheard[0]), unreadable(unheard[1], tmp_path)]
+    CutSet.from_cuts(unheard + extra).to_file(tmp_path / "unheard.jsonl.gz")
+    sets = [
+        {"name": "learnt", "cuts": "learnt.jsonl.gz"},
+        {"name": "unheard", "cuts": "unheard.jsonl.gz"},
+    ]
+    (tmp_path / "sets.yaml").write_text(yaml.safe_dump(sets))
+    run_dir = with_checkpoints_of(dense_run, tmp_path / "run")
+    result = run_module(
+        "train.evaluate",
+        f"run_dir={run_dir}",
+        f"batch_size={BATCH}",
+        f"sets={tmp_path / 'sets.yaml'}",
+        "normalizer=whisper_en",
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_dir / "eval" / f"step_{MEMORIZE_STEPS}"
+    pooled = json.loads((out / "summary.json").read_text())
+    assert pooled["split"] == "learnt,unheard" and pooled["normalizer"] == "whisper_en"
+    assert list(pooled["sets"]) == ["learnt", "unheard"]
+    total: dict[str, int] = {}
+    for name, expected in (("learnt", learnt), ("unheard", unheard)):
+        summary = json.loads((out / name / "summary.json").read_text())
+        # The set's own summary: its figures as the pooled one lists them, and the run's.
+        assert {key: summary[key] for key in pooled["sets"][name]} == pooled["sets"][name]
+        assert (summary["step"], summary["layout"]) == (pooled["step"], pooled["layout"])
+        rows = [
+            json.loads(line) for line in (out / name / "hypotheses.jsonl").read_text().splitlines()
+        ]
+        assert sorted(row["id"] for row in rows) == sorted(cut.id for cut in expected)
+        assert all(row["normalized_reference"] == whisper_en(row["reference"]) for row in rows)
+        references = [row["normalized_reference"] for row in rows]
+        hypotheses = [row["normalized_hypothesis"] for row in rows]
+        assert summary["wer"] == pytest.approx(jiwer.wer(references, hypotheses), abs=1e-12)
+        edits = summary["substitutions"] + summary["deletions"] + summary["insertions"]
+        assert summary["wer"] == pytest.approx(edits / summary["reference_words"], abs=1e-12)
+        assert summary["num_utterances"] == len(rows) and summary["real_time_factor"] > 0
+        for key, value in summary["errors"].items():
+            total[key] = total.get(key, 0) + value
+    assert pooled["errors"] == total and pooled["num_utterances"] == MEMORIZED + UNHEARD
+    assert pooled["sets"]["learnt"]["wer"] < pooled["sets"]["unheard"]["wer"]
+    skipped = pooled["sets"]["unheard"]["skipped"]
+    assert skipped[extra[0].id] == "empty transcript", skipped
+    assert "its audio cannot be read" in skipped[extra[1].id], skipped
+    assert pooled["sets"]["learnt"]["skipped"] == {}
+    assert not (out / "hypotheses.jsonl").exists()
+    lines = result.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("set ")))
+    assert lines[header].split()[:5] == ["set", "utterances", "words", "WER", "CER"]
+    assert [line.split()[0] for line in lines[header + 1 :]] == ["learnt", "unheard", "all"]
+    # What orchestrator status and plot read of it.
+    evaluation = latest_evaluation(run_dir)
+    assert evaluation.wer == pooled["wer"]
+    assert evaluation.sets == {name: s["wer"] for name, s in pooled["sets"].items()}
 
 
 def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
@@ -237,26 +330,34 @@ def test_bad_input_is_one_error_line(dense_run, corpus, tmp_path):
     empty = tmp_path / "empty.jsonl.gz"
     CutSet.from_cuts([]).to_file(empty)
     unlabelled = tmp_path / "unlabelled.jsonl.gz"
-    cut = next(iter(load_cuts(corpus / "cuts_dev.jsonl.gz")))
-    CutSet.from_cuts([cut.drop_supervisions()]).to_file(unlabelled)
+    dev = corpus / "cuts_dev.jsonl.gz"
+    CutSet.from_cuts([next(iter(load_cuts(dev))).drop_supervisions()]).to_file(unlabelled)
+    unusable_set = f"sets=[{{name: mine, cuts: {dev}}}, {{name: silent, cuts: {unlabelled}}}]"
+    nested_name = f"sets=[{{name: libri/clean, cuts: {dev}}}, {{name: other, cuts: {dev}}}]"
     cases = [
         ([f"run_dir={tmp_path / 'nothing'}"], "no complete checkpoint"),
         ([f"run_dir={dense_run}", "step=7"], "not a complete checkpoint"),
-        ([f"run_dir={dense_run}", f"inputs={empty}"], "holds no cuts"),
-        ([f"run_dir={dense_run}", f"inputs={unlabelled}"], "has no supervision"),
+        ([f"run_dir={dense_run}", f"inputs={tmp_path / 'missing.jsonl.gz'}"], "does not exist"),
+        ([f"run_dir={dense_run}", f"inputs={empty}"], "has no usable cuts (it is empty)"),
+        ([f"run_dir={dense_run}", f"inputs={unlabelled}"], "{'empty transcript': 1}"),
+        ([f"run_dir={dense_run}", f"sets={tmp_path / 'sets.yaml'}"], "sets.yaml: no such file"),
+        ([f"run_dir={dense_run}", unusable_set], "source silent (cuts: "),
+        ([f"run_dir={dense_run}", unusable_set, f"inputs={empty}"], "drop inputs= and split="),
+        ([f"run_dir={dense_run}", nested_name], "'libri/clean' cannot name its folder"),
+        ([f"run_dir={dense_run}", "normalizer=whisper"], "choose one of none, basic, whisper_en"),
         ([f"run_dir={dense_run}", "parallel.cp=2"], "context parallelism has nothing to split"),
     ]
     for args, message in cases:
         with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
             raw = compose("evaluate", overrides=args)
-        with pytest.raises(ConfigError, match=message) as refused:
+        with pytest.raises(ConfigError, match=re.escape(message)) as refused:
             preflight(OmegaConf.to_object(raw))
         assert "\n" not in str(refused.value)
-    args, message = cases[-1]
-    result = run_module("train.evaluate", *args, nproc=2)
+    # A set with no usable cut, at 2 ranks: the source is named once, on rank 0's behalf.
+    result = run_module("train.evaluate", f"run_dir={dense_run}", unusable_set, nproc=2)
     assert result.returncode != 0, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert len(errors) == 1 and "source silent" in errors[0], result.stderr[-2000:]
     assert "exitcode  : 2" in result.stderr, result.stderr[-2000:]
 
 

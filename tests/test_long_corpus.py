@@ -91,8 +91,7 @@ def test_dataloader_yields_batches_four_times_as_long(corpus, long_corpus):
         dp_rank=0,
         dp_size=1,
         num_workers=0,
-        encode_text=ByteTokenizer().example,
-        pad_id=PAD_ID,
+        text=ByteTokenizer(),
         buckets=2,
     )
     lens = []

@@ -2,7 +2,8 @@
 
 Two real 2-job chains run through ``auto_launch --backend local`` (2 ranks under torchrun each):
 chain A with a W&B API key in the environment and WANDB_MODE=offline, chain B with another
-learning rate and W&B off. A sweep made of both is registered by hand.
+learning rate and W&B off. A sweep made of both is registered by hand. Per-set validation losses
+and WERs are read from files written here in the documented format (tests/test_results.py's).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from PIL import Image
 
 from orchestrator.dashboard import build_workspace, load_spec
 from orchestrator.manifest import find_manifest, register_sweep
-from orchestrator.plot import plot_data
+from orchestrator.plot import draw, plot_data
 from tests.helpers import REPO, launch_json, run_tool
 from tests.test_metrics import base_env, of_type, wandb_records
+from tests.test_results import make_chain, status_json, train_row, val_row, write_eval
 
 SECRET = "secret-xyz-123"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -226,3 +228,64 @@ def test_dashboard_spec_builds_a_workspace_offline() -> None:
     assert view.display_name == "chains"
     grouping = view.spec.section.run_sets[0].grouping
     assert [(key.section, key.name) for key in grouping] == [("run", "group")]
+
+
+def with_sets(row: dict, losses: dict[str, float]) -> dict:
+    """A validation row of several sets, as the trainer writes it: the pooled ``val_loss``, the
+    comma-joined ``val_split`` and ``val_loss/<set>`` for each."""
+    per_set = {f"val_loss/{name}": loss for name, loss in losses.items()}
+    return {**row, "val_split": ",".join(losses), **per_set}
+
+
+def write_sets_eval(run_dir: Path, step: int, wers: dict[str, float]) -> None:
+    """An evaluation of several test sets: the pooled figures at the top, each set's under
+    ``sets`` (as train.evaluate writes it)."""
+    write_eval(run_dir, step, sum(wers.values()) / len(wers))
+    path = run_dir / "eval" / f"step_{step}" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["split"] = ",".join(wers)
+    summary["sets"] = {name: {"wer": wer, "num_utterances": 32} for name, wer in wers.items()}
+    path.write_text(json.dumps(summary))
+
+
+def test_status_and_plot_show_each_validation_and_test_set(tmp_path: Path) -> None:
+    """A run validated on two sets (eval.sets) and evaluated on two (train.evaluate sets=):
+    status names each set's latest val_loss and WER, plot draws a line per set."""
+    chain_id = "sets-chain"
+    rows = [
+        train_row(chain_id, 1, 0, 4.0),
+        with_sets(val_row(chain_id, 1, 0, 3.0), {"clean": 2.5, "noisy": 3.5}),
+        train_row(chain_id, 2, 0, 3.0),
+        with_sets(val_row(chain_id, 2, 0, 2.0), {"clean": 1.5, "noisy": 2.5}),
+    ]
+    run_dir = make_chain(tmp_path, chain_id, rows)
+    write_sets_eval(run_dir, 1, {"clean": 0.5, "other": 0.75})
+    write_sets_eval(run_dir, 2, {"clean": 0.25, "other": 0.5})
+
+    status = status_json(chain_id)
+    assert status["validation"]["split"] == "clean,noisy"
+    assert status["validation"]["sets"] == {"clean": 1.5, "noisy": 2.5}
+    assert status["evaluation"]["wer"] == 0.375
+    assert status["evaluation"]["sets"] == {"clean": 0.25, "other": 0.5}
+    text = run_tool("orchestrator", "status", str(run_dir)).stdout.splitlines()
+    assert text[1].startswith("latest: val_loss 2.0000 at step 2 (clean,noisy); WER 37.50%")
+    assert [line.split() for line in text[2:6]] == [
+        ["set", "val_loss", "wer"],
+        ["clean", "1.5000", "25.00%"],
+        ["noisy", "2.5000", "-"],
+        ["other", "-", "50.00%"],
+    ]
+    assert text[6].split()[:3] == ["index", "job_id", "seed"]
+
+    (series,) = plot_data(chain_id).series
+    assert series.val_losses == [3.0, 2.0]
+    assert {name: (s.steps, s.values) for name, s in series.val_sets.items()} == {
+        "clean": ([1, 2], [2.5, 1.5]),
+        "noisy": ([1, 2], [3.5, 2.5]),
+    }
+    assert {name: (s.steps, s.values) for name, s in series.wer_sets.items()} == {
+        "clean": ([1, 2], [0.5, 0.25]),
+        "other": ([1, 2], [0.75, 0.5]),
+    }
+    out = draw(plot_data(chain_id), tmp_path / "sets.png")
+    assert read_png(out).size == (1000, 700)

@@ -28,10 +28,10 @@ def main(spec_path: str) -> None:
     device = init_distributed()
     for overrides in spec["runs"]:
         cfg = compose_training_config(["--config-name", spec["config"], *overrides])
-        dims, plan = preflight(cfg)
+        prepared = preflight(cfg)
         stop = StopRequest(cfg.train.max_time_per_run)
         stop.install()
-        code = Trainer(cfg, dims, plan, device, stop).run()
+        code = Trainer(cfg, prepared, device, stop).run()
         if code:
             raise SystemExit(f"run {overrides} ended with exit code {code}")
         dist.barrier()

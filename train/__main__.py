@@ -61,7 +61,7 @@ def main(raw: DictConfig) -> None:
     from train.trainer import Trainer, TrainingDiverged, init_distributed, preflight
 
     try:
-        dims, plan = preflight(cfg)
+        prepared = preflight(cfg)
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -71,7 +71,7 @@ def main(raw: DictConfig) -> None:
     trainer: Trainer | None = None
     code = 1  # what an exception leaves
     try:
-        trainer = Trainer(cfg, dims, plan, device, stop)
+        trainer = Trainer(cfg, prepared, device, stop)
         code = trainer.run()
     except TrainingDiverged as error:
         if dist.get_rank() == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -70,6 +71,12 @@ class ModelConfig:
     # With lora.rank > 0 the LLM's own weights are frozen and only its adapters (and the
     # encoder and projector, unless frozen) train; model.unfreeze can release LLM weights.
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # A local Hugging Face audio encoder directory (Whisper, Parakeet; its feature extractor's
+    # preprocessor_config.json beside it): it replaces the preset's own encoder, its weights are
+    # loaded at the first job and its extractor computes the features (train/features.py).
+    pretrained_encoder: str | None = None
+    # Encoder frames stacked into one LLM audio position by the projector (its subsampling).
+    projector_stride: int = 1
 
 
 def model_from_record(record: dict) -> ModelConfig:
@@ -86,6 +93,13 @@ class DataConfig:
     max_duration: float = 20.0  # seconds of audio per batch per data-parallel rank
     buckets: int = 4
     num_workers: int = 1
+    # A YAML list of training sources (train/sources.py): lhotse cut manifests, Shar
+    # directories or recordings + supervisions pairs, with weights, names and tags, nested in
+    # groups. When set it replaces corpus/split/shar as the training data.
+    input_cfg: str | None = None
+    # A directory where features computed from audio are kept (train/features.py), so that
+    # later epochs and jobs read them instead of computing them again; None: compute each time.
+    feature_cache: str | None = None
 
 
 @dataclass
@@ -129,6 +143,10 @@ class EvalConfig:
     interval: int = 0  # steps between validation passes, plus one as each job ends; 0: off
     split: str = "dev"  # the loss over all of data.corpus's cuts_<split>.jsonl.gz
     max_duration: float = 0.0  # seconds of audio per validation batch and rank; 0: data's
+    # Validation sets: a source file like data.input_cfg's, or an inline list of sources
+    # (weights are ignored); each set's loss is logged as val_loss/<name> and their pooled loss
+    # as val_loss. Empty: eval.split of data.corpus.
+    sets: Any = field(default_factory=list)
 
 
 @dataclass
@@ -255,11 +273,20 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("train.max_steps_per_run must be 0 (no budget) or a positive step count")
     if cfg.eval.interval < 0 or cfg.eval.max_duration < 0:
         raise ValueError("eval.interval and eval.max_duration must be 0 (off / data's) or positive")
-    if cfg.eval.interval and not validation_path(cfg).exists():
+    if cfg.eval.interval and not cfg.eval.sets and not validation_path(cfg).exists():
         raise ValueError(
             f"eval.split={cfg.eval.split}: {validation_path(cfg)} does not exist; choose a split "
             "the corpus has (dev, test) or set eval.interval=0"
         )
+    if cfg.model.projector_stride < 1:
+        raise ValueError(f"model.projector_stride={cfg.model.projector_stride}: must be at least 1")
+    if cfg.data.input_cfg is not None:
+        if cfg.data.shar:
+            raise ValueError(
+                "data.shar reads the built-in corpus's Shar export; with data.input_cfg give "
+                "Shar directories as `shar:` sources instead"
+            )
+        return
     path = data_path(cfg)
     if not path.exists():
         raise ValueError(

@@ -48,10 +48,10 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from lhotse import CutSet
@@ -62,12 +62,14 @@ from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
+from train.features import BadCut, Extractor, Featurizer
 from train.prompt import Encoded
-from train.seeding import rank_data_seed, sampler_seed, seed_everything
+from train.seeding import mixture_seed, rank_data_seed, sampler_seed, seed_everything
+from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, transcript
 
 Batch = dict[str, object]
-TextEncoder = Callable[[str], Encoded]  # a transcript as an example's tokens (train.text)
 T = TypeVar("T")
+BIN_SAMPLE = 5000  # cuts of the mixture the duration buckets are estimated from
 STREAM_KEY = "stream"  # set on Shar batches: the stream (worker's sampler) that drew the batch
 
 
@@ -121,36 +123,62 @@ def num_streams(shar: bool, num_workers: int) -> int:
     return num_workers if shar and num_workers > 0 else 1
 
 
-class SpeechDataset(torch.utils.data.Dataset):
-    """Turns a CutSet chosen by the sampler into padded tensors.
+class TextCodec(Protocol):
+    """What a batch needs of the text side (``train.text``): examples, per-cut prompt, padding."""
 
-    Returns ``features`` (B, T, 80) float32 padded with zeros, ``feature_lens`` (B,),
+    pad_id: int
+
+    def for_tags(self, tags: Mapping[str, Any]) -> TextCodec: ...
+
+    def example(self, text: str) -> Encoded: ...
+
+
+class SpeechDataset(torch.utils.data.Dataset):
+    """Turns a CutSet chosen by the sampler into padded tensors, in a dataloader worker.
+
+    Returns ``features`` (B, T, bins) float32 padded with zeros, ``feature_lens`` (B,),
     ``tokens`` (B, L) int64 padded with ``pad_id``, ``token_lens`` (B,), where the audio goes
-    (``prefix_lens``, B) and the answer starts (``answer_starts``, B), and ``cut_ids``.
-    Features are the fbank matrices precomputed in the corpus; nothing is computed per step.
+    (``prefix_lens``, B) and the answer starts (``answer_starts``, B), ``cut_ids``, each
+    cut's ``sources`` name, and one line for each ``skipped`` cut (cut, reason, source).
+
+    Features come from ``featurize`` (``train.features``): the corpus's stored fbank, or
+    computed here from the audio for a pretrained encoder or a source without features. A cut
+    whose audio or text turns out unusable (a corrupt file, a special token in its transcript)
+    is left out of its batch and reported in ``skipped``; a batch with no usable cut at all
+    stops the job with the reasons.
     """
 
-    def __init__(self, encode_text: TextEncoder, pad_id: int) -> None:
-        self.encode_text = encode_text
-        self.pad_id = pad_id
+    def __init__(self, text: TextCodec, featurize: Featurizer | None = None) -> None:
+        self.text = text
+        self.featurize = featurize or Featurizer(Extractor())
 
     def __getitem__(self, cuts: CutSet) -> Batch:
-        features = [torch.from_numpy(cut.load_features()) for cut in cuts]
-        examples = [self.encode_text(_text(cut)) for cut in cuts]
+        features, examples, kept, skipped = [], [], [], []
+        for cut in cuts:
+            try:
+                example = self.text.for_tags(tags_of(cut)).example(transcript(cut))
+                features.append(torch.from_numpy(self.featurize(cut)))
+            except (BadCut, ValueError) as error:
+                why = str(error) if isinstance(error, BadCut) else f"cut {cut.id}: {error}"
+                skipped.append(f"{why} (source {source_of(cut) or '-'})")
+                continue
+            examples.append(example)
+            kept.append(cut)
+        if not kept:
+            reasons = "; ".join(skipped[:3])
+            raise BadCut(f"every cut of a batch is unusable: {reasons}")
         tokens = [torch.tensor(example.tokens, dtype=torch.int64) for example in examples]
         return {
             "features": pad_sequence(features, batch_first=True, padding_value=0.0),
             "feature_lens": torch.tensor([f.shape[0] for f in features], dtype=torch.int64),
-            "tokens": pad_sequence(tokens, batch_first=True, padding_value=self.pad_id),
+            "tokens": pad_sequence(tokens, batch_first=True, padding_value=self.text.pad_id),
             "token_lens": torch.tensor([t.shape[0] for t in tokens], dtype=torch.int64),
             "prefix_lens": torch.tensor([e.prefix_len for e in examples], dtype=torch.int64),
             "answer_starts": torch.tensor([e.answer_start for e in examples], dtype=torch.int64),
-            "cut_ids": [cut.id for cut in cuts],
+            "cut_ids": [cut.id for cut in kept],
+            "sources": [source_of(cut) for cut in kept],
+            "skipped": skipped,
         }
-
-
-def _text(cut: Cut) -> str:
-    return " ".join(s.text for s in cut.supervisions)
 
 
 def load_cuts(manifest: Path) -> CutSet:
@@ -251,15 +279,15 @@ class SharStream(torch.utils.data.IterableDataset):
 
 
 def build_dataloader(
-    cuts_path_or_shar: str | Path,
+    data: str | Path | list[SourceCheck],
     *,
     max_duration: float,
     job_seed: int,
     dp_rank: int,
     dp_size: int,
     num_workers: int,
-    encode_text: TextEncoder,
-    pad_id: int,
+    text: TextCodec,
+    featurize: Featurizer | None = None,
     shar: bool = False,
     buckets: int = 4,
     epoch: int = 0,
@@ -268,17 +296,20 @@ def build_dataloader(
 ) -> DataLoader:
     """One epoch of batches for one data-parallel rank (see the module docstring).
 
-    ``cuts_path_or_shar`` is a cut manifest, or a Shar directory when ``shar`` is set.
-    ``position`` (of this epoch) continues the epoch after the batches it counts; Shar batches
-    then carry ``STREAM_KEY``. The loader owns a torch generator seeded from the rank's data
-    seed, so creating it never draws from the trainer's global RNG. ``pin_memory`` (for CUDA)
-    lets the trainer copy batches to the device without blocking.
+    ``data`` is a cut manifest, a Shar directory when ``shar`` is set, or the checked sources
+    of ``data.input_cfg``: mixed by weight (``train.source_cuts.mixed_stream``), they make one
+    epoch that never ends, resumed like a manifest's by re-drawing the batches ``position``
+    counts. ``position`` (of this epoch) continues the epoch after the batches it counts; Shar
+    batches then carry ``STREAM_KEY``. The loader owns a torch generator seeded from the rank's
+    data seed, so creating it never draws from the trainer's global RNG. ``pin_memory`` (for
+    CUDA) lets the trainer copy batches to the device without blocking. Features are computed
+    by ``featurize`` in the loader's workers when the cuts carry audio only.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
     if position is not None and position.epoch != epoch:
         raise ValueError(f"position is in epoch {position.epoch}, the loader reads {epoch}")
-    dataset = SpeechDataset(encode_text, pad_id)
+    dataset = SpeechDataset(text, featurize)
     own_seed = rank_data_seed(job_seed, dp_rank, epoch=epoch)
     common = {
         "batch_size": None,
@@ -288,7 +319,7 @@ def build_dataloader(
         "pin_memory": pin_memory,
     }
     if shar:
-        fields = shar_fields(Path(cuts_path_or_shar))
+        fields = shar_fields(Path(data))
         bins = duration_bins(CutSet.from_shar(fields={"cuts": fields["cuts"]}), buckets)
         # In workers, "randomized" reads the seed init_worker published; without workers,
         # the same seed as worker 0 is given directly.
@@ -298,10 +329,15 @@ def build_dataloader(
         )
         sampler = _sampler(cuts, bins, max_duration, seed=seed, rank=0, world_size=1)
         return DataLoader(SharStream(dataset, sampler, position), **common)
-    cuts = load_cuts(Path(cuts_path_or_shar))
+    if isinstance(data, list):
+        cuts = mixed_stream(data, mixture_seed(job_seed))
+        bins = duration_bins(cuts.subset(first=BIN_SAMPLE), buckets)
+    else:
+        cuts = load_cuts(Path(data))
+        bins = duration_bins(cuts, buckets)
     sampler = _sampler(
         cuts,
-        duration_bins(cuts, buckets),
+        bins,
         max_duration,
         seed=sampler_seed(job_seed, epoch),
         rank=dp_rank,

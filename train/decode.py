@@ -30,7 +30,7 @@ from train.models.salm import (
     EOS_ID,
     SALM,
     ByteTokenizer,
-    encoder_lens,
+    audio_positions,
     longest_example,
     packed_length,
     splice,
@@ -63,14 +63,14 @@ BYTE_PROMPT = ByteTokenizer().generation_prompt()
 
 
 def prompt_layout(
-    feature_lens: torch.Tensor, multiple: int, prompt: Encoded = BYTE_PROMPT
+    model: nn.Module, feature_lens: torch.Tensor, prompt: Encoded = BYTE_PROMPT
 ) -> tuple[int, torch.Tensor]:
-    """The prompt length (the prompt's tokens around each sequence's audio, rounded up to
-    ``multiple``) and where each sequence's first real position is: known from the lengths
-    alone, on every pipeline stage."""
-    audio_lens = encoder_lens(feature_lens)
+    """The prompt length (the prompt's tokens around each sequence's audio, rounded up to the
+    sequence multiple of ``model``, whole or a stage) and where each sequence's first real
+    position is: known from the lengths alone, on every pipeline stage."""
+    audio_lens = audio_positions(model.cfg, feature_lens)
     text = torch.full_like(audio_lens, len(prompt.tokens))
-    length = packed_length(longest_example(audio_lens, text), multiple)
+    length = packed_length(longest_example(audio_lens, text), model.seq_multiple)
     return length, length - len(prompt.tokens) - audio_lens
 
 
@@ -83,8 +83,7 @@ def prompt_embeddings(
 ) -> torch.Tensor:
     """Left-padded prompts (B, length, d): each sequence's prompt tokens before the audio, its
     audio, then the prompt's tokens after it (the byte tokenizer's: the audio, then BOS)."""
-    audio, audio_lens = model.encoder(features, feature_lens)
-    audio = model.projector(audio)
+    audio, audio_lens = model.projector(*model.encoder(features, feature_lens))
     device, before = audio.device, prompt.prefix_len
     starts = length - len(prompt.tokens) - audio_lens
     column = torch.arange(length, device=device)[None, :] - starts[:, None]  # in the sequence
@@ -121,7 +120,8 @@ def initialize_sharding(model: nn.Module) -> None:
         model(torch.zeros((1, 16, model.cfg.n_mels), device=device), lens, tokens, token_lens)
         return
     model.aux_scale = torch.zeros((), device=device)  # a pipeline stage (PipelinePart)
-    length = packed_length(longest_example(encoder_lens(lens), token_lens), model.seq_multiple)
+    audio_lens = audio_positions(model.cfg, lens)
+    length = packed_length(longest_example(audio_lens, token_lens), model.seq_multiple)
     token_mask = torch.ones((1, length), dtype=torch.bool, device=device)
     if model.encoder is not None:
         features = torch.zeros((1, 16, model.cfg.n_mels), device=device)
@@ -171,7 +171,7 @@ def greedy_decode(
         features = torch.cat([features, features[:1].expand(extra, -1, -1)])
         feature_lens = torch.cat([feature_lens, feature_lens[:1].expand(extra)])
     batch, device = len(features), features.device
-    length, starts = prompt_layout(feature_lens, model.seq_multiple, prompt)
+    length, starts = prompt_layout(model, feature_lens, prompt)
     key_valid = torch.arange(length + max_new_tokens, device=device)[None, :] >= starts[:, None]
     eos = torch.tensor(sorted(eos_ids), device=device)
     tokens = torch.full((batch, max_new_tokens), int(eos[0]), device=device)

@@ -1,22 +1,31 @@
-"""``python -m train.evaluate run_dir=DIR [key=value ...]``: transcribe a cut manifest with a
-trained checkpoint and score it (WER, CER).
+"""``python -m train.evaluate run_dir=DIR [key=value ...]``: transcribe test sets with a trained
+checkpoint and score each: WER, CER, the word substitutions, deletions and insertions, and the
+real-time factor.
 
 Run alone or under torchrun at a data-, tensor-, expert-parallel or pipeline layout
 (``parallel.*`` as for training; pipeline stages without TP), whatever layout the checkpoint was
-saved at: DCP reshards it on load. Utterances (sorted by duration, in batches of
-``batch_size``) are dealt out to the data-parallel ranks; each decodes greedily with a KV cache
-(train/decode.py); rank 0 gathers the hypotheses and writes
-``RUN_DIR/eval/step_<N>/hypotheses.jsonl`` and ``summary.json``. Scoring is train/wer.py's
-(normalized text, corpus-level rates).
+saved at: DCP reshards it on load. The model is loaded once and decodes every set in turn: a
+set's utterances (sorted by duration, in batches of ``batch_size``) are dealt out to the
+data-parallel ranks; each decodes greedily with a KV cache (train/decode.py) after the prompt
+of the set's tags; rank 0 gathers the hypotheses and scores them (train/wer.py: corpus-level
+rates, after the normalizer ``normalizer=`` names, train/normalizers.py).
 
 ``run_dir`` may also be a directory ``python -m train.export`` wrote (``train/exported.py``):
 the model is then read from its Hugging Face files, sharded, and the results go to its eval/.
 
-Inputs: ``inputs=`` any lhotse cut manifest whose cuts have supervisions and either features
-(80 fbank bins, as the corpus stores) or audio (features are then computed here); by default
-the test split of the corpus the run trained on. The checkpoint: the newest complete one in
-``run_dir``, or ``step=N``, or ``checkpoint=PATH``. Bad input stops every rank with one
-``error:`` line and exit code 2 before any process group exists.
+Test sets: ``sets=`` a source file or an inline list in the source syntax of train/sources.py
+(cut manifests, Shar directories, recordings + supervisions), each leaf source a set named by
+its ``name``; or ``inputs=`` one lhotse cut manifest; by default the test split of the corpus
+the run trained on. Each set is checked first (train/source_cuts.py): cuts without a transcript,
+audio or features are set aside and reported, not decoded; a cut whose audio turns out unreadable
+while decoding is skipped the same way. Features are what the run's encoder reads
+(train/features.py). The checkpoint: the newest complete one in ``run_dir``, or ``step=N``, or
+``checkpoint=PATH``. Bad input (a set with no usable cut, a missing file, an unknown normalizer)
+stops every rank with one ``error:`` line and exit code 2 before any process group exists.
+
+Results in ``RUN_DIR/eval/step_<N>/``: for one set its ``hypotheses.jsonl`` and
+``summary.json``; for several, both in a folder per set and a ``summary.json`` of the pooled
+figures with each set's under ``sets``.
 """
 
 from __future__ import annotations
@@ -28,12 +37,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
-from lhotse import CutSet, Fbank, FbankConfig
 from lhotse.cut import Cut
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch.nn.utils.rnn import pad_sequence
@@ -43,25 +52,28 @@ from contract.job_end import EXIT_CONFIG
 from contract.run_dir import EVAL_DIR, step_name
 from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig
-from train.data import load_cuts
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
+from train.features import BadCut, Extractor, Featurizer, extractor_of
 from train.layout import checked_dims, model_of
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
 from train.models.salm import ByteTokenizer
 from train.models.shape import SALMConfig
+from train.normalizers import DEFAULT_NORMALIZER, normalizer
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
 from train.prompt import ChatPrompt
 from train.saved_run import find_checkpoint, saved_model, saved_state
+from train.source_cuts import SourceCheck, check_sources, load_source_cuts, transcript
+from train.sources import Source, check_prompt_tags, read_sources
 from train.text import text_codec
 from train.trainer import init_distributed, say
 from train.validation import rank_share
-from train.wer import ErrorCounts, normalize, score_pair
+from train.wer import ErrorCounts, edit_counts
 
-NUM_MEL_BINS = 80  # the corpus's fbank features (recipes/make_corpus.py)
+SUMMARY_FILE, HYPOTHESES_FILE = "summary.json", "hypotheses.jsonl"
 
 
 @dataclass
@@ -70,7 +82,11 @@ class EvaluateConfig:
     checkpoint: str | None = None  # a step_<N> directory; default the newest complete one
     step: int | None = None  # or the checkpoint of this step in run_dir
     inputs: str | None = None  # a lhotse cut manifest; default the run's corpus test split
-    split: str | None = None  # its name in the summary; default "test", or the file's name
+    # Or several test sets: a source file or an inline list (train/sources.py), each source
+    # scored as its own set, named by its name:.
+    sets: Any = None
+    split: str | None = None  # the one set's name; default "test", or the manifest's name
+    normalizer: str = DEFAULT_NORMALIZER  # train/normalizers.py: none, basic, whisper_en
     batch_size: int = 16  # utterances per batch and data-parallel rank
     max_new_tokens: int = 128  # the longest transcript decoded, in tokens (bytes)
     kv_cache: bool = True  # false recomputes every position at each step (a baseline)
@@ -79,38 +95,63 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True)
+class EvalSet:
+    """One set to decode and score: its checked source and the run's codec for its tags."""
+
+    check: SourceCheck  # the source, and the cuts checking set aside (``excluded``)
+    text: ByteTokenizer | ChatPrompt  # its prompt, decoding and end tokens
+
+    @property
+    def name(self) -> str:
+        return self.check.source.name
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What preflight resolved: the checkpoint, its step and model, the inputs, the layout."""
+    """What preflight resolved: the checkpoint, its step and model, the sets, the layout."""
 
     source: Path | Export  # the checkpoint, or an export (train/exported.py)
     step: int
     model: SALMConfig  # the shape the run trained (a preset, or with a pretrained LLM)
-    text: ByteTokenizer | ChatPrompt  # the run's prompt, decoding and end tokens
-    inputs: Path
-    split: str
+    extractor: Extractor  # the features its encoder reads
+    sets: tuple[EvalSet, ...]
+    normalizer: str  # the name of the normalizer both sides are scored after
     dims: ParallelDims
 
 
-def check_inputs(path: Path) -> int:
-    """The manifest's cut count, once every cut is shown to be usable."""
+def sources_of(cfg: EvaluateConfig, corpus: str | None, run_dir: Path) -> list[Source]:
+    """The sets to score: the sources of ``sets=``, else ``inputs=``, else the corpus test split."""
+    if cfg.sets:
+        if cfg.inputs or cfg.split:
+            raise ConfigError(
+                "sets= names each set by its source's name:; drop inputs= and split= "
+                "(or give the manifest as one more source)"
+            )
+        return read_sources(cfg.sets, "sets")
+    if cfg.inputs:
+        path = Path(cfg.inputs)
+        name = cfg.split or path.name.split(".")[0].removeprefix("cuts_")
+    elif corpus:
+        path = Path(corpus) / "cuts_test.jsonl.gz"
+        name = cfg.split or "test"
+    else:
+        raise ConfigError(f"{run_dir} does not record its corpus: pass inputs=MANIFEST or sets=")
     if not path.is_file():
         raise ConfigError(f"inputs={path} does not exist; pass a lhotse cut manifest")
-    if ".jsonl" not in path.name:
-        raise ConfigError(f"inputs={path}: give a lhotse cut manifest in JSONL (*.jsonl[.gz])")
-    try:
-        cuts = list(CutSet.from_jsonl_lazy(path))
-    except Exception as error:
-        raise ConfigError(f"inputs={path} is not a lhotse cut manifest: {error}") from None
-    if not cuts:
-        raise ConfigError(f"inputs={path} holds no cuts")
-    for cut in cuts:
-        if not cut.supervisions:
+    return [Source(name, "cuts", (path,))]
+
+
+def checked_names(sources: list[Source]) -> None:
+    """Several sets each get a folder named after them: the names must be plain folder names."""
+    if len(sources) == 1:
+        return
+    for source in sources:
+        name = source.name
+        if Path(name).name != name or name in (".", "..", SUMMARY_FILE, HYPOTHESES_FILE):
             raise ConfigError(
-                f"inputs={path}: cut {cut.id} has no supervision, so no reference transcript"
+                f"sets: source name {name!r} cannot name its folder under eval/step_<N>/; "
+                "give it a plain name: (no /)"
             )
-        if not (cut.has_features or cut.has_recording):
-            raise ConfigError(f"inputs={path}: cut {cut.id} has neither features nor audio")
-    return len(cuts)
 
 
 def layout(cfg: EvaluateConfig, model: SALMConfig, world_size: int) -> ParallelDims:
@@ -152,30 +193,30 @@ def preflight(cfg: EvaluateConfig) -> Plan:
         state = saved_state(source)
         model, step = saved_model(source, state), int(state["step"])
         corpus = state.get("trainer_state", {}).get("corpus")
-    if cfg.inputs:
-        inputs = Path(cfg.inputs)
-        split = cfg.split or inputs.name.split(".")[0].removeprefix("cuts_")
-    elif corpus:
-        inputs = Path(corpus) / "cuts_test.jsonl.gz"
-        split = cfg.split or "test"
-    else:
-        raise ConfigError(f"{run_dir} does not record its corpus: pass inputs=MANIFEST")
-    check_inputs(inputs)
     shape = model_of(model)
     text = text_codec(model, shape.vocab_size)
     dims = layout(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
-    return Plan(source, step, shape, text, inputs, split, dims)
+    try:
+        normalizer(cfg.normalizer)
+        extractor = extractor_of(model.pretrained_encoder)
+        sources = sources_of(cfg, corpus, run_dir)
+        checked_names(sources)
+        check_prompt_tags(sources, model.pretrained_llm, "sets")
+        rate = Featurizer(extractor).sampling_rate
+        checks = check_sources(sources, None, rate, say)
+        sets = tuple(EvalSet(check, text.for_tags(check.source.tags)) for check in checks)
+    except ValueError as error:  # SourceError, and ConfigError itself, are ValueErrors
+        raise ConfigError(str(error)) from None
+    return Plan(source, step, shape, extractor, sets, cfg.normalizer, dims)
 
 
-def features_of(cut: Cut) -> torch.Tensor:
-    if cut.has_features:
-        return torch.from_numpy(cut.load_features())
-    extractor = Fbank(FbankConfig(num_filters=NUM_MEL_BINS))
-    return torch.from_numpy(cut.compute_features(extractor))
+@dataclass
+class Decoded:
+    """A set's decoded utterances (one rank's share, or all of them once gathered)."""
 
-
-def transcript(cut: Cut) -> str:
-    return " ".join(s.text or "" for s in cut.supervisions)
+    rows: list[dict] = field(default_factory=list)  # id, reference, hypothesis
+    audio_s: float = 0.0
+    skipped: dict[str, str] = field(default_factory=dict)  # cut id -> why it was not decoded
 
 
 class Evaluation:
@@ -207,11 +248,15 @@ class Evaluation:
         initialize_sharding(self.model)
         coords = plan.dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
+        self.featurize = Featurizer(plan.extractor)
+        self.normalize = normalizer(plan.normalizer)
 
-    def batches(self) -> tuple[list[list[Cut]], int, list[Cut]]:
-        """This rank's batches, how many every rank runs, and the filler a rank short of
-        batches decodes and discards (its own first batch, else the manifest's first)."""
-        cuts = sorted(load_cuts(self.plan.inputs), key=lambda cut: (cut.duration, cut.id))
+    def batches(self, eval_set: EvalSet) -> tuple[list[list[Cut]], int, list[Cut]]:
+        """This rank's batches of the set, how many every rank runs, and the filler a rank
+        short of batches decodes and discards (its own first batch, else the set's first)."""
+        excluded = eval_set.check.excluded
+        usable = (cut for cut in load_source_cuts(eval_set.check.source) if cut.id not in excluded)
+        cuts = sorted(usable, key=lambda cut: (cut.duration, cut.id))
         size = self.cfg.batch_size
         batches = [cuts[start : start + size] for start in range(0, len(cuts), size)]
         indices, forwards = rank_share(len(batches), self.dp_rank, self.dp_size)
@@ -223,8 +268,20 @@ class Evaluation:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def decode(self, cuts: list[Cut]) -> list[str]:
-        features = [features_of(cut) for cut in cuts]
+    def decode(
+        self, cuts: list[Cut], text: ByteTokenizer | ChatPrompt
+    ) -> tuple[list[tuple[Cut, str]], dict[str, str]]:
+        """(cut, hypothesis) for each cut whose features can be made, and why the others
+        cannot be (cut id -> reason); a batch with none left stops the evaluation."""
+        features, kept, unusable = [], [], {}
+        for cut in cuts:
+            try:
+                features.append(torch.from_numpy(self.featurize(cut)))
+                kept.append(cut)
+            except BadCut as error:
+                unusable[cut.id] = str(error)
+        if not kept:
+            raise BadCut(f"no cut of a batch can be decoded: {'; '.join(unusable.values())}")
         lens = torch.tensor([len(f) for f in features])
         padded = pad_sequence(features, batch_first=True).to(self.device)
         ids = greedy_decode(
@@ -236,80 +293,176 @@ class Evaluation:
             use_cache=self.cfg.kv_cache,
             batch_multiple=self.plan.dims.tp,
             stages=self.stages,
-            prompt=self.plan.text.generation_prompt(),
-            eos_ids=self.plan.text.eos_ids,
+            prompt=text.generation_prompt(),
+            eos_ids=text.eos_ids,
         )
-        return [self.plan.text.decode(row) for row in ids]
+        return [(cut, text.decode(row)) for cut, row in zip(kept, ids, strict=True)], unusable
 
-    def run(self) -> dict | None:
-        mine, forwards, filler = self.batches()
+    def decode_set(self, eval_set: EvalSet) -> tuple[Decoded, float]:
+        """This rank's share of the set, decoded, and the seconds it took."""
+        mine, forwards, filler = self.batches(eval_set)
         started = time.perf_counter()
-        rows, audio_s = [], 0.0
+        decoded = Decoded()
         for index in range(forwards):
             counts = index < len(mine)
-            cuts = mine[index] if counts else filler
-            hypotheses = self.decode(cuts)
-            if counts:
-                audio_s += sum(cut.duration for cut in cuts)
-                rows += [
-                    {"id": cut.id, "reference": transcript(cut), "hypothesis": hypothesis}
-                    for cut, hypothesis in zip(cuts, hypotheses, strict=True)
-                ]
-                if self.rank == 0:
-                    say(
-                        f"evaluate: batch {index + 1}/{forwards} on rank 0 ({len(rows)} utterances)"
-                    )
-        elapsed = time.perf_counter() - started
+            pairs, unusable = self.decode(mine[index] if counts else filler, eval_set.text)
+            if not counts:
+                continue
+            decoded.skipped.update(unusable)
+            decoded.audio_s += sum(cut.duration for cut, _ in pairs)
+            decoded.rows += [
+                {"id": cut.id, "reference": transcript(cut), "hypothesis": hypothesis}
+                for cut, hypothesis in pairs
+            ]
+            if self.rank == 0:
+                say(
+                    f"evaluate: {eval_set.name} batch {index + 1}/{forwards} on rank 0 "
+                    f"({len(decoded.rows)} utterances)"
+                )
+        return decoded, time.perf_counter() - started
+
+    def run(self) -> dict | None:
+        """Decode every set, then (rank 0) score and write them; rank 0 returns the summary."""
+        decoded, elapsed = {}, {}
+        for eval_set in self.plan.sets:
+            decoded[eval_set.name], elapsed[eval_set.name] = self.decode_set(eval_set)
         gathered: list = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object((rows, audio_s), gathered, dst=0)
+        dist.gather_object(decoded, gathered, dst=0)
         if self.rank != 0:
             return None
         return self.write(gathered, elapsed)
 
-    def write(self, gathered: list, elapsed: float) -> dict:
+    def merged(self, gathered: list[dict[str, Decoded]], eval_set: EvalSet) -> Decoded:
+        """The set's rows from every rank, once each (TP/EP peers decode the same ones), by id;
+        its audio summed over data-parallel ranks; every cut set aside or skipped."""
         by_id: dict[str, dict] = {}
         audio_by_dp: dict[int, float] = {}
-        for rank, (rows, audio_s) in enumerate(gathered):
-            by_id.update({row["id"]: row for row in rows})  # TP/EP peers decode the same ones
-            audio_by_dp[self.plan.dims.coordinates(rank).dp_rank] = audio_s
+        skipped = dict(eval_set.check.excluded)
+        for rank, per_set in enumerate(gathered):
+            part = per_set[eval_set.name]
+            by_id.update({row["id"]: row for row in part.rows})
+            audio_by_dp[self.plan.dims.coordinates(rank).dp_rank] = part.audio_s
+            skipped.update(part.skipped)
         rows = [by_id[key] for key in sorted(by_id)]
+        return Decoded(rows, sum(audio_by_dp.values()), skipped)
+
+    def scored(self, rows: list[dict]) -> ErrorCounts:
+        """The rows' edit counts; each row gets both sides as they were scored."""
         counts = ErrorCounts()
         for row in rows:
-            scored = score_pair(row["reference"], row["hypothesis"])
-            row["normalized_reference"] = normalize(row["reference"])
-            row["normalized_hypothesis"] = normalize(row["hypothesis"])
-            counts += scored
+            row["normalized_reference"] = self.normalize(row["reference"])
+            row["normalized_hypothesis"] = self.normalize(row["hypothesis"])
+            counts += edit_counts(row["normalized_reference"], row["normalized_hypothesis"])
+        return counts
+
+    def write(self, gathered: list[dict[str, Decoded]], elapsed: dict[str, float]) -> dict:
+        """Each set's hypotheses and summary; for several sets also the pooled summary."""
         out = Path(self.cfg.run_dir) / EVAL_DIR / step_name(self.plan.step)
-        out.mkdir(parents=True, exist_ok=True)
-        with (out / "hypotheses.jsonl").open("w", encoding="utf-8") as file:
-            for row in rows:
-                file.write(json.dumps(row) + "\n")
-        audio_s = sum(audio_by_dp.values())
+        several = len(self.plan.sets) > 1
+        summaries: dict[str, dict] = {}
+        total, audio_s = ErrorCounts(), 0.0
+        for eval_set in self.plan.sets:
+            decoded = self.merged(gathered, eval_set)
+            counts = self.scored(decoded.rows)
+            folder = out / eval_set.name if several else out
+            folder.mkdir(parents=True, exist_ok=True)
+            with (folder / HYPOTHESES_FILE).open("w", encoding="utf-8") as file:
+                for row in decoded.rows:
+                    file.write(json.dumps(row) + "\n")
+            summary = {
+                "split": eval_set.name,
+                "inputs": ", ".join(str(path) for path in eval_set.check.source.paths),
+                **self.figures(counts, decoded.audio_s, elapsed[eval_set.name]),
+                "skipped": decoded.skipped,
+            }
+            summaries[eval_set.name] = summary
+            total, audio_s = total + counts, audio_s + decoded.audio_s
+            for cut_id, reason in decoded.skipped.items():
+                if cut_id not in eval_set.check.excluded:  # those were reported when checked
+                    say(f"evaluate: {eval_set.name}: skipped {reason}")
+            say(
+                f"evaluate: step {self.plan.step} {eval_set.name}: {describe(summary)}; "
+                f"hypotheses in {folder / HYPOTHESES_FILE}"
+            )
+        if several:
+            for name, summary in summaries.items():
+                write_summary(out / name, {**self.about(), **summary})
+            pooled = {
+                "split": ",".join(summaries),
+                **self.figures(total, audio_s, sum(elapsed.values())),
+                "sets": summaries,
+            }
+            print_table(summaries, pooled)
+        else:
+            [pooled] = summaries.values()
+        summary = {**self.about(), **pooled}
+        write_summary(out, summary)
+        return summary
+
+    def about(self) -> dict[str, Any]:
+        """What was evaluated, and how."""
         source = self.plan.source
-        summary = {
+        return {
             "step": self.plan.step,
-            "split": self.plan.split,
-            "inputs": str(self.plan.inputs),
             "checkpoint": str(source.directory if isinstance(source, Export) else source),
-            "num_utterances": len(rows),
-            "wer": counts.wer,
-            "cer": counts.cer,
-            "errors": asdict(counts),
-            "utterances_per_s": len(rows) / elapsed,
-            "real_time_factor": elapsed / audio_s if audio_s else None,
-            "decode_s": elapsed,
             "layout": self.plan.dims.describe(),
             "kv_cache": self.cfg.kv_cache,
             "batch_size": self.cfg.batch_size,
             "max_new_tokens": self.cfg.max_new_tokens,
+            "normalizer": self.plan.normalizer,
         }
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        say(
-            f"evaluate: step {self.plan.step} {self.plan.split}: WER {100 * counts.wer:.2f}% "
-            f"CER {100 * counts.cer:.2f}% over {len(rows)} utterances "
-            f"({summary['utterances_per_s']:.1f} utt/s); hypotheses in {out / 'hypotheses.jsonl'}"
+
+    @staticmethod
+    def figures(counts: ErrorCounts, audio_s: float, decode_s: float) -> dict[str, Any]:
+        """A set's (or the pooled sets') scores and speed: the real-time factor is decoding
+        time over audio time, as measured on rank 0 while every rank decoded its share."""
+        return {
+            **counts.figures(),
+            "errors": asdict(counts),
+            "utterances_per_s": counts.utterances / decode_s,
+            "real_time_factor": decode_s / audio_s if audio_s else None,
+            "decode_s": decode_s,
+        }
+
+
+def write_summary(folder: Path, summary: dict) -> None:
+    (folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def cells(summary: dict) -> dict[str, str]:
+    """A set's figures as text, by the table's column."""
+    rtf = summary["real_time_factor"]
+    return {
+        "utterances": str(summary["num_utterances"]),
+        "words": str(summary["reference_words"]),
+        "WER": f"{summary['wer']:.2%}",
+        "CER": f"{summary['cer']:.2%}",
+        "sub": str(summary["substitutions"]),
+        "del": str(summary["deletions"]),
+        "ins": str(summary["insertions"]),
+        "RTF": "-" if rtf is None else f"{rtf:.3f}",
+    }
+
+
+def describe(summary: dict) -> str:
+    """One line of a set's figures."""
+    text = cells(summary)
+    return (
+        f"WER {text['WER']} CER {text['CER']} (S {text['sub']}, D {text['del']}, "
+        f"I {text['ins']} of {text['words']} words) over {text['utterances']} utterances, "
+        f"RTF {text['RTF']}"
+    )
+
+
+def print_table(summaries: dict[str, dict], pooled: dict) -> None:
+    """Every set's figures and the pooled ones (``all``), one row each, on stdout."""
+    named = [*summaries.items(), ("all", pooled)]
+    rows = [["set", *cells(pooled)], *([name, *cells(summary).values()] for name, summary in named)]
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         )
-        return summary
 
 
 def register() -> None:

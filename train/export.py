@@ -11,9 +11,13 @@ trained run as Hugging Face files.
   in fp32), or with ``--adapters`` written apart as ``DIR/lora`` (``adapter_config.json`` and
   ``adapter_model.safetensors`` in peft's names), ``DIR/llm`` then holding the unmerged LLM, so
   ``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/llm), DIR/lora)``.
-- ``DIR/speech.safetensors`` and ``DIR/speech_config.json``: the audio encoder and projector
-  under the project's names, and what joins them to the LLM: the model config (shape, prompt,
-  system), the audio token, the step, the corpus. ``python -m train.evaluate run_dir=DIR``
+- ``DIR/encoder`` (a run from ``model.pretrained_encoder``): the trained encoder as a
+  ``transformers`` directory of the encoder alone (``config.json``, ``model.safetensors`` in its
+  own names, the feature extractor's ``preprocessor_config.json`` copied), which
+  ``WhisperEncoder`` or ``ParakeetEncoder.from_pretrained`` loads offline.
+- ``DIR/speech.safetensors`` and ``DIR/speech_config.json``: the projector (and the own audio
+  encoder) under the project's names, and what joins them to the LLM: the model config (shape,
+  prompt, system), the audio token, the step, the corpus. ``python -m train.evaluate run_dir=DIR``
   decodes with the export (``train.exported`` owns this layout and reads it back).
 
 One process on the CPU: the model is built once in fp32 (the log says how much memory that
@@ -43,20 +47,24 @@ from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, LoraConfig, ModelConfig
 from train.exported import (
     ADAPTER_WEIGHTS,
+    ENCODER_DIR,
     LLM_DIR,
     LORA_DIR,
     SPEECH_CONFIG,
     SPEECH_WEIGHTS,
     peft_name,
 )
+from train.features import PREPROCESSOR_FILE
 from train.layout import model_of
-from train.models.hf_config import read_config
+from train.models.hf_config import CONFIG_FILE, WEIGHT_FILES, read_config
+from train.models.hf_encoder import transformers_class
+from train.models.hf_encoder_config import encoder_config
 from train.models.hf_names import PROJECTIONS, hf_name
-from train.models.hf_weights import llm_state
+from train.models.hf_weights import ENCODER, encoder_state, llm_state
 from train.models.inventory import inventory
 from train.models.lora import LORA_A, LORA_B, adapter_names, merged_weight
 from train.models.salm import SALM, ByteTokenizer
-from train.models.shape import SALMConfig, llm_head_dim
+from train.models.shape import OWN_ENCODER, SALMConfig, llm_head_dim
 from train.prompt import AUDIO_TOKEN, load_tokenizer
 from train.saved_run import find_checkpoint, saved_model, saved_state
 
@@ -218,17 +226,45 @@ def write_llm(
     return config
 
 
+def write_encoder(folder: Path, model: SALM, shape: SALMConfig, dtype: torch.dtype) -> None:
+    """DIR/encoder: the pretrained encoder's config (of the encoder alone), its weights under
+    transformers' names, and its feature extractor's config."""
+    folder.mkdir()
+    source = Path(shape.encoder_dir)
+    family, config = encoder_config(source)
+    config = {**config, "architectures": [transformers_class(family).__name__]}
+    config.pop("torch_dtype", None)
+    config["dtype"] = DTYPE_NAMES[dtype]
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in encoder_state(model).items()}
+    for name in [name for name in tensors if name.endswith(".running_mean")]:
+        # transformers' BatchNorm1d also keeps a counter that frozen statistics never advance.
+        counter = name.removesuffix("running_mean") + "num_batches_tracked"
+        tensors[counter] = torch.zeros((), dtype=torch.long)
+    save_file(tensors, folder / WEIGHT_FILES[0], metadata={"format": "pt"})
+    shutil.copy(source / PREPROCESSOR_FILE, folder)
+
+
 def write_speech(
     out: Path, model: SALM, model_cfg: ModelConfig, shape: SALMConfig, state: dict, merged: bool
 ):
-    """The encoder and projector, and the config that joins them to DIR/llm (and DIR/lora)."""
+    """The projector (and the own encoder), and the config that joins them to DIR/llm (and
+    DIR/lora, DIR/encoder)."""
+    pretrained = shape.encoder != OWN_ENCODER
+    elsewhere = ("llm.", ENCODER) if pretrained else ("llm.",)
     parts = {
         name: param.detach().contiguous()
         for name, param in model.named_parameters()
-        if not name.startswith("llm.")
+        if not name.startswith(elsewhere)
     }
     save_file(parts, out / SPEECH_WEIGHTS, metadata={"format": "pt"})
-    model_record = {**dataclasses.asdict(model_cfg), "pretrained_llm": LLM_DIR}
+    encoder_dir = ENCODER_DIR if pretrained else None
+    shape = dataclasses.replace(shape, encoder_dir=encoder_dir)
+    model_record = {
+        **dataclasses.asdict(model_cfg),
+        "pretrained_llm": LLM_DIR,
+        "pretrained_encoder": encoder_dir,
+    }
     if merged:  # the exported LLM carries its adapters in its weights
         model_record["lora"] = dataclasses.asdict(LoraConfig())
         shape = dataclasses.replace(shape, lora_rank=0, lora_targets=())
@@ -240,6 +276,7 @@ def write_speech(
         "audio_token": AUDIO_TOKEN if model_cfg.pretrained_llm else None,
         "llm_dir": LLM_DIR,
         "lora_dir": LORA_DIR if shape.lora_rank else None,  # merged: the shape has none
+        "encoder_dir": encoder_dir,
     }
     (out / SPEECH_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -286,6 +323,9 @@ def export(args: argparse.Namespace) -> Path:
     try:
         merge = bool(shape.lora_rank) and not args.adapters
         write_llm(staging / LLM_DIR, model, model_cfg, shape, dtype, merge)
+        if shape.encoder != OWN_ENCODER:  # in --dtype, else the encoder files' own
+            source = source_dtype(read_config(Path(shape.encoder_dir)))
+            write_encoder(staging / ENCODER_DIR, model, shape, DTYPES.get(args.dtype) or source)
         if shape.lora_rank and args.adapters:
             write_adapters(staging / LORA_DIR, model, shape, dtype)
         write_speech(staging, model, model_cfg, shape, state, merge)
@@ -294,9 +334,10 @@ def export(args: argparse.Namespace) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    lora = f", {LORA_DIR}/" if shape.lora_rank and args.adapters else ""
-    lora += " (LoRA merged)" if shape.lora_rank and not args.adapters else ""
-    written = f"{LLM_DIR}/ ({DTYPE_NAMES[dtype]}){lora}, {SPEECH_WEIGHTS}, {SPEECH_CONFIG}"
+    extras = f", {LORA_DIR}/" if shape.lora_rank and args.adapters else ""
+    extras += " (LoRA merged)" if shape.lora_rank and not args.adapters else ""
+    extras += f", {ENCODER_DIR}/" if shape.encoder != OWN_ENCODER else ""
+    written = f"{LLM_DIR}/ ({DTYPE_NAMES[dtype]}){extras}, {SPEECH_WEIGHTS}, {SPEECH_CONFIG}"
     say(f"wrote {out} in {time.perf_counter() - started:.1f} s: {written}")
     return out
 

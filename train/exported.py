@@ -4,7 +4,9 @@ The layout, owned here::
 
     OUT/llm/                  the LLM, a transformers model directory (tokenizer included)
     OUT/lora/                 with --adapters: peft's adapter_config.json, adapter_model.safetensors
-    OUT/speech.safetensors    the audio encoder and projector, under the project's names
+    OUT/encoder/              a pretrained encoder's run: the encoder as a transformers directory
+                              (config.json, model.safetensors, preprocessor_config.json)
+    OUT/speech.safetensors    the projector, and the own audio encoder, under the project's names
     OUT/speech_config.json    the model config, step, corpus, audio token, and which dirs exist
 
 ``python -m train.evaluate run_dir=OUT`` decodes with it at any layout: the model is built on
@@ -23,12 +25,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from train.config import ConfigError, ModelConfig, model_from_record
+from train.models.hf_config import CONFIG_FILE, WEIGHT_FILES
 from train.models.hf_names import hf_name
-from train.models.hf_weights import load_llm_weights
+from train.models.hf_weights import ENCODER, load_encoder_weights, load_llm_weights
 from train.models.init import canonical_name
 from train.models.lora import adapter_module, is_adapter
 
-LLM_DIR, LORA_DIR = "llm", "lora"
+LLM_DIR, LORA_DIR, ENCODER_DIR = "llm", "lora", "encoder"
 SPEECH_WEIGHTS, SPEECH_CONFIG = "speech.safetensors", "speech_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what peft puts before a model's own names
@@ -64,9 +67,13 @@ def read_export(directory: Path) -> Export:
     # reads bytes, and its shape is the preset's (written as a Llama of the same blocks).
     pretrained = record.get("audio_token") is not None
     model["pretrained_llm"] = str((directory / LLM_DIR).resolve()) if pretrained else None
+    # A pretrained encoder's export carries it as a transformers directory of its own.
+    encoder = directory / ENCODER_DIR if record.get("encoder_dir") else None
+    model["pretrained_encoder"] = None if encoder is None else str(encoder.resolve())
     lora = bool(record.get("lora_dir"))
     needed = [directory / LLM_DIR, directory / SPEECH_WEIGHTS]
     needed += [directory / LORA_DIR / ADAPTER_WEIGHTS] if lora else []
+    needed += [] if encoder is None else [encoder / CONFIG_FILE, encoder / WEIGHT_FILES[0]]
     for path in needed:
         if not path.exists():
             raise ConfigError(f"{directory} is an incomplete export: {path.name} is missing")
@@ -79,8 +86,12 @@ def load_export(model: nn.Module, export: Export) -> None:
     """Fill ``model`` (whole, a pipeline stage, sharded or not) from the export's files, each
     rank reading the slices its shards hold."""
     load_llm_weights(model, export.directory / LLM_DIR)
+    encoder = export.model.pretrained_encoder
+    if encoder is not None:
+        load_encoder_weights(model, Path(encoder))
     names = {canonical_name(name): param for name, param in model.named_parameters()}
-    speech = {name: param for name, param in names.items() if not name.startswith("llm.")}
+    elsewhere = ("llm.",) if encoder is None else ("llm.", ENCODER)
+    speech = {name: param for name, param in names.items() if not name.startswith(elsewhere)}
     if speech:
         reader = dcp.HuggingFaceStorageReader(str(export.directory))
         dcp.load(speech, storage_reader=reader)

@@ -31,11 +31,13 @@ from train.pipeline_plan import PipelinePlan, pipeline_plan
 
 
 def model_of(model: ModelConfig) -> SALMConfig:
-    """The shape of ``model`` (a preset, or its LLM a pretrained decoder's; with LoRA
-    adapters when ``model.lora.rank`` asks for them)."""
+    """The shape of ``model`` (a preset, or its LLM a pretrained decoder's and its encoder a
+    pretrained encoder's; with LoRA adapters when ``model.lora.rank`` asks for them)."""
     lora = model.lora
     try:
-        shape = model_shape(model.preset, model.pretrained_llm)
+        shape = model_shape(
+            model.preset, model.pretrained_llm, model.pretrained_encoder, model.projector_stride
+        )
         return with_lora(shape, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     except ValueError as error:
         raise ConfigError(str(error)) from error
@@ -79,14 +81,15 @@ def pipeline_for(cfg: TrainConfig, dims: ParallelDims) -> PipelinePlan | None:
 
 def frozen_of(cfg: TrainConfig) -> set[str]:
     """The parameter names ``model.freeze`` and ``model.unfreeze`` leave frozen, with the LLM's
-    own weights under LoRA (whole-model names, from the inventory: every rank and the planner
-    agree without building anything)."""
-    names = [tensor.name for tensor in inventory(model_of(cfg.model))]
+    own weights under LoRA and a pretrained encoder's tensors that never train (whole-model
+    names, from the inventory: every rank and the planner agree without building anything)."""
+    tensors = inventory(model_of(cfg.model))
     freeze = freeze_rules(cfg.model.freeze, cfg.model.lora.rank)
     try:
-        return frozen_names(names, freeze, cfg.model.unfreeze)
+        frozen = frozen_names([tensor.name for tensor in tensors], freeze, cfg.model.unfreeze)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    return frozen | {tensor.name for tensor in tensors if not tensor.trainable}
 
 
 def check_adapters_kept(cfg: TrainConfig) -> None:

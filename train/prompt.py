@@ -32,11 +32,13 @@ A tokenizer without a chat template gets a plain format::
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from train.models.hf_config import FETCH_HINT
+from train.sources import prompt_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -129,6 +131,7 @@ class ChatPrompt:
         self.tokenizer = tokenizer
         self.prompt = prompt
         self.system = system
+        self.variants: dict[tuple[str, str | None], ChatPrompt] = {}  # by (prompt, system)
         self.specials = special_tokens(tokenizer)
         self.template_name = f"the chat template of {tokenizer.name_or_path!r}"
 
@@ -200,6 +203,16 @@ class ChatPrompt:
             )
         before, after = prefix.split(AUDIO_TOKEN)
         return before, after, end_text
+
+    def for_tags(self, tags: Mapping[str, Any]) -> ChatPrompt:
+        """The prompt a cut's source tags ask for (``prompt:``/``system:``, train/sources.py):
+        this one when they name none, else a variant made once and kept."""
+        key = (prompt_of(tags, "prompt", self.prompt), prompt_of(tags, "system", self.system))
+        if key == (self.prompt, self.system):
+            return self
+        if key not in self.variants:
+            self.variants[key] = ChatPrompt(self.tokenizer, *key)
+        return self.variants[key]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of a text, no special tokens added around it."""

@@ -27,6 +27,7 @@ from contract.job_env import SEED_LIMIT
 # First spawn-key element: keeps the seeds drawn for different purposes apart.
 _PURPOSE_SAMPLER = 0
 _PURPOSE_RANK_STREAM = 1
+_PURPOSE_MIXTURE = 2
 
 
 def _derive(job_seed: int, key: tuple[int, ...]) -> int:
@@ -40,6 +41,12 @@ def _derive(job_seed: int, key: tuple[int, ...]) -> int:
 def sampler_seed(job_seed: int, epoch: int = 0) -> int:
     """Seed for the shuffle that all data-parallel ranks share (they then take disjoint batches)."""
     return _derive(job_seed, (_PURPOSE_SAMPLER, epoch))
+
+
+def mixture_seed(job_seed: int) -> int:
+    """Seed of the source mixture (each source's shuffles and the draw between sources), shared
+    by all data-parallel ranks like ``sampler_seed``."""
+    return _derive(job_seed, (_PURPOSE_MIXTURE,))
 
 
 def rank_data_seed(job_seed: int, dp_rank: int, worker_id: int = 0, *, epoch: int = 0) -> int:

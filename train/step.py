@@ -13,18 +13,20 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from train.models.salm import SALM, encoder_lens, loss_for_backward, packed_length
+from train.models.salm import SALM, audio_positions, loss_for_backward, packed_length
 
 
-def host_seq_len(batch: tuple[torch.Tensor, ...], multiple: int) -> int:
-    """The batch's packed decoder length, read from its CPU length tensors (as Python lists)
-    before the batch moves to the device: the model needs it as an int, and reading it from
-    the device would be a host sync in every microbatch."""
+def host_seq_len(batch: tuple[torch.Tensor, ...], model: nn.Module) -> int:
+    """The batch's packed decoder length in ``model`` (a SALM or a pipeline part: its shape and
+    sequence multiple), read from its CPU length tensors (as Python lists) before the batch
+    moves to the device: the model needs it as an int, and reading it from the device would be
+    a host sync in every microbatch."""
     feature_lens, token_lens = batch[1], batch[3]
-    audio = encoder_lens(feature_lens).tolist()
+    audio = audio_positions(model.cfg, feature_lens).tolist()
     longest = max(a + t for a, t in zip(audio, token_lens.tolist(), strict=True))
-    return packed_length(longest, multiple)
+    return packed_length(longest, model.seq_multiple)
 
 
 def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -60,7 +62,7 @@ class WholeModelRunner:
         sums = torch.zeros(2, device=self.device)
         for index, batch in enumerate(batches):
             set_gradient_sync(self.model, index == len(batches) - 1)
-            seq_len = host_seq_len(batch, self.model.seq_multiple)
+            seq_len = host_seq_len(batch, self.model)
             with self.autocast():
                 out = self.model(*to_device(batch, self.device), seq_len=seq_len)
             loss_for_backward(out, global_targets, global_sequences, gradient_ranks).backward()
@@ -70,7 +72,7 @@ class WholeModelRunner:
     @torch.no_grad()
     def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The next-token loss sum of one batch (CPU tensors), forward only (validation)."""
-        seq_len = host_seq_len(batch, self.model.seq_multiple)
+        seq_len = host_seq_len(batch, self.model)
         with self.autocast():
             out = self.model(*to_device(batch, self.device), seq_len=seq_len)
         return out.nll_sum.float()

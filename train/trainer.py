@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -25,15 +25,22 @@ from torch.distributed.tensor import DTensor
 
 from contract import job_env
 from contract.job_end import EXIT_NOT_SAVED
+from contract.run_dir import CUTS_PREFIX, VAL_LOSS_PREFIX
 from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.config import (
     ConfigError,
     TrainConfig,
     data_path,
-    validation_path,
 )
-from train.data import DataPosition, batches_from, build_dataloader, num_streams
+from train.data import (
+    DataPosition,
+    batches_from,
+    build_dataloader,
+    num_streams,
+)
+from train.data_plan import DataPlan, data_plan
+from train.features import Featurizer
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
 from train.layout import frozen_of, model_of, training_layout
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
@@ -41,11 +48,11 @@ from train.mesh import build_meshes
 from train.metrics import MetricsLogger
 from train.models.build import build_model, build_pipeline, freeze_parameters
 from train.models.compiled import describe_graphs, graph_counts, recompiles
-from train.models.hf_weights import load_llm_weights
+from train.models.hf_weights import load_encoder_weights, load_llm_weights
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
-from train.models.salm import encoder_lens, loss_targets
+from train.models.salm import audio_positions, loss_targets
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
@@ -67,15 +74,30 @@ def say(line: str) -> None:
         print(f"[train] {line}", file=sys.stderr, flush=True)
 
 
-def preflight(cfg: TrainConfig) -> tuple[ParallelDims, PipelinePlan | None]:
+@dataclass(frozen=True)
+class Prepared:
+    """What preflight resolved: the layout, the pipeline plan and the checked data."""
+
+    dims: ParallelDims
+    plan: PipelinePlan | None
+    data: DataPlan
+
+
+def absolute(directory: str | None) -> str | None:
+    """A pretrained model's directory as the checkpoint records it: absolute, so evaluation and
+    export find it from any working directory (None without one)."""
+    return None if directory is None else str(Path(directory).expanduser().resolve())
+
+
+def preflight(cfg: TrainConfig) -> Prepared:
     """Everything checkable before a process group exists."""
-    layout = training_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    dims, plan = training_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(
             f"compile_backend={cfg.compile_backend}: not a torch.compile backend; "
             "use inductor (the default) or aot_eager"
         )
-    return layout
+    return Prepared(dims, plan, data_plan(cfg, say))
 
 
 def init_distributed(hang_timeout_s: float = 0.0) -> torch.device:
@@ -186,15 +208,16 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        dims: ParallelDims,
-        plan: PipelinePlan | None,
+        prepared: Prepared,
         device: torch.device,
         stop: StopRequest,
     ) -> None:
         self.cfg = cfg
         self.stop = stop
-        self.dims = dims
-        self.plan = plan
+        self.dims = dims = prepared.dims
+        self.plan = plan = prepared.plan
+        self.data = prepared.data
+        self.featurize = Featurizer(prepared.data.extractor, cfg.data.feature_cache)
         self.device = device
         self.rank = dist.get_rank()
         self.run_dir = Path(cfg.run_dir)
@@ -238,16 +261,22 @@ class Trainer:
         )
         coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
-        self.validation = None
-        if cfg.eval.interval:
-            self.validation = ValidationSet(
-                validation_path(cfg),
+        self.validation = [
+            ValidationSet(
+                cuts.name,
+                cuts.cuts,
                 cfg.eval.max_duration or cfg.data.max_duration,
                 self.dp_rank,
                 self.dp_size,
-                self.text.example,
-                self.text.pad_id,
+                self.text,
+                self.featurize,
             )
+            for cuts in self.data.validation
+        ]
+        # Cuts drawn from each training source and cuts skipped, on this rank since the last
+        # metrics line (summed over ranks as it is written).
+        self.drawn = dict.fromkeys(self.data.source_names, 0)
+        self.skipped = 0
         self.validated_step = -1
         stop_in = cfg.debug.stop_in if cfg.debug.stop_rank == self.rank else None
         self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank, stop_in)
@@ -297,14 +326,13 @@ class Trainer:
             "data_positions": self.data_positions(),
             # What train.evaluate needs to rebuild the model, its prompt and find the corpus's
             # test split.
-            "model": {**asdict(self.cfg.model), "pretrained_llm": self.pretrained_llm()},
+            "model": {
+                **asdict(self.cfg.model),
+                "pretrained_llm": absolute(self.cfg.model.pretrained_llm),
+                "pretrained_encoder": absolute(self.cfg.model.pretrained_encoder),
+            },
             "corpus": str(Path(self.cfg.data.corpus).resolve()),
         }
-
-    def pretrained_llm(self) -> str | None:
-        """The pretrained LLM's directory as an absolute path (None without one)."""
-        directory = self.cfg.model.pretrained_llm
-        return None if directory is None else str(Path(directory).expanduser().resolve())
 
     def restore(self) -> Path | None:
         """Load the newest checkpoint that loads (rank 0 chooses, a broken one is skipped by
@@ -314,8 +342,12 @@ class Trainer:
         if found is None:
             say(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting fresh")
             if self.cfg.model.pretrained_llm:
-                load_llm_weights(self.model, Path(self.pretrained_llm()))
-                say(f"LLM weights loaded from {self.pretrained_llm()}")
+                directory = absolute(self.cfg.model.pretrained_llm)
+                load_llm_weights(self.model, Path(directory))
+                say(f"LLM weights loaded from {directory}")
+            if self.model_cfg.encoder_dir:
+                load_encoder_weights(self.model, Path(self.model_cfg.encoder_dir))
+                say(f"encoder weights loaded from {self.model_cfg.encoder_dir}")
             return None
         latest, state = found
         self.step = int(state["step"])
@@ -380,29 +412,40 @@ class Trainer:
         """This rank's batches from the saved position (same seed) or a new order (new seed).
         The samplers are put back at the position, not fed the batches again (train/data.py)."""
         cfg = self.cfg
-        streams = num_streams(cfg.data.shar, cfg.data.num_workers)
+        streams = 1 if self.data.training else num_streams(cfg.data.shar, cfg.data.num_workers)
         start, replay = DataPosition.resume(self.data_position, streams)
+        common = {
+            "max_duration": cfg.data.max_duration,
+            "job_seed": cfg.seed,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "num_workers": cfg.data.num_workers,
+            "text": self.text,
+            "featurize": self.featurize,
+            "buckets": cfg.data.buckets,
+            "pin_memory": self.device.type == "cuda",
+        }
+
+        data, shar = (
+            (self.data.training, False) if self.data.training else (data_path(cfg), cfg.data.shar)
+        )
 
         def loader(epoch: int, position: DataPosition | None):
-            return build_dataloader(
-                data_path(cfg),
-                max_duration=cfg.data.max_duration,
-                job_seed=cfg.seed,
-                dp_rank=self.dp_rank,
-                dp_size=self.dp_size,
-                num_workers=cfg.data.num_workers,
-                encode_text=self.text.example,
-                pad_id=self.text.pad_id,
-                shar=cfg.data.shar,
-                buckets=cfg.data.buckets,
-                epoch=epoch,
-                position=position,
-                pin_memory=self.device.type == "cuda",
-            )
+            return build_dataloader(data, shar=shar, epoch=epoch, position=position, **common)
 
         for position, batch in batches_from(loader, start, replay):
             self.data_position = {**position.state(), "data_seed": cfg.seed}
+            self.note_cuts(batch)
             yield batch
+
+    def note_cuts(self, batch: dict) -> None:
+        """Count a batch's cuts by source, and report the cuts its worker had to skip."""
+        for source in batch["sources"]:
+            if source in self.drawn:
+                self.drawn[source] += 1
+        for line in batch["skipped"]:
+            self.skipped += 1
+            print(f"[train] rank {self.rank}: skipped {line}", file=sys.stderr, flush=True)
 
     # loop -------------------------------------------------------------------------------------
 
@@ -420,7 +463,7 @@ class Trainer:
             local += torch.stack(
                 [
                     loss_targets(token_lens, batch["answer_starts"].double()),
-                    (encoder_lens(feature_lens) + token_lens).sum(),
+                    (audio_positions(self.model_cfg, feature_lens) + token_lens).sum(),
                     sequence_flops(self.model_cfg, feature_lens, token_lens).sum(),
                     torch.tensor(float(len(token_lens)), dtype=torch.float64),
                 ]
@@ -517,33 +560,47 @@ class Trainer:
         }
 
     def validate(self, metrics: MetricsLogger) -> None:
-        """The loss over the whole validation split at the current weights, logged as
-        ``val_loss`` (next-token loss only, no balance loss) by rank 0."""
-        if self.validation is None or self.validated_step == self.step:
+        """The loss over every validation set at the current weights (next-token loss only, no
+        balance loss): ``val_loss/<name>`` per set and ``val_loss`` pooled over all their
+        targets, logged by rank 0."""
+        if not self.validation or self.validated_step == self.step:
             return
         self.watchdog.beat(self.step, VALIDATION)
         started = time.perf_counter()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch, counts in self.validation:
-            nll = self.runner.loss_sum(tuple(batch[key] for key in BATCH_KEYS))
-            if counts:
-                targets = float(loss_targets(batch["token_lens"], batch["answer_starts"]))
-                sums += torch.stack([nll.double(), nll.new_tensor(targets, dtype=torch.float64)])
+        sums = torch.zeros((len(self.validation), 2), dtype=torch.float64, device=self.device)
+        for index, validation in enumerate(self.validation):
+            for batch, counts in validation:
+                nll = self.runner.loss_sum(tuple(batch[key] for key in BATCH_KEYS))
+                if counts:
+                    targets = float(loss_targets(batch["token_lens"], batch["answer_starts"]))
+                    sums[index] += torch.stack(
+                        [nll.double(), nll.new_tensor(targets, dtype=torch.float64)]
+                    )
         dist.all_reduce(sums, group=self.meshes.dp.get_group())
         if self.dims.cp_enabled:  # each CP rank has its positions' token losses
-            dist.all_reduce(sums[:1], group=self.meshes.cp.get_group())
+            dist.all_reduce(sums[:, :1], group=self.meshes.cp.get_group())
         if self.pp_group is not None:  # the loss is on the last stage
-            dist.all_reduce(sums[:1], group=self.pp_group)
-        nll, targets = sums.tolist()
+            dist.all_reduce(sums[:, :1], group=self.pp_group)
+        per_set = sums.tolist()
         self.validated_step = self.step
-        val_loss = nll / targets
-        split = self.cfg.eval.split
-        metrics.log(
-            self.step, {"val_loss": val_loss, "val_tokens": int(targets), "val_split": split}
+        nll, targets = (sum(column) for column in zip(*per_set, strict=True))
+        names = [validation.name for validation in self.validation]
+        record: dict[str, float | int | str] = {
+            "val_loss": nll / targets,
+            "val_tokens": int(targets),
+            "val_split": ",".join(names),
+        }
+        if len(names) > 1:
+            for name, (set_nll, set_targets) in zip(names, per_set, strict=True):
+                record[f"{VAL_LOSS_PREFIX}{name}"] = set_nll / set_targets
+        metrics.log(self.step, record)
+        each = ", ".join(
+            f"{name} {set_nll / set_targets:.4f}"
+            for name, (set_nll, set_targets) in zip(names, per_set, strict=True)
         )
         say(
-            f"validation at step {self.step}: val_loss {val_loss:.4f} over {int(targets)} "
-            f"{split} targets ({time.perf_counter() - started:.1f} s)"
+            f"validation at step {self.step}: val_loss {nll / targets:.4f} over {int(targets)} "
+            f"targets ({each}; {time.perf_counter() - started:.1f} s)"
         )
 
     def run(self) -> int:
@@ -716,5 +773,18 @@ class Trainer:
             record["mfu"] = logged["flops"] / (elapsed * peak * dist.get_world_size())
         if self.cfg.compile:
             record["recompiles"] = recompiles(graph_counts())
+        record.update(self.cut_counts())
         logged.update(time=now, step=self.step, positions=0.0, flops=0.0)
         return record
+
+    def cut_counts(self) -> dict[str, int]:
+        """Cuts drawn from each training source and cuts skipped since the last metrics line,
+        summed over data-parallel ranks (``cuts/<source>``, ``skipped_cuts``). Collective."""
+        counts = torch.tensor([*self.drawn.values(), self.skipped], dtype=torch.float64)
+        counts = counts.to(self.device)
+        dist.all_reduce(counts, group=self.meshes.dp.get_group())
+        totals = [int(value) for value in counts.tolist()]
+        self.drawn = dict.fromkeys(self.drawn, 0)
+        self.skipped = 0
+        record = {f"{CUTS_PREFIX}{name}": n for name, n in zip(self.drawn, totals, strict=False)}
+        return {**record, "skipped_cuts": totals[-1]}

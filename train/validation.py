@@ -12,15 +12,16 @@ number or touches the training loader, so a run with validation trains exactly a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 
 from lhotse import CutSet
+from lhotse.cut import Cut
 
-from train.data import Batch, SpeechDataset, TextEncoder, load_cuts
+from train.data import Batch, SpeechDataset, TextCodec
+from train.features import Featurizer
 
 
-def validation_batches(cuts: CutSet, max_duration: float) -> list[CutSet]:
+def validation_batches(cuts: Iterable[Cut], max_duration: float) -> list[CutSet]:
     """The split's batches: cuts sorted by (duration, id), each batch up to ``max_duration``
     seconds (a longer cut makes a batch of its own)."""
     ordered = sorted(cuts, key=lambda cut: (cut.duration, cut.id))
@@ -42,28 +43,46 @@ def rank_share(num_batches: int, dp_rank: int, dp_size: int) -> tuple[list[int],
 
 
 class ValidationSet:
-    """One data-parallel rank's share of a split, as (batch, counts) pairs per pass."""
+    """One data-parallel rank's share of one validation set, as (batch, counts) pairs per pass.
+
+    Batches whose features are computed from audio (a pretrained encoder's extractor, a source
+    without stored features) are kept after the first pass: the set is the same at every
+    validation, and computing fbank costs ~70 ms per utterance here.
+    """
 
     def __init__(
         self,
-        manifest: Path,
+        name: str,
+        cuts: Iterable[Cut],
         max_duration: float,
         dp_rank: int,
         dp_size: int,
-        encode_text: TextEncoder,
-        pad_id: int,
+        text: TextCodec,
+        featurize: Featurizer,
     ) -> None:
-        self.manifest = Path(manifest)
-        batches = validation_batches(load_cuts(self.manifest), max_duration)
+        self.name = name
+        batches = validation_batches(cuts, max_duration)
         if not batches:
-            raise ValueError(f"validation split {self.manifest} holds no cuts")
+            raise ValueError(f"validation set {name} holds no cuts")
         indices, self.forwards = rank_share(len(batches), dp_rank, dp_size)
         self.batches = [batches[index] for index in indices] or [batches[0]]
         self.has_own = bool(indices)
-        self.dataset = SpeechDataset(encode_text, pad_id)
+        self.dataset = SpeechDataset(text, featurize)
+        self.keep = not featurize.extractor.uses_stored or not all(
+            cut.has_features for batch in self.batches for cut in batch
+        )
+        self.kept: dict[int, Batch] = {}
 
     def __iter__(self) -> Iterator[tuple[Batch, bool]]:
         """``forwards`` batches: (batch, whether it counts); the fillers repeat the first."""
         for index in range(self.forwards):
             counts = self.has_own and index < len(self.batches)
-            yield self.dataset[self.batches[index if counts else 0]], counts
+            yield self.batch(index if counts else 0), counts
+
+    def batch(self, index: int) -> Batch:
+        if index in self.kept:
+            return self.kept[index]
+        batch = self.dataset[self.batches[index]]
+        if self.keep:
+            self.kept[index] = batch
+        return batch

@@ -7,20 +7,20 @@ shard sum theirs (``+``, or ``all_reduce`` of ``dataclasses.astuple(counts)`` re
 ``ErrorCounts(*values)``) and read ``wer`` and ``cer`` from the sum, which equals scoring the
 union of the shards. Alignments come from jiwer (Levenshtein over words, then over characters).
 
-Both sides are normalized (``normalize``) before scoring. An utterance whose reference is empty
-after normalization counts every hypothesis word and character as an insertion; the rates of a
-corpus with no reference words at all are undefined and raise ValueError.
+Both sides are normalized before scoring, by the normalizer the caller names
+(``train.normalizers``). An utterance whose reference is empty after normalization counts every
+hypothesis word and character as an insertion; the rates of a corpus with no reference words at
+all are undefined and raise ValueError.
 """
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Iterable
 from dataclasses import astuple, dataclass
 
 import jiwer
 
-APOSTROPHES = ("'", "\u2019")  # ASCII and typographic; the latter is written as the former
+from train.normalizers import Normalizer
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,25 @@ class ErrorCounts:
         edits = self.char_substitutions + self.char_deletions + self.char_insertions
         return error_rate("CER", edits, self.reference_chars, "characters", self.utterances)
 
+    def figures(self) -> dict[str, float | int]:
+        """What an evaluation reports of the set: WER, CER, and the word substitutions,
+        deletions and insertions that make up the WER, as counts and as rates over the
+        reference words (the three rates add up to the WER)."""
+        edits = {
+            "substitution": self.word_substitutions,
+            "deletion": self.word_deletions,
+            "insertion": self.word_insertions,
+        }
+        wer = self.wer  # raises where there are no reference words to divide by
+        return {
+            "wer": wer,
+            "cer": self.cer,
+            **{f"{kind}s": count for kind, count in edits.items()},
+            **{f"{kind}_rate": count / self.reference_words for kind, count in edits.items()},
+            "reference_words": self.reference_words,
+            "num_utterances": self.utterances,
+        }
+
 
 def error_rate(name: str, edits: int, reference: int, unit: str, utterances: int) -> float:
     """``edits / reference``; a ValueError when the references hold no ``unit`` to divide by."""
@@ -63,30 +82,13 @@ def error_rate(name: str, edits: int, reference: int, unit: str, utterances: int
     return edits / reference
 
 
-def normalize(text: str) -> str:
-    """The text as it is scored: Unicode NFKC, lowercased, every punctuation character (Unicode
-    category P*) replaced by a space except an apostrophe (' or U+2019, kept as ') between two
-    letters or digits, as in "don't", then whitespace collapsed to single spaces and stripped.
-
-    Nothing language-specific (no number spelling, contractions or spelling variants), so a
-    hypothesis is judged on its words, not on casing, punctuation or spacing.
-    """
-    text = unicodedata.normalize("NFKC", text).lower()
-    kept = []
-    for i, char in enumerate(text):
-        inside_word = 0 < i < len(text) - 1 and text[i - 1].isalnum() and text[i + 1].isalnum()
-        if char in APOSTROPHES and inside_word:
-            kept.append("'")
-        elif unicodedata.category(char).startswith("P"):
-            kept.append(" ")
-        else:
-            kept.append(char)
-    return " ".join("".join(kept).split())
-
-
-def score_pair(reference: str, hypothesis: str) -> ErrorCounts:
+def score_pair(reference: str, hypothesis: str, normalize: Normalizer) -> ErrorCounts:
     """The edit counts of one utterance, both sides normalized first."""
-    reference, hypothesis = normalize(reference), normalize(hypothesis)
+    return edit_counts(normalize(reference), normalize(hypothesis))
+
+
+def edit_counts(reference: str, hypothesis: str) -> ErrorCounts:
+    """The edit counts of one utterance whose two sides are normalized already."""
     if not reference:  # jiwer 3 refuses empty references; every hypothesis token is inserted
         return ErrorCounts(
             utterances=1, word_insertions=len(hypothesis.split()), char_insertions=len(hypothesis)
@@ -106,9 +108,9 @@ def score_pair(reference: str, hypothesis: str) -> ErrorCounts:
     )
 
 
-def score_corpus(pairs: Iterable[tuple[str, str]]) -> ErrorCounts:
+def score_corpus(pairs: Iterable[tuple[str, str]], normalize: Normalizer) -> ErrorCounts:
     """The summed edit counts of (reference, hypothesis) pairs, scored as one corpus."""
     total = ErrorCounts()
     for reference, hypothesis in pairs:
-        total += score_pair(reference, hypothesis)
+        total += score_pair(reference, hypothesis, normalize)
     return total

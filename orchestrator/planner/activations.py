@@ -17,7 +17,25 @@ Counted from what the model's autograd graph saves (``train/models/salm.py``), p
   each convolution's output: 2C x mel/2 per conv1 row (one row per 2 frames) and 2C x mel/4 per
   conv2 row (one per 4 frames); the encoder is neither TP- nor CP-split; the gathers that
   assemble each sequence keep the projected audio and the embedded text (d per audio position
-  and per token);
+  and per token); the projector keeps its two hidden activations (2d per audio position) and,
+  stacking frames (stride > 1), its stacked input;
+- a pretrained encoder is counted the same way, tensor by tensor, from transformers' layers
+  (``train.models.hf_encoder``): Whisper's convolutions save the input frame (n_mels), conv1's
+  output twice (before and after GELU) and conv2's once, per frame at their rates; a Whisper
+  block saves 9h + 2f per frame without checkpointing (its layer norms' inputs and outputs, q,
+  k, v, attention's output and its contiguous copy, the GELU MLP's two activations), 6h + f
+  under ``selective`` (its matmuls' and attention's outputs: 7h + f counted, 6h + f measured),
+  and its final layer norm 2h. Parakeet's subsampling saves the input frame, the first
+  convolution's ReLU output and two tensors per further halving (C channels at each stage's
+  time and mel rates) and the flattened C x mel/8 per frame; a FastConformer block saves
+  25h + 4f per frame (two FFNs, attention with its biased queries, the projected relative
+  positions, the convolution module) plus heads x frames for the position scores (attention's
+  bias, a full frames x frames matrix per head), 10h + 2f + 3 heads x frames under
+  ``selective`` (the scores' matmuls too), and a block recomputed under checkpointing adds two
+  more heads x frames for the scores' gradients. ``full`` keeps 2h per frame for either, as for
+  the own blocks. Checked on CPU in fp32 (tiny random encoders, the tiny LLM, two batch shapes,
+  every checkpointing mode, projector strides 1 and 2) against ``MemTracker`` as the presets
+  are: within 10% (docs/planner.md);
 - the head saves the final norm's tensors (its input and normalized value, split by TP, and
   its output, gathered whole) and the log-probabilities (vocab, fp32: the loss casts).
 
@@ -44,7 +62,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from train.models.shape import SALMConfig, encoder_lens, llm_head_dim, subsampled_lens
+from train.models.shape import (
+    OWN_ENCODER,
+    SALMConfig,
+    audio_positions,
+    encoder_frames,
+    llm_head_dim,
+    subsampled_lens,
+)
 from train.parallel_dims import BASE_SEQ_MULTIPLE, sequence_multiple
 
 FP32 = 4
@@ -52,19 +77,16 @@ FP32 = 4
 
 @dataclass(frozen=True)
 class Microbatch:
-    """One microbatch on one data-parallel rank: ``sequences`` of ``frames`` fbank frames (100
+    """One microbatch on one data-parallel rank: ``sequences`` of ``frames`` feature frames (100
     per second of audio) and ``tokens`` transcript tokens each."""
 
     sequences: int
     frames: int
     tokens: int
 
-    @property
-    def audio_positions(self) -> int:
-        return encoder_lens(self.frames)
-
-    def decoder_positions(self, multiple: int = BASE_SEQ_MULTIPLE) -> int:
-        return math.ceil((self.audio_positions + self.tokens) / multiple) * multiple
+    def decoder_positions(self, cfg: SALMConfig, multiple: int = BASE_SEQ_MULTIPLE) -> int:
+        positions = audio_positions(cfg, self.frames) + self.tokens
+        return math.ceil(positions / multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,70 @@ def moe_ffn_bytes(cfg: SALMConfig, ac: str, e: int) -> float:
         return 0.0
     per_copy = cfg.d_model * 2 + 4 * cfg.moe_hidden
     return (cfg.n_experts * FP32) + cfg.top_k * per_copy * e
+
+
+def _own_encoder_terms(cfg: SALMConfig, frames: int, ac: str, e: int) -> tuple[float, ...]:
+    """Per sequence: (bytes saved by the encoder, by its convolutions alone, the convolutions'
+    gradients in their backward, one block recomputed in full)."""
+    c, half, quarter = cfg.enc_dim, subsampled_lens(frames), encoder_frames(cfg, frames)
+    mel_half, mel_quarter = subsampled_lens(cfg.n_mels), subsampled_lens(cfg.n_mels, 2)
+    conv = e * (frames * cfg.n_mels + 2 * c * (mel_half * half + mel_quarter * quarter))
+    enc_args = (c, c, cfg.enc_ffn_hidden, cfg.enc_heads)
+    block = quarter * block_bytes(*enc_args, ac, 1, e)
+    saved = conv + cfg.enc_layers * block + quarter * 3 * c * e  # and the final norm's three
+    full = quarter * block_bytes(*enc_args, "none", 1, e)
+    return saved, conv, 2 * c * mel_quarter * quarter * e, full
+
+
+def _whisper_block(h: int, f: int, heads: int, ac: str, e: int) -> float:
+    """Bytes a Whisper block saves per frame (see the module docstring)."""
+    if ac == "full":
+        return 2 * h * e + heads * FP32
+    if ac == "selective":
+        return (6 * h + f) * e + heads * FP32
+    return (9 * h + 2 * f) * e + (heads + 4) * FP32
+
+
+def _whisper_encoder_terms(cfg: SALMConfig, frames: int, ac: str, e: int) -> tuple[float, ...]:
+    """As ``_own_encoder_terms``, for Whisper's encoder."""
+    c, out = cfg.enc_dim, encoder_frames(cfg, frames)
+    conv = e * (frames * cfg.n_mels + 2 * c * frames + c * out)
+    block = (c, cfg.enc_ffn_hidden, cfg.enc_heads)
+    saved = conv + cfg.enc_layers * out * _whisper_block(*block, ac, e) + out * 2 * c * e
+    return saved, conv, 2 * c * frames * e, out * _whisper_block(*block, "none", e)
+
+
+def _parakeet_block(h: int, f: int, heads: int, frames: int, ac: str, e: int) -> float:
+    """Bytes a FastConformer block of Parakeet saves per frame (see the module docstring)."""
+    if ac == "full":
+        return 2 * h * e + heads * FP32
+    if ac == "selective":
+        return (10 * h + 2 * f + 3 * heads * frames) * e + heads * FP32
+    return (25 * h + 4 * f + heads * frames) * e + (heads + 10) * FP32
+
+
+def _parakeet_encoder_terms(cfg: SALMConfig, frames: int, ac: str, e: int) -> tuple[float, ...]:
+    """As ``_own_encoder_terms``, for Parakeet's encoder."""
+    ch, c = cfg.enc_conv_channels, cfg.enc_dim
+    rows, mels = subsampled_lens(frames), subsampled_lens(cfg.n_mels)
+    first = ch * rows * mels
+    conv = frames * cfg.n_mels + first
+    for _ in range(cfg.enc_subsampling.bit_length() - 2):
+        rows, mels = subsampled_lens(rows), subsampled_lens(mels)
+        conv += 2 * ch * rows * mels
+    conv = e * (conv + ch * (cfg.n_mels // cfg.enc_subsampling) * rows)
+    block = (c, cfg.enc_ffn_hidden, cfg.enc_heads, rows)
+    saved = conv + cfg.enc_layers * rows * _parakeet_block(*block, ac, e) + rows * c * e
+    # Recomputed for its backward, a block's position scores also get their gradients.
+    full = rows * (_parakeet_block(*block, "none", e) + 2 * cfg.enc_heads * rows * e)
+    return saved, conv, 2 * first * e, full
+
+
+ENCODER_TERMS = {
+    OWN_ENCODER: _own_encoder_terms,
+    "whisper": _whisper_encoder_terms,
+    "parakeet": _parakeet_encoder_terms,
+}
 
 
 def in_flight(layout: ActivationLayout, stage: int = 0) -> float:
@@ -161,20 +247,19 @@ def activation_terms(
     blocks, has_encoder, has_head = part
     e, ac, tp, cp = layout.element_bytes, layout.ac, layout.tp, layout.cp
     b = batch.sequences
-    frames, half, quarter = batch.frames, subsampled_lens(batch.frames), batch.audio_positions
-    c, d, vocab = cfg.enc_dim, cfg.d_model, cfg.vocab_size
+    d, vocab = cfg.d_model, cfg.vocab_size
     encoder = conv = enc_block_full = conv_grads = 0.0
     if has_encoder:
-        mel_half, mel_quarter = subsampled_lens(cfg.n_mels), encoder_lens(cfg.n_mels)
-        conv = b * e * (frames * cfg.n_mels + 2 * c * (mel_half * half + mel_quarter * quarter))
-        conv_grads = 2 * b * c * mel_quarter * quarter * e
-        enc_args = (c, c, cfg.enc_ffn_hidden, cfg.enc_heads)
-        enc_block = b * quarter * block_bytes(*enc_args, ac, 1, e)
-        enc_block_full = b * quarter * block_bytes(*enc_args, "none", 1, e)
-        inputs = b * (quarter + batch.tokens) * d * e  # kept by the gathers building the sequence
-        encoder = conv + cfg.enc_layers * enc_block + b * quarter * (3 * c + 2 * d) * e + inputs
+        saved, conv, conv_grads, enc_block_full = (
+            b * term for term in ENCODER_TERMS[cfg.encoder](cfg, batch.frames, ac, e)
+        )
+        audio = audio_positions(cfg, batch.frames)
+        if cfg.projector_stride > 1:  # the stacked copy of the encoder's output
+            saved += b * encoder_frames(cfg, batch.frames) * cfg.enc_dim * e
+        inputs = b * (audio + batch.tokens) * d * e  # kept by the gathers building the sequence
+        encoder = saved + b * audio * 2 * d * e + inputs
 
-    positions = batch.decoder_positions(sequence_multiple(tp, cp))
+    positions = batch.decoder_positions(cfg, sequence_multiple(tp, cp))
     local = positions / cp
     kv = cfg.n_kv_heads * llm_head_dim(cfg)
     f = 0 if cfg.n_experts else cfg.ffn_hidden

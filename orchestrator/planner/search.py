@@ -355,7 +355,7 @@ def step_time(request: PlanRequest, layout: Layout, total_params: int) -> dict[s
         moved = 2 * (r - 1) / r * params / shards * 4
         overlapped += moved / _bandwidth(cluster, gpus // layout.pp)
     batch = Microbatch(layout.microbatch, request.frames, request.tokens)
-    positions = batch.decoder_positions(sequence_multiple(layout.tp, layout.cp))
+    positions = batch.decoder_positions(request.model, sequence_multiple(layout.tp, layout.cp))
     activation = layout.microbatch * positions * cfg.d_model * e
     exposed = 0.0
     if layout.tp > 1:
@@ -397,7 +397,10 @@ def full_state_fits(request: PlanRequest, params: int, trainable: int) -> tuple[
 def flowchart(request: PlanRequest, layout: Layout, fits_one: bool, max_tp: int) -> int:
     """How many of the guide's rules ``layout`` breaks."""
     batch = Microbatch(1, request.frames, request.tokens)
-    long = batch.decoder_positions(sequence_multiple(layout.tp, layout.cp)) >= LONG_SEQUENCE
+    long = (
+        batch.decoder_positions(request.model, sequence_multiple(layout.tp, layout.cp))
+        >= LONG_SEQUENCE
+    )
     broken = 0
     if fits_one:
         broken += (layout.tp > 1) + (layout.pp > 1)
@@ -427,7 +430,7 @@ def reasoning(request: PlanRequest, layout: Layout, params: int, needed: float) 
         )
     if layout.cp > 1:
         batch = Microbatch(1, request.frames, request.tokens)
-        positions = batch.decoder_positions(sequence_multiple(layout.tp, layout.cp))
+        positions = batch.decoder_positions(request.model, sequence_multiple(layout.tp, layout.cp))
         parts.append(f"CP={layout.cp} for {positions}-position sequences")
     if layout.ep > 1:
         parts.append(f"EP={layout.ep} for the {request.model.n_experts} experts")

@@ -11,6 +11,7 @@ each head of q and k). Options the blocks do not have are refused with one line,
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,18 @@ def read_config(path: Path) -> dict[str, Any]:
     return json.loads((path / CONFIG_FILE).read_text())
 
 
+def model_family(config: dict[str, Any], families: Mapping[str, Any], where: str) -> str:
+    """``config``'s model_type, one of ``families``; another is one line naming it."""
+    family = config.get("model_type")
+    if family not in families:
+        architecture = ",".join(config.get("architectures") or ["?"])
+        raise ValueError(
+            f"{where}: {architecture} (model_type {family!r}) is not supported; supported: "
+            f"{', '.join(families)}"
+        )
+    return family
+
+
 def _rope_theta(config: dict[str, Any], key: str) -> float:
     """RoPE's base from either spelling (``rope_theta``, or transformers 5's
     ``rope_parameters``); scaled RoPE variants are refused."""
@@ -71,13 +84,7 @@ def decoder_fields(directory: str | Path, key: str = "model.pretrained_llm") -> 
     path = check_directory(directory, key)
     config = read_config(path)
     where = f"{key}={directory}"
-    family = config.get("model_type")
-    if family not in FAMILIES:
-        architecture = ",".join(config.get("architectures") or ["?"])
-        raise ValueError(
-            f"{where}: {architecture} (model_type {family!r}) is not supported; supported: "
-            f"{', '.join(FAMILIES)}"
-        )
+    family = model_family(config, FAMILIES, where)
     refused = {
         "attention_bias": family != "qwen2" and config.get("attention_bias", False),
         "mlp_bias": config.get("mlp_bias", False),

@@ -18,12 +18,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from train.models.hf_encoder import FrozenStatisticsNorm
+from train.models.hf_encoder_config import PARAKEET_ATTENTION_BIASES
 from train.models.lora import is_adapter_b
 from train.models.moe import GroupedExperts
 
 # Wrappers that sit between a module and its children without changing the model's meaning
 # (peft's LoRA layer keeps the layer it adapts as ``base_layer``).
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "base_layer.")
+# Norm parameters that start at one (scales and variances); shifts and means start at zero.
+NORM_ONES = frozenset({"weight", "running_var"})
 
 
 def canonical_name(name: str) -> str:
@@ -41,7 +45,7 @@ def name_seed(init_seed: int, name: str) -> int:
 def _fan_in(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.in_features
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, nn.Conv1d | nn.Conv2d):
         return module.in_channels * math.prod(module.kernel_size) // module.groups
     raise TypeError(f"no fan-in rule for {type(module).__name__}")
 
@@ -50,13 +54,15 @@ def initial_value(
     module: nn.Module, attr: str, shape: torch.Size, generator: torch.Generator
 ) -> torch.Tensor:
     """The full fp32 initial value of ``module.<attr>`` (torch's defaults for its layer types)."""
-    if isinstance(module, nn.RMSNorm):
-        return torch.ones(shape)
+    if isinstance(module, nn.RMSNorm | nn.LayerNorm | FrozenStatisticsNorm):
+        return torch.ones(shape) if attr in NORM_ONES else torch.zeros(shape)
+    if attr in PARAKEET_ATTENTION_BIASES:  # zeros, as transformers constructs them
+        return torch.zeros(shape)
     if isinstance(module, nn.Embedding):
         return torch.randn(shape, generator=generator)
     if isinstance(module, GroupedExperts):
         return torch.randn(shape, generator=generator) * shape[1] ** -0.5
-    if isinstance(module, nn.Linear | nn.Conv2d):
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d):
         bound = 1 / math.sqrt(_fan_in(module))
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
     raise TypeError(f"no initialization rule for {type(module).__name__}.{attr}")

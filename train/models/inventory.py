@@ -18,6 +18,10 @@ Placement, as ``train.models.parallelize`` applies it:
   efsdp ranks, on dim 0 while each rank still gets whole experts, else on dim 1.
 - PP: a rank holds the tensors of its stages only (stage 0 the encoder, projector and
   embeddings; the last stage the final norm and head).
+
+A pretrained encoder (``train.models.hf_encoder``) is listed under transformers' names, with the
+tensors that never train (Whisper's position table, Parakeet's batch-norm statistics) marked
+untrainable: they get no gradient and no optimizer state.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from train.models.hf_encoder_config import PARAKEET_ATTENTION_BIASES
 from train.models.lora import adapter_names
-from train.models.shape import SALMConfig, encoder_lens, llm_head_dim
+from train.models.shape import OWN_ENCODER, SALMConfig, llm_head_dim, subsampled_lens
 
 COLUMN, ROW = "column", "row"
 
@@ -41,6 +46,7 @@ class ParamTensor:
     section: str  # "first" (stage 0 only), "block", "last" (last stage only)
     tp: str | None = None  # COLUMN, ROW or None (whole on every TP rank)
     expert: bool = False
+    trainable: bool = True  # False: frozen whatever model.freeze says
 
     @property
     def numel(self) -> int:
@@ -104,25 +110,110 @@ def _block(
     return tensors
 
 
-def inventory(cfg: SALMConfig) -> list[ParamTensor]:
-    """The model's parameters in ``named_parameters`` order."""
-    c, d = cfg.enc_dim, cfg.d_model
-    first = {"block": None, "section": "first"}
+FIRST = {"block": None, "section": "first"}
+
+
+def _first(name: str, shape: tuple[int, ...], bias: bool = True, **kw) -> list[ParamTensor]:
+    """A stage-0 layer's weight of ``shape``, and its bias (one per output) if ``bias``."""
+    tensors = [ParamTensor(f"{name}.weight", shape, **FIRST, **kw)]
+    return tensors + ([ParamTensor(f"{name}.bias", shape[:1], **FIRST, **kw)] if bias else [])
+
+
+def _own_encoder(cfg: SALMConfig) -> list[ParamTensor]:
+    c = cfg.enc_dim
     tensors = [
-        ParamTensor("encoder.conv1.weight", (c, 1, 3, 3), **first),
-        ParamTensor("encoder.conv1.bias", (c,), **first),
-        ParamTensor("encoder.conv2.weight", (c, c, 3, 3), **first),
-        ParamTensor("encoder.conv2.bias", (c,), **first),
-        *_linear("encoder.conv_out", c, c * encoder_lens(cfg.n_mels), True, **first),
+        *_first("encoder.conv1", (c, 1, 3, 3)),
+        *_first("encoder.conv2", (c, c, 3, 3)),
+        *_first("encoder.conv_out", (c, c * subsampled_lens(cfg.n_mels, 2))),
     ]
     for index in range(cfg.enc_layers):
         heads = cfg.enc_heads
         prefix = f"encoder.layers.{index}"
         tensors += _block(prefix, c, heads, heads, cfg.enc_ffn_hidden, cfg, None)
-    tensors.append(ParamTensor("encoder.norm.weight", (c,), **first))
-    tensors += _linear("projector.0", d, c, True, **first)
-    tensors += _linear("projector.2", d, d, True, **first)
-    tensors.append(ParamTensor("llm.embed.weight", (cfg.vocab_size, d), **first))
+    return tensors + _first("encoder.norm", (c,), bias=False)
+
+
+def _whisper_encoder(cfg: SALMConfig) -> list[ParamTensor]:
+    """transformers' WhisperEncoder: convolutions, the frozen position table, pre-norm blocks."""
+    c, f = cfg.enc_dim, cfg.enc_ffn_hidden
+    tensors = [
+        *_first("encoder.conv1", (c, cfg.n_mels, 3)),
+        *_first("encoder.conv2", (c, c, 3)),
+        *_first("encoder.embed_positions", (cfg.enc_positions, c), bias=False, trainable=False),
+    ]
+    for index in range(cfg.enc_layers):
+        layer = f"encoder.layers.{index}"
+        tensors += _first(f"{layer}.self_attn.k_proj", (c, c), bias=False)
+        for name in ("v_proj", "q_proj", "out_proj"):
+            tensors += _first(f"{layer}.self_attn.{name}", (c, c))
+        tensors += _first(f"{layer}.self_attn_layer_norm", (c,))
+        tensors += _first(f"{layer}.fc1", (f, c)) + _first(f"{layer}.fc2", (c, f))
+        tensors += _first(f"{layer}.final_layer_norm", (c,))
+    return tensors + _first("encoder.layer_norm", (c,))
+
+
+def _feed_forward(name: str, dim: int, hidden: int, bias: bool) -> list[ParamTensor]:
+    return _first(f"{name}.linear1", (hidden, dim), bias) + _first(
+        f"{name}.linear2", (dim, hidden), bias
+    )
+
+
+def _parakeet_encoder(cfg: SALMConfig) -> list[ParamTensor]:
+    """transformers' ParakeetEncoder: subsampling convolutions (a full one, then a depthwise
+    and a pointwise one per further halving), then FastConformer blocks: two half-step FFNs
+    around relative-position attention and a convolution module, whose batch norm's
+    statistics are frozen."""
+    c, f, ch = cfg.enc_dim, cfg.enc_ffn_hidden, cfg.enc_conv_channels
+    bias, conv_bias = cfg.enc_bias, cfg.enc_conv_bias
+    tensors = _first("encoder.subsampling.layers.0", (ch, 1, 3, 3))
+    for stage in range(1, cfg.enc_subsampling.bit_length() - 1):  # modules: conv, ReLU, ...
+        tensors += _first(f"encoder.subsampling.layers.{3 * stage - 1}", (ch, 1, 3, 3))
+        tensors += _first(f"encoder.subsampling.layers.{3 * stage}", (ch, ch, 1, 1))
+    tensors += _first("encoder.subsampling.linear", (c, ch * (cfg.n_mels // cfg.enc_subsampling)))
+    for index in range(cfg.enc_layers):
+        layer = f"encoder.layers.{index}"
+        tensors += _feed_forward(f"{layer}.feed_forward1", c, f, bias)
+        head = (cfg.enc_heads, c // cfg.enc_heads)
+        tensors += [
+            ParamTensor(f"{layer}.self_attn.{name}", head, **FIRST)
+            for name in PARAKEET_ATTENTION_BIASES
+        ]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors += _first(f"{layer}.self_attn.{name}", (c, c), bias)
+        tensors += _first(f"{layer}.self_attn.relative_k_proj", (c, c), bias=False)
+        tensors += _first(f"{layer}.conv.pointwise_conv1", (2 * c, c, 1), conv_bias)
+        tensors += _first(f"{layer}.conv.depthwise_conv", (c, 1, cfg.enc_conv_kernel), conv_bias)
+        tensors += _first(f"{layer}.conv.norm", (c,))
+        for name in ("running_mean", "running_var"):
+            tensors.append(ParamTensor(f"{layer}.conv.norm.{name}", (c,), trainable=False, **FIRST))
+        tensors += _first(f"{layer}.conv.pointwise_conv2", (c, c, 1), conv_bias)
+        tensors += _feed_forward(f"{layer}.feed_forward2", c, f, bias)
+        for name in CONFORMER_NORMS:
+            tensors += _first(f"{layer}.{name}", (c,))
+    return tensors
+
+
+CONFORMER_NORMS = (
+    "norm_feed_forward1",
+    "norm_self_att",
+    "norm_conv",
+    "norm_feed_forward2",
+    "norm_out",
+)
+ENCODER_INVENTORIES = {
+    OWN_ENCODER: _own_encoder,
+    "whisper": _whisper_encoder,
+    "parakeet": _parakeet_encoder,
+}
+
+
+def inventory(cfg: SALMConfig) -> list[ParamTensor]:
+    """The model's parameters in ``named_parameters`` order."""
+    d = cfg.d_model
+    tensors = ENCODER_INVENTORIES[cfg.encoder](cfg)
+    tensors += _first("projector.0", (d, cfg.projector_stride * cfg.enc_dim))
+    tensors += _first("projector.2", (d, d))
+    tensors.append(ParamTensor("llm.embed.weight", (cfg.vocab_size, d), **FIRST))
     for index in range(cfg.n_layers):
         tensors += _block(
             f"llm.layers.{index}", d, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden, cfg, index

@@ -1,11 +1,11 @@
 """Applies the parallel layout to a SALM model, in torchtitan's order:
 TP (with sequence parallel) and EP -> activation checkpointing -> torch.compile -> FSDP2 or DDP.
 
-Only the LLM gets tensor parallelism; the audio encoder, projector and embeddings are small and
-run replicated over TP (FSDP still shards them), except a tied embedding, which is the output
-head's matrix and so split over the vocabulary like the head. The same code runs CUDA+NCCL and
-CPU+gloo, and parallelizes a whole model or one pipeline stage of it (a `PipelinePart`: the same
-modules under the same names, some of them absent).
+Only the LLM gets tensor parallelism; the audio encoder (the own one or a pretrained Whisper or
+Parakeet), projector and embeddings run replicated over TP (FSDP still shards them), except a
+tied embedding, which is the output head's matrix and so split over the vocabulary like the
+head. The same code runs CUDA+NCCL and CPU+gloo, and parallelizes a whole model or one pipeline
+stage of it (a `PipelinePart`: the same modules under the same names, some of them absent).
 
 Activation checkpointing wraps each block in a checkpoint wrapper (``full``: recompute the
 block's matmuls and elementwise work in backward, keeping only the outputs of its collectives and
@@ -54,7 +54,7 @@ from train.mesh import Meshes
 from train.models.compiled import compile_region
 from train.models.lora import ADAPTER, LORA_A, LORA_B
 from train.models.moe import MoE
-from train.models.salm import SALM, Block
+from train.models.salm import BLOCK_DIMS, SALM, Block
 
 if TYPE_CHECKING:
     from train.models.pipeline import PipelinePart
@@ -104,9 +104,14 @@ def block_lists(model: SALM | PipelinePart) -> list[nn.ModuleList | nn.ModuleDic
     return lists
 
 
-def block_regions(model: SALM | PipelinePart) -> list[str]:
-    """The compiled region of each of ``block_lists(model)``."""
-    return ["decoder_block"] if model.encoder is None else ["encoder_block", "decoder_block"]
+def block_regions(model: SALM | PipelinePart) -> list[tuple[str, tuple[tuple[int, ...], ...]]]:
+    """The compiled region of each of ``block_lists(model)``, with the dimensions of its blocks'
+    positional arguments that vary between batches (a pretrained encoder's blocks take their
+    own arguments)."""
+    regions = [("decoder_block", BLOCK_DIMS)]
+    if model.encoder is not None:
+        regions.insert(0, ("encoder_block", model.encoder.block_dims))
+    return regions
 
 
 def parallelize(
@@ -125,8 +130,8 @@ def parallelize(
         for layers in blocks:
             apply_ac(layers, options.activation_checkpointing)
     if options.compile:
-        for layers, region in zip(blocks, block_regions(model), strict=True):
-            apply_compile(layers, region, options.compile_backend)
+        for layers, (region, dims) in zip(blocks, block_regions(model), strict=True):
+            apply_compile(layers, region, dims, options.compile_backend)
     if options.strategy == "ddp":
         replicate(model, device_mesh=meshes.dp)
     elif needs_fsdp(meshes, options):
@@ -307,7 +312,7 @@ def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     policy = _policy(_KEPT_BY_SELECTIVE if mode == "selective" else _KEPT_BY_FULL)
     options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
     for key, block in _items(layers):
-        if block.moe is None:
+        if getattr(block, "moe", None) is None:  # a dense Block, or a pretrained encoder's
             layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
             continue
         moe = block.moe
@@ -330,14 +335,15 @@ def _checkpointed(fn: Callable, options: dict) -> Callable:
     return run
 
 
-# The dimensions of a block's arguments that vary between batches: x (batch, sequence), the
-# RoPE tables (sequence), the key mask and the token mask (batch, sequence).
-_BLOCK_DIMS = ((0, 1), (0,), (0,), (0, 1), (0, 1))
-
-
-def apply_compile(layers: nn.ModuleList | nn.ModuleDict, region: str, backend: str) -> None:
+def apply_compile(
+    layers: nn.ModuleList | nn.ModuleDict,
+    region: str,
+    dims: tuple[tuple[int, ...], ...],
+    backend: str,
+) -> None:
     """Compile each block of ``layers`` in place by ``backend`` with ``fullgraph=True`` (a graph
-    break fails loudly), under the code object of ``region`` (see ``train.models.compiled``).
+    break fails loudly), under the code object of ``region`` (see ``train.models.compiled``);
+    ``dims``: the dimensions of the blocks' positional arguments that vary between batches.
 
     A dense block compiles its (checkpointed) forward; FSDP's and the wrappers' hooks run
     around it in eager. An MoE block compiles as its pieces around the token dispatcher (see
@@ -345,10 +351,12 @@ def apply_compile(layers: nn.ModuleList | nn.ModuleDict, region: str, backend: s
     matmuls and the combine, each a region of its own.
     """
     for _, block in _items(layers):
-        if block.moe is None:  # a Block, or its checkpoint wrapper (which forwards ``moe``)
-            block.forward = compile_region(block.forward, region, _BLOCK_DIMS, backend)
+        # A dense Block, a pretrained encoder's block, or a checkpoint wrapper (which forwards
+        # ``moe``).
+        if getattr(block, "moe", None) is None:
+            block.forward = compile_region(block.forward, region, dims, backend)
             continue
-        block.mix = compile_region(block.mix, "moe_mix", _BLOCK_DIMS[:4], backend)
+        block.mix = compile_region(block.mix, "moe_mix", dims[:4], backend)
         moe = block.moe
         moe.route = compile_region(moe.route, "moe_route", ((0, 1), (0, 1)), backend)
         moe.combine = compile_region(moe.combine, "moe_combine", ((0,), (0,), (0,)), backend)

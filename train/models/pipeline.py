@@ -39,10 +39,10 @@ from train.models.context import shard_sequence
 from train.models.salm import (
     PAD_ID,
     SALM,
+    audio_positions,
     aux_weight,
     batch_layout,
     embed_inputs,
-    encoder_lens,
     next_token_loss,
 )
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
@@ -262,10 +262,10 @@ class PipelineRunner:
     def _prepare(self, batch: tuple[torch.Tensor, ...], aux_scale: torch.Tensor):
         """The schedule for ``batch`` and the arguments of its step on this rank."""
         batch = pad_examples(batch, self.plan.microbatches)
-        seq_len = host_seq_len(batch, self.parts[0].seq_multiple)
+        seq_len = host_seq_len(batch, self.parts[0])
         schedule = self._schedule(batch, seq_len)
         batch = to_device(batch, self.device)
-        layout = batch_layout(batch, encoder_lens(batch[1]), seq_len)
+        layout = batch_layout(batch, audio_positions(self.parts[0].cfg, batch[1]), seq_len)
         token_mask, labels = layout.token_mask, layout.labels
         if self.cp_mesh is not None:  # each rank's chunks of the sequence
             token_mask, labels = (shard_sequence(t, self.cp_mesh) for t in (token_mask, labels))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from train.models.hf_config import decoder_fields
+from train.models.hf_encoder_config import encoder_fields
 from train.models.shape import SALMConfig
 
 PRESETS: dict[str, SALMConfig] = {
@@ -63,10 +64,19 @@ def get_preset(name: str) -> SALMConfig:
     return PRESETS[name]
 
 
-def model_shape(preset: str, pretrained_llm: str | None = None) -> SALMConfig:
+def model_shape(
+    preset: str,
+    pretrained_llm: str | None = None,
+    pretrained_encoder: str | None = None,
+    projector_stride: int = 1,
+) -> SALMConfig:
     """The model a config builds: the preset, with its LLM replaced by the pretrained decoder's
-    shape when ``model.pretrained_llm`` names one (read from its config.json, no torch)."""
-    shape = get_preset(preset)
-    if pretrained_llm is None:
-        return shape
-    return dataclasses.replace(shape, **decoder_fields(pretrained_llm))
+    shape when ``model.pretrained_llm`` names one and its encoder by the pretrained encoder's
+    when ``model.pretrained_encoder`` does (read from their config.json, no torch), and the
+    projector's stride."""
+    fields: dict = {"projector_stride": projector_stride}
+    if pretrained_llm is not None:
+        fields.update(decoder_fields(pretrained_llm))
+    if pretrained_encoder is not None:
+        fields.update(encoder_fields(pretrained_encoder))
+    return dataclasses.replace(get_preset(preset), **fields)

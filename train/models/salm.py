@@ -1,18 +1,21 @@
 """A small speech LLM in the spirit of NeMo's SALM, readable in one file.
 
-fbank features (B, T, 80) -> audio encoder (conv subsampling x4 + transformer blocks) -> projector
--> decoder-only LLM (RMSNorm, RoPE, SwiGLU or MoE, GQA). Each example becomes one sequence: its
-prompt tokens (a pretrained LLM's chat template, ``train.prompt``; none for the byte tokenizer),
-its audio embeddings, its other tokens, then right padding. The loss is next-token prediction on
-the answer only. Every output on a real position ignores padding, so a batch
-split across ranks computes exactly what the whole batch computes in one process.
+fbank features (B, T, 80) -> audio encoder (conv subsampling x4 + transformer blocks, or a
+pretrained Whisper or Parakeet encoder on its own features: ``train.models.hf_encoder``) ->
+projector (``projector_stride`` frames stacked per position) -> decoder-only LLM (RMSNorm, RoPE,
+SwiGLU or MoE, GQA). Each example becomes one sequence: its prompt tokens (a pretrained LLM's
+chat template, ``train.prompt``; none for the byte tokenizer), its audio embeddings, its other
+tokens, then right padding. The loss is next-token prediction on the answer only. Every output
+on a real position ignores padding, so a batch split across ranks computes exactly what the
+whole batch computes in one process.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +33,13 @@ from train.models.moe import MoE
 from train.models.shape import (
     BOS_ID,
     EOS_ID,
+    OWN_ENCODER,
     PAD_ID,
     VOCAB_SIZE,
     SALMConfig,
-    encoder_lens,
+    audio_positions,
     llm_head_dim,
+    stacked,
     subsampled_lens,
 )
 from train.parallel_dims import BASE_SEQ_MULTIPLE
@@ -59,6 +64,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [BOS_ID, *text.encode("utf-8"), EOS_ID]
 
+    def for_tags(self, tags: Mapping[str, Any]) -> ByteTokenizer:
+        """The same codec whatever a cut's tags: the byte tokenizer has no prompt (a source
+        with ``prompt:`` tags is refused before training, train/sources.py)."""
+        return self
+
     def example(self, text: str) -> Encoded:
         """A training example: no prompt before the audio, the answer after BOS."""
         return Encoded(self.encode(text), prefix_len=0, answer_start=1)
@@ -79,9 +89,14 @@ class ByteTokenizer:
         return tokens, lens
 
 
+def inverse_frequencies(dim: int, theta: float, device) -> torch.Tensor:
+    """The (dim/2,) fp32 frequencies of sinusoidal position tables of width ``dim``."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+
+
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
     """cos and sin (seq_len, head_dim/2) for rotary embeddings, always in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, device)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -204,6 +219,12 @@ class Block(nn.Module):
         return x, self.ffn_norm(x)
 
 
+# The dimensions of a Block's positional arguments that vary between batches (what compiling
+# marks dynamic): x (batch, sequence), the RoPE tables (sequence), the key mask and the token
+# mask (batch, sequence).
+BLOCK_DIMS = ((0, 1), (0,), (0,), (0, 1), (0, 1))
+
+
 def length_mask(lens: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]
 
@@ -211,12 +232,14 @@ def length_mask(lens: torch.Tensor, max_len: int) -> torch.Tensor:
 class AudioEncoder(nn.Module):
     """Conv2d subsampling x4 over (time, mel), then bidirectional transformer blocks."""
 
+    block_dims = BLOCK_DIMS
+
     def __init__(self, cfg: SALMConfig) -> None:
         super().__init__()
         channels = cfg.enc_dim
         self.conv1 = nn.Conv2d(1, channels, 3, stride=2, padding=1)
         self.conv2 = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
-        freq = encoder_lens(cfg.n_mels)
+        freq = subsampled_lens(cfg.n_mels, 2)
         self.conv_out = nn.Linear(channels * freq, cfg.enc_dim)
         self.layers = nn.ModuleList(
             Block(
@@ -418,9 +441,34 @@ def batch_layout(
     return sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, answer_starts)
 
 
+class Projector(nn.Sequential):
+    """Linear, GELU, Linear from the encoder's width to the LLM's, over groups of ``stride``
+    consecutive encoder frames concatenated (an example's last group zero-padded): the LLM gets
+    one audio position per group. At stride 1 it is the plain MLP over each frame."""
+
+    def __init__(self, enc_dim: int, d_model: int, stride: int) -> None:
+        super().__init__(
+            nn.Linear(stride * enc_dim, d_model), nn.GELU(), nn.Linear(d_model, d_model)
+        )
+        self.stride = stride
+
+    def forward(
+        self, frames: torch.Tensor, lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, enc_dim) frames and their lengths -> (B, ceil(T/stride), d_model) positions
+        and theirs; frames past an example's length are zeroed first, so its last group holds
+        its own frames and zeros whatever padding follows."""
+        if self.stride > 1:
+            B, T, C = frames.shape
+            frames = frames * length_mask(lens, T)[..., None]
+            frames = F.pad(frames, (0, 0, 0, -T % self.stride))
+            frames = frames.reshape(B, -1, self.stride * C)
+        return super().forward(frames), stacked(lens, self.stride)
+
+
 def embed_inputs(
-    encoder: AudioEncoder,
-    projector: nn.Module,
+    encoder: nn.Module,
+    projector: Projector,
     embed: nn.Embedding,
     batch: tuple[torch.Tensor, ...],
     seq_len: int,
@@ -430,8 +478,7 @@ def embed_inputs(
     lengths, tokens, token lengths and, for a prompt before the audio, prefix lengths and
     answer starts (``default_prompt`` without them)."""
     features, feature_lens, tokens = batch[:3]
-    audio, audio_lens = encoder(features, feature_lens)
-    audio = projector(audio)
+    audio, audio_lens = projector(*encoder(features, feature_lens))
     text = embed(tokens)
     layout = batch_layout(batch, audio_lens, seq_len)
     x = splice(audio, text, layout.audio_index, layout.text_index, layout.is_audio, layout.is_text)
@@ -493,16 +540,25 @@ def loss_for_backward(
     return (out.nll_sum / global_targets + out.aux_sum / global_sequences) * gradient_ranks
 
 
+def build_encoder(cfg: SALMConfig) -> nn.Module:
+    """The encoder ``cfg`` names: ``AudioEncoder``, or a pretrained family's module (the same
+    interface: features and lengths in, frames and lengths out)."""
+    if cfg.encoder == OWN_ENCODER:
+        return AudioEncoder(cfg)
+    # Imported here: hf_encoder builds on this module's pieces.
+    from train.models.hf_encoder import pretrained_encoder
+
+    return pretrained_encoder(cfg)
+
+
 class SALM(nn.Module):
     """Audio encoder + projector + LLM; `forward` returns loss sums for one (local) batch."""
 
     def __init__(self, cfg: SALMConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.encoder: AudioEncoder | None = AudioEncoder(cfg)
-        self.projector: nn.Module | None = nn.Sequential(
-            nn.Linear(cfg.enc_dim, cfg.d_model), nn.GELU(), nn.Linear(cfg.d_model, cfg.d_model)
-        )
+        self.encoder: nn.Module | None = build_encoder(cfg)
+        self.projector: Projector | None = Projector(cfg.enc_dim, cfg.d_model, cfg.projector_stride)
         self.llm = Decoder(cfg)
         self.seq_multiple = BASE_SEQ_MULTIPLE  # parallelize sets the layout's (tp, cp)
 
@@ -515,7 +571,7 @@ class SALM(nn.Module):
         host (the training step passes it, so that nothing is read back from the device); None
         computes it here from the lengths given."""
         if seq_len is None:
-            longest = longest_example(encoder_lens(feature_lens), token_lens)
+            longest = longest_example(audio_positions(self.cfg, feature_lens), token_lens)
             seq_len = packed_length(longest, self.seq_multiple)
         batch = (features, feature_lens, tokens, token_lens, *prompt)
         x, layout = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)

@@ -12,8 +12,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    Lengths = int | float | torch.Tensor
+
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
 VOCAB_SIZE = 259
+# The audio encoder: the project's own (``AudioEncoder``), or a pretrained Hugging Face family.
+OWN_ENCODER = "own"
+ENCODERS = (OWN_ENCODER, "whisper", "parakeet")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,17 @@ class SALMConfig:
     lora_alpha: float = 0.0
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()
+    # A pretrained encoder (train/models/hf_encoder_config.py reads these from the config.json
+    # in encoder_dir, with n_mels and the enc_* widths above; the module is built from it).
+    encoder: str = OWN_ENCODER  # one of ENCODERS
+    encoder_dir: str | None = None
+    enc_subsampling: int = 4  # feature frames per encoder frame: stride-2 convolutions in a row
+    enc_positions: int = 0  # Whisper: rows of its position table (encoder frames it takes)
+    enc_conv_channels: int = 0  # Parakeet: channels of its subsampling convolutions
+    enc_conv_kernel: int = 0  # Parakeet: width of each block's depthwise convolution
+    enc_bias: bool = False  # Parakeet: biases in its attention and feed-forward projections
+    enc_conv_bias: bool = False  # Parakeet: biases in its convolution modules
+    projector_stride: int = 1  # encoder frames stacked into one LLM audio position
 
     def __post_init__(self) -> None:
         if (self.d_model % self.n_heads and not self.head_dim) or self.enc_dim % self.enc_heads:
@@ -56,6 +72,17 @@ class SALMConfig:
         if self.n_experts and (self.d_model % 8 or self.moe_hidden % 8):
             # torch._grouped_mm needs 16-byte aligned rows, in bf16 as in fp32.
             raise ValueError("an MoE model needs d_model and moe_hidden to be multiples of 8")
+        if self.encoder not in ENCODERS:
+            raise ValueError(f"encoder={self.encoder!r}: choose one of {', '.join(ENCODERS)}")
+        if (self.encoder == OWN_ENCODER) != (self.encoder_dir is None):
+            raise ValueError("a pretrained encoder needs its encoder_dir, the own encoder none")
+        halvings = self.enc_subsampling.bit_length() - 1
+        if self.enc_subsampling < 2 or self.enc_subsampling != 2**halvings:
+            raise ValueError(f"enc_subsampling={self.enc_subsampling}: a power of two is needed")
+        if self.encoder == OWN_ENCODER and self.enc_subsampling != 4:
+            raise ValueError("the own encoder subsamples by 4 (two stride-2 convolutions)")
+        if self.projector_stride < 1:
+            raise ValueError(f"model.projector_stride={self.projector_stride} must be >= 1")
 
 
 def llm_head_dim(cfg: SALMConfig) -> int:
@@ -63,11 +90,25 @@ def llm_head_dim(cfg: SALMConfig) -> int:
     return cfg.head_dim or cfg.d_model // cfg.n_heads
 
 
-def subsampled_lens(lens: torch.Tensor | int) -> torch.Tensor | int:
-    """Frames left after one stride-2 conv with kernel 3 and padding 1."""
-    return (lens - 1) // 2 + 1
+def subsampled_lens(lens: Lengths, times: int = 1) -> Lengths:
+    """Frames left after ``times`` stride-2 convolutions with kernel 3 and padding 1 (every
+    encoder family subsamples with these)."""
+    for _ in range(times):
+        lens = (lens - 1) // 2 + 1
+    return lens
 
 
-def encoder_lens(lens: torch.Tensor | int) -> torch.Tensor | int:
-    """Audio positions the encoder hands the LLM for ``lens`` frames (two stride-2 convs)."""
-    return subsampled_lens(subsampled_lens(lens))
+def encoder_frames(cfg: SALMConfig, lens: Lengths) -> Lengths:
+    """Frames the encoder outputs for ``lens`` feature frames."""
+    return subsampled_lens(lens, cfg.enc_subsampling.bit_length() - 1)
+
+
+def stacked(frames: Lengths, stride: int) -> Lengths:
+    """Groups of ``stride`` consecutive frames, the last one possibly short (ceil division)."""
+    return (frames + stride - 1) // stride
+
+
+def audio_positions(cfg: SALMConfig, lens: Lengths) -> Lengths:
+    """Audio positions the LLM gets for ``lens`` feature frames: the encoder's frames, stacked
+    by the projector. Numbers (the planner) or tensors of lengths alike."""
+    return stacked(encoder_frames(cfg, lens), cfg.projector_stride)

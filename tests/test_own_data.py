@@ -1,0 +1,172 @@
+"""README's "Your own data" walk-through, small: a corpus in LibriSpeech's own layout prepared by
+lhotse's own recipe, mixed 0.7/0.3 with the project's corpus through the shipped source files
+(recipes/mix/), trained on 2 ranks with features computed from audio, validated per set, and
+both test sets scored in one evaluation; and a bad source file refused before training."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import WhisperFeatureExtractor
+
+from tests.hf_tiny import save_tiny_encoder
+from tests.test_trainer import metrics, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def data(tmp_path, corpus, librispeech) -> Path:
+    """data/ as `make mix` leaves it: the two corpora beside mix/ with the shipped source files."""
+    data = tmp_path / "data"
+    (data / "mix").mkdir(parents=True)
+    (data / "librispeech").symlink_to(librispeech)
+    (data / "corpus_asr").symlink_to(corpus)
+    for path in (REPO / "recipes" / "mix").glob("*.yaml"):
+        shutil.copy(path, data / "mix")
+    return data
+
+
+def evaluate(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "train.evaluate", f"run_dir={run_dir}", *overrides],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_a_librispeech_layout_mixed_with_the_corpus_trains_validates_and_evaluates_per_set(
+    tmp_path, corpus, data
+):
+    run_dir = tmp_path / "run"
+    cache = tmp_path / "features"
+    train(
+        run_dir,
+        corpus,
+        f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
+        f"data.feature_cache={cache}",
+        f"eval.sets={data / 'mix' / 'eval_sets.yaml'}",
+        "data.max_duration=6",
+        "train.max_steps=6",
+        "train.log_every=3",
+        "train.max_time_per_run=0",
+        "eval.interval=3",
+        "wandb.enabled=false",
+        nproc=2,
+        config="asr_mix",
+    )
+    rows = metrics(run_dir)
+    trained = [row for row in rows if "loss" in row]
+    drawn = {
+        name: sum(row[f"cuts/{name}"] for row in trained) for name in ("librispeech", "corpus")
+    }
+    assert drawn["librispeech"] > 0 and drawn["corpus"] > 0, drawn
+    # LibriSpeech's manifests carry audio only: its features were computed and cached.
+    assert len(list(cache.rglob("*.npy"))) >= drawn["librispeech"] // 4
+    validation = [row for row in rows if "val_loss" in row]
+    assert [row["step"] for row in validation] == [3, 6]
+    assert all(
+        {"val_loss/librispeech_dev", "val_loss/corpus_dev"} <= row.keys() for row in validation
+    )
+
+    scored = evaluate(run_dir, f"sets={data / 'mix' / 'test_sets.yaml'}", "max_new_tokens=8")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    [summary_path] = (run_dir / "eval").glob("step_6/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert set(summary["sets"]) == {"librispeech_test", "corpus_test"}
+    assert summary["sets"]["librispeech_test"]["num_utterances"] == 4
+    assert sum(s["num_utterances"] for s in summary["sets"].values()) == summary["num_utterances"]
+
+
+def test_a_bad_source_file_stops_training_before_it_starts(tmp_path, corpus, data):
+    """A weight of 0 in the user's file: one error line, exit 2, nothing trained."""
+    bad = data / "mix" / "bad.yaml"
+    bad.write_text(
+        (data / "mix" / "input_cfg.yaml").read_text().replace("weight: 0.3", "weight: 0")
+    )
+    run_dir = tmp_path / "run"
+    result = train(run_dir, corpus, f"data.input_cfg={bad}", config="asr_mix", check=False)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: data.input_cfg={bad}: source corpus has weight 0; weights must be positive "
+        "(remove the source instead of giving it weight 0)"
+    ]
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "nproc", "extra"),
+    [
+        ("whisper", 2, ()),
+        (
+            "parakeet",
+            1,
+            ("compile=true", "compile_backend=aot_eager", "activation_checkpointing=full"),
+        ),
+    ],
+    ids=["whisper-fsdp2", "parakeet-compiled"],
+)
+def test_a_pretrained_encoder_trains_on_the_mixture_and_evaluates(
+    tmp_path, corpus, data, kind, nproc, extra
+):
+    """A user's Hugging Face encoder on their own data: its extractor's features computed from
+    the audio in the workers (the corpus's stored fbank is not what it reads), real batches of
+    varying shapes, validation per set, then evaluation of both test sets from the checkpoint."""
+    encoder = save_tiny_encoder(kind, tmp_path / kind)
+    run_dir = tmp_path / "run"
+    done = train(
+        run_dir,
+        corpus,
+        f"model.pretrained_encoder={encoder}",
+        "model.projector_stride=2",
+        f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
+        f"eval.sets={data / 'mix' / 'eval_sets.yaml'}",
+        "data.max_duration=6",
+        "train.max_steps=4",
+        "train.log_every=2",
+        "train.max_time_per_run=0",
+        "eval.interval=2",
+        "wandb.enabled=false",
+        *extra,
+        nproc=nproc,
+        config="asr_mix",
+    )
+    assert f"encoder weights loaded from {encoder}" in done.stderr
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows if "loss" in row] == [2, 4]
+    validation = [row for row in rows if "val_loss" in row]
+    assert [row["step"] for row in validation] == [2, 4]
+    assert all(math.isfinite(row["val_loss/corpus_dev"]) for row in validation)
+    scored = evaluate(run_dir, f"sets={data / 'mix' / 'test_sets.yaml'}", "max_new_tokens=4")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    summary = json.loads((run_dir / "eval" / "step_4" / "summary.json").read_text())
+    assert set(summary["sets"]) == {"librispeech_test", "corpus_test"}
+
+
+def test_an_extractor_that_does_not_fit_the_encoder_is_refused(tmp_path, corpus, data):
+    """A Whisper checkpoint with 128-bin weights beside an 80-bin extractor (a large-v3 encoder
+    saved with an older model's preprocessor_config.json): one line, exit 2."""
+    encoder = save_tiny_encoder("whisper", tmp_path / "whisper")
+    WhisperFeatureExtractor(feature_size=128).save_pretrained(encoder)
+    result = train(
+        tmp_path / "run",
+        corpus,
+        f"model.pretrained_encoder={encoder}",
+        f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
+        config="asr_mix",
+        check=False,
+    )
+    assert result.returncode == 2
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "makes 128 bins per frame but the encoder takes 80" in error

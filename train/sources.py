@@ -1,0 +1,197 @@
+"""The user's data sources: what ``data.input_cfg`` and ``eval.sets`` name, read and checked.
+
+A source file is a YAML list; each entry is one of
+
+    - cuts: PATH                  # a lhotse CutSet manifest (or a list of them)
+    - shar: DIR                   # a lhotse Shar directory (cuts.*.jsonl.gz + data shards)
+    - recordings: PATH            # the manifest pair lhotse's recipes write
+      supervisions: PATH          #   (e.g. ``lhotse prepare librispeech``)
+    - sources: [...]              # a group of entries, nested to any depth
+
+with ``weight:`` (default 1), ``name:`` (default: the file's stem, or ``group<i>``) and ``tags:``
+(a mapping; ``prompt`` and ``system`` shape a pretrained LLM's chat prompt, where ``{key}``
+is replaced by the tag of that name, e.g. ``Transcribe the {language} audio``; every tag is
+carried on the cut as ``cut.custom``). A group's tags are its members' defaults.
+
+Weights are the probabilities of lhotse's mux: the next cut comes from a source with
+probability ``weight / sum of its siblings' weights``; in a group the probabilities multiply
+(a group of weight 0.5 with two members of weights 1 and 3 gives them 0.125 and 0.375 of the
+cuts). A weight is a share of cuts, not of hours: a source of long cuts at equal weight gives
+more audio. Relative paths are resolved against the source file's directory.
+
+Everything here is torch-free: the submit path and the trainer's preflight read sources too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+KINDS = ("cuts", "shar", "recordings")  # an entry's kind is the first of these keys it has
+GROUP = "sources"
+KNOWN_KEYS = {*KINDS, "supervisions", GROUP, "weight", "name", "tags"}
+PROMPT_TAGS = ("prompt", "system")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One leaf source: where its cuts are, its share of the mixture and its tags."""
+
+    name: str
+    kind: str  # one of KINDS
+    paths: tuple[Path, ...]  # cut manifests, one Shar dir, or (recordings, supervisions)
+    weight: float = 1.0  # the probability of drawing from it (the product down the groups)
+    tags: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.kind}: {', '.join(str(p) for p in self.paths)})"
+
+
+class SourceError(ValueError):
+    """A source file or entry that cannot be used; the message names it and the fix."""
+
+
+def read_sources(spec: str | Path | list, where: str) -> list[Source]:
+    """The leaf sources of a source file (``spec`` a path) or of an inline list; ``where`` names
+    the setting in errors (``data.input_cfg``, ``eval.sets``)."""
+    if isinstance(spec, (str, Path)):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise SourceError(f"{where}={spec}: no such file")
+        try:
+            entries = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            raise SourceError(f"{where}={spec}: not valid YAML ({_first_line(error)})") from None
+        base, label = path.resolve().parent, f"{where}={spec}"
+    else:
+        entries, base, label = spec, Path.cwd(), where
+    if not isinstance(entries, list) or not entries:
+        raise SourceError(f"{label}: expected a non-empty YAML list of sources")
+    leaves = _entries(entries, base, label, 1.0, {}, "")
+    names = [leaf.name for leaf in leaves]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise SourceError(
+            f"{label}: source names repeat ({', '.join(repeated)}): give each a name:"
+        )
+    return leaves
+
+
+def _entries(
+    entries: list, base: Path, label: str, share: float, tags: Mapping[str, Any], prefix: str
+) -> list[Source]:
+    weights = [_weight(entry, label, index) for index, entry in enumerate(entries)]
+    total = sum(weights)
+    leaves: list[Source] = []
+    for index, (entry, weight) in enumerate(zip(entries, weights, strict=True)):
+        where = f"{label}: source {prefix}{index}"
+        own_tags = entry.get("tags") or {}
+        if not isinstance(own_tags, dict):
+            raise SourceError(f"{where}: tags must be a mapping (key: value)")
+        merged = {**tags, **own_tags}
+        if GROUP in entry:
+            members = entry[GROUP]
+            if not isinstance(members, list) or not members:
+                raise SourceError(f"{where}: {GROUP} must be a non-empty list")
+            leaves += _entries(
+                members, base, label, share * weight / total, merged, f"{prefix}{index}."
+            )
+            continue
+        kind, paths = _locate(entry, base, where)
+        name = str(entry.get("name") or _default_name(paths[0]))
+        leaves.append(Source(name, kind, paths, share * weight / total, merged))
+    return leaves
+
+
+def _weight(entry: object, label: str, index: int) -> float:
+    if not isinstance(entry, dict):
+        raise SourceError(f"{label}: source {index} must be a mapping (cuts:, shar:, ...)")
+    unknown = sorted(set(entry) - KNOWN_KEYS)
+    if unknown:
+        raise SourceError(
+            f"{label}: source {index} has unknown keys {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(KNOWN_KEYS))}"
+        )
+    weight = entry.get("weight", 1.0)
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        name = entry.get("name", index)
+        raise SourceError(
+            f"{label}: source {name} has weight {weight!r}; weights must be positive (remove the "
+            "source instead of giving it weight 0)"
+        )
+    return float(weight)
+
+
+def _locate(entry: dict, base: Path, where: str) -> tuple[str, tuple[Path, ...]]:
+    """The kind and resolved paths of a leaf entry; every path must exist."""
+    kinds = [kind for kind in KINDS if kind in entry]
+    if len(kinds) != 1:
+        raise SourceError(f"{where}: give exactly one of cuts:, shar:, recordings: or {GROUP}:")
+    kind = kinds[0]
+    if kind == "cuts":
+        given = entry["cuts"] if isinstance(entry["cuts"], list) else [entry["cuts"]]
+    elif kind == "shar":
+        given = [entry["shar"]]
+    else:
+        if "supervisions" not in entry:
+            raise SourceError(f"{where}: recordings: needs its supervisions: manifest beside it")
+        given = [entry["recordings"], entry["supervisions"]]
+    paths = tuple(_resolve(base, str(path)) for path in given)
+    for path in paths:
+        if not path.exists():
+            raise SourceError(f"{where}: {path} does not exist")
+    return kind, paths
+
+
+def _resolve(base: Path, path: str) -> Path:
+    resolved = Path(path).expanduser()
+    return resolved if resolved.is_absolute() else base / resolved
+
+
+def _default_name(path: Path) -> str:
+    name = path.name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def prompt_of(tags: Mapping[str, Any], key: str, default: str | None) -> str | None:
+    """The ``prompt`` or ``system`` text of a cut's tags (``{tag}`` filled in), else ``default``."""
+    text = tags.get(key)
+    if text is None:
+        return default
+    try:
+        return str(text).format_map({k: v for k, v in tags.items() if k not in PROMPT_TAGS})
+    except KeyError as missing:
+        raise SourceError(
+            f"tags: {key} {text!r} names tag {missing} that the source lacks"
+        ) from None
+
+
+def check_prompt_tags(sources: list[Source], pretrained_llm: str | None, where: str) -> None:
+    """Prompt tags shape a chat template: refused for the byte tokenizer of the presets."""
+    if pretrained_llm is not None:
+        return
+    for source in sources:
+        tagged = [tag for tag in PROMPT_TAGS if tag in source.tags]
+        if tagged:
+            raise SourceError(
+                f"{where}: source {source.name} has {'/'.join(tagged)} tags, which shape a "
+                "pretrained LLM's chat prompt; set model.pretrained_llm or drop the tags"
+            )
+
+
+def shares(sources: Iterable[Source]) -> dict[str, float]:
+    """Each source's probability of supplying the next cut (weights normalized to 1)."""
+    sources = list(sources)
+    total = sum(source.weight for source in sources)
+    return {source.name: source.weight / total for source in sources}
