@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from lhotse import CutSet, Fbank, FbankConfig, Recording
 from lhotse.utils import fastcopy
+from transformers import WhisperFeatureExtractor
 
 from tests.test_trainer import metrics, train_together
 from train.batch_hash import batch_hash
 from train.data import DataPosition, SpeechDataset, batches_from, build_dataloader, load_cuts
-from train.features import BadCut, Extractor, Featurizer
+from train.features import AudioLimits, BadCut, Extractor, Featurizer
 from train.models.salm import ByteTokenizer
-from train.source_cuts import check_sources, load_source_cuts, mixed_stream, source_of
+from train.source_cuts import check_sources, load_source_cuts, mixed_stream, problem, source_of
 from train.sources import SourceError, read_sources
 
 WEIGHTS = {"train": 0.7, "dev": 0.3}
@@ -41,7 +42,9 @@ def two_sources(corpus: Path, directory: Path) -> Path:
 
 
 def checked(path: Path, max_duration: float | None = 8.0) -> list:
-    return check_sources(read_sources(path, "data.input_cfg"), max_duration, 16000, print)
+    return check_sources(
+        read_sources(path, "data.input_cfg"), max_duration, AudioLimits(16000), print
+    )
 
 
 def loader(checks: list, dp_rank: int = 0, dp_size: int = 2, num_workers: int = 0):
@@ -136,7 +139,7 @@ def bad_source(corpus, tmp_path) -> Path:
     low = tmp_path / "low.wav"
     sox(str(wav), "-r", "8000", str(low))
     long = tmp_path / "long.wav"
-    sox("-n", "-r", "16000", "-c", "1", str(long), "synth", "30", "sine", "440")
+    sox("-n", "-r", "16000", "-c", "1", str(long), "synth", "31", "sine", "440")
 
     def with_audio(cut, path: Path, name: str):
         recording = Recording.from_file(path, recording_id=name) if path.exists() else None
@@ -177,7 +180,7 @@ def test_bad_cuts_are_set_aside_at_start_or_skipped_in_the_worker(bad_source, tm
     corrupt file only shows when read: its batch goes on without it and names it."""
     lines: list[str] = []
     sources = read_sources([{"name": "mine", "cuts": str(bad_source)}], "data.input_cfg")
-    [check] = check_sources(sources, 8.0, 16000, lines.append)
+    [check] = check_sources(sources, 8.0, AudioLimits(16000), lines.append)
     assert check.excluded == {
         "missing-audio": "audio file missing",
         "low-rate": "audio at 8000 Hz, below the extractor's 16000 Hz",
@@ -206,7 +209,7 @@ def test_a_source_with_nothing_usable_is_refused_before_training(bad_source, tmp
     ).to_file(only_bad)
     sources = read_sources([{"name": "junk", "cuts": str(only_bad)}], "data.input_cfg")
     with pytest.raises(SourceError, match=r"source junk \(cuts: .*\) has no usable cuts"):
-        check_sources(sources, 8.0, 16000, lambda line: None)
+        check_sources(sources, 8.0, AudioLimits(16000), lambda line: None)
 
 
 @pytest.mark.slow
@@ -245,3 +248,16 @@ def test_two_sources_train_on_two_ranks_resume_exactly_and_validate_per_set(corp
         assert {"val_loss/dev", "val_loss/test"} <= row.keys()
         assert min(row["val_loss/dev"], row["val_loss/test"]) <= row["val_loss"]
         assert row["val_loss"] <= max(row["val_loss/dev"], row["val_loss/test"])
+
+
+def test_cuts_longer_than_whisper_takes_are_set_aside(bad_source, tmp_path):
+    """Whisper's position table holds 30 s: a 30-s-plus cut under a larger batch budget would
+    stop the job when drawn, hours in; it is set aside at the start instead."""
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(tmp_path / "whisper")
+    featurizer = Featurizer(Extractor("whisper", str(tmp_path / "whisper")))
+    limits = featurizer.limits(enc_positions=1500, enc_subsampling=2)
+    assert limits == AudioLimits(16000, 30.0)
+    long = next(cut for cut in CutSet.from_file(bad_source) if cut.id == "too-long")
+    assert long.duration > 30.0
+    assert problem(long, 60.0, limits) == "longer than the encoder takes (30 s)"
+    assert problem(long, 60.0, AudioLimits(16000)) is None

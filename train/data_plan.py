@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from lhotse.cut import Cut
 
 from train.config import ConfigError, TrainConfig, validation_path
-from train.features import Extractor, Featurizer, extractor_of
+from train.features import AudioLimits, Extractor, Featurizer, extractor_of
 from train.layout import model_of
 from train.source_cuts import SourceCheck, check_sources, load_source_cuts
 from train.sources import Source, SourceError, check_prompt_tags, read_sources
@@ -44,29 +44,30 @@ def data_plan(cfg: TrainConfig, say: Callable[[str], None]) -> DataPlan:
     try:
         extractor = extractor_of(cfg.model.pretrained_encoder)
         featurizer = Featurizer(extractor)
-        n_mels = model_of(cfg.model).n_mels
+        shape = model_of(cfg.model)
+        n_mels = shape.n_mels
         if featurizer.bins != n_mels:
             raise ConfigError(
                 f"model.pretrained_encoder={cfg.model.pretrained_encoder}: its feature extractor "
                 f"makes {featurizer.bins} bins per frame but the encoder takes {n_mels}; save the "
                 "extractor that belongs to this encoder beside it"
             )
-        min_rate = featurizer.sampling_rate
+        limits = featurizer.limits(shape.enc_positions, shape.enc_subsampling)
         training = None
         if cfg.data.input_cfg is not None:
             sources = read_sources(cfg.data.input_cfg, "data.input_cfg")
             check_prompt_tags(sources, cfg.model.pretrained_llm, "data.input_cfg")
-            training = check_sources(sources, cfg.data.max_duration, min_rate, say)
+            training = check_sources(sources, cfg.data.max_duration, limits, say)
         validation = []
         if cfg.eval.interval:
-            validation = validation_sets(cfg, min_rate, say)
+            validation = validation_sets(cfg, limits, say)
         return DataPlan(extractor, training, validation)
     except (SourceError, ValueError) as error:
         raise ConfigError(str(error)) from error
 
 
 def validation_sets(
-    cfg: TrainConfig, min_rate: int | None, say: Callable[[str], None]
+    cfg: TrainConfig, limits: AudioLimits, say: Callable[[str], None]
 ) -> list[ValidationCuts]:
     if not cfg.eval.sets:
         source = Source(cfg.eval.split, "cuts", (validation_path(cfg),))
@@ -79,5 +80,5 @@ def validation_sets(
             check.source.name,
             [cut for cut in load_source_cuts(check.source) if cut.id not in check.excluded],
         )
-        for check in check_sources(sources, None, min_rate, say)
+        for check in check_sources(sources, None, limits, say)
     ]

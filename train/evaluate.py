@@ -202,8 +202,8 @@ def preflight(cfg: EvaluateConfig) -> Plan:
         sources = sources_of(cfg, corpus, run_dir)
         checked_names(sources)
         check_prompt_tags(sources, model.pretrained_llm, "sets")
-        rate = Featurizer(extractor).sampling_rate
-        checks = check_sources(sources, None, rate, say)
+        limits = Featurizer(extractor).limits(shape.enc_positions, shape.enc_subsampling)
+        checks = check_sources(sources, None, limits, say)
         sets = tuple(EvalSet(check, text.for_tags(check.source.tags)) for check in checks)
     except ValueError as error:  # SourceError, and ConfigError itself, are ValueErrors
         raise ConfigError(str(error)) from None

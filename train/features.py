@@ -25,6 +25,7 @@ from lhotse.cut import Cut
 
 FBANK_BINS = 80  # the corpus's features (recipes/make_corpus.py) and the own encoder's input
 OWN_RATE = 16000
+FBANK_HOP_S = 0.01  # lhotse's fbank frame shift
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -63,6 +64,15 @@ def extractor_kind(directory: str | Path) -> str:
     )
 
 
+@dataclass(frozen=True)
+class AudioLimits:
+    """What audio an encoder can take: at least ``min_rate`` Hz (upsampling adds no bandwidth)
+    and, for an encoder with a fixed position table (Whisper's 30 s), at most ``max_seconds``."""
+
+    min_rate: int
+    max_seconds: float | None = None
+
+
 class Featurizer:
     """Computes one cut's features; built once per dataloader worker (the Hugging Face
     extractor is loaded lazily, so building it in the trainer costs nothing).
@@ -94,6 +104,13 @@ class Featurizer:
     def bins(self) -> int:
         """Features per frame: what the encoder's input layer must take."""
         return FBANK_BINS if self._fbank is not None else int(self.hf.feature_size)
+
+    def limits(self, enc_positions: int, enc_subsampling: int) -> AudioLimits:
+        """The audio an encoder with ``enc_positions`` positions (0: any length) takes."""
+        if not enc_positions:
+            return AudioLimits(self.sampling_rate)
+        hop = FBANK_HOP_S if self._fbank is not None else self.hf.hop_length / self.sampling_rate
+        return AudioLimits(self.sampling_rate, enc_positions * enc_subsampling * hop)
 
     @property
     def sampling_rate(self) -> int:

@@ -31,6 +31,7 @@ from lhotse.cut import Cut
 from lhotse.lazy import LazyIteratorMultiplexer
 from lhotse.utils import streaming_shuffle
 
+from train.features import AudioLimits
 from train.sources import Source, SourceError
 
 SHUFFLE_BUFFER = 10_000  # cuts held by each source's streaming shuffle
@@ -102,15 +103,17 @@ class SourceCheck:
         return lines
 
 
-def problem(cut: Cut, max_duration: float | None, min_rate: int | None) -> str | None:
+def problem(cut: Cut, max_duration: float | None, limits: AudioLimits) -> str | None:
     """Why no batch can use ``cut`` (from its metadata and whether its files exist), or None."""
     if not transcript(cut):
         return "empty transcript"
     if max_duration is not None and cut.duration > max_duration:
         return f"longer than the batch budget of {max_duration:g} s"
+    if limits.max_seconds is not None and cut.duration > limits.max_seconds:
+        return f"longer than the encoder takes ({limits.max_seconds:g} s)"
     if cut.has_recording and not cut.has_features:
-        if min_rate is not None and cut.sampling_rate < min_rate:
-            return f"audio at {cut.sampling_rate} Hz, below the extractor's {min_rate} Hz"
+        if cut.sampling_rate < limits.min_rate:
+            return f"audio at {cut.sampling_rate} Hz, below the extractor's {limits.min_rate} Hz"
         for audio in cut.recording.sources:
             if audio.type == "file" and not Path(audio.source).is_file():
                 return "audio file missing"
@@ -122,7 +125,7 @@ def problem(cut: Cut, max_duration: float | None, min_rate: int | None) -> str |
 def check_sources(
     sources: list[Source],
     max_duration: float | None,
-    min_rate: int | None,
+    limits: AudioLimits,
     say: Callable[[str], None],
 ) -> list[SourceCheck]:
     """Walk every source's cuts once; report what is set aside; refuse a source with none left."""
@@ -132,7 +135,7 @@ def check_sources(
         try:
             cuts = load_source_cuts(source)
             for cut in cuts:
-                reason = problem(cut, max_duration, min_rate)
+                reason = problem(cut, max_duration, limits)
                 if reason is None:
                     check.usable += 1
                     check.seconds += cut.duration
