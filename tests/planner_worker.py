@@ -41,11 +41,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tests.planner_cases import Case
 from train import trainer as trainer_module
 from train.config import TrainConfig
+from train.data_plan import data_plan
 from train.layout import parallel_dims, pipeline_for
 from train.models import parallelize
 from train.models.moe import local_shard
 from train.stop import StopRequest
-from train.trainer import Trainer, init_distributed
+from train.trainer import Prepared, Trainer, init_distributed
 
 DATA_SEED = 7
 
@@ -155,7 +156,8 @@ def measure(name: str, case: Case, device: torch.device, run_dir: str) -> dict:
     cfg = config(case, run_dir)
     dims = parallel_dims(cfg, dist.get_world_size())
     with mixed_precision_on_cpu(case.bf16):
-        trainer = Trainer(cfg, dims, pipeline_for(cfg, dims), device, StopRequest())
+        prepared = Prepared(dims, pipeline_for(cfg, dims), data_plan(cfg, print))
+        trainer = Trainer(cfg, prepared, device, StopRequest())
         batch = synthetic_batch(*case.batch)
         trainer.train_step([batch])  # measures state_memory, as a job's first step does
         row = {"case": name, "rank": dist.get_rank(), **trainer.state_memory}

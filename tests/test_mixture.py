@@ -1,5 +1,5 @@
 """Training on the user's own sources: the weighted mixture, its seeds and exact resume, on-the-fly
-features, bad data, and a real 2-rank training with per-set validation."""
+features and bad data (the 2-rank training on a mixture: tests/test_own_data.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from lhotse import CutSet, Fbank, FbankConfig, Recording
 from lhotse.utils import fastcopy
 from transformers import WhisperFeatureExtractor
 
-from tests.test_trainer import metrics, train_together
 from train.batch_hash import batch_hash
 from train.data import DataPosition, SpeechDataset, batches_from, build_dataloader, load_cuts
 from train.features import AudioLimits, BadCut, Extractor, Featurizer
@@ -210,44 +209,6 @@ def test_a_source_with_nothing_usable_is_refused_before_training(bad_source, tmp
     sources = read_sources([{"name": "junk", "cuts": str(only_bad)}], "data.input_cfg")
     with pytest.raises(SourceError, match=r"source junk \(cuts: .*\) has no usable cuts"):
         check_sources(sources, 8.0, AudioLimits(16000), lambda line: None)
-
-
-@pytest.mark.slow
-def test_two_sources_train_on_two_ranks_resume_exactly_and_validate_per_set(corpus, tmp_path):
-    """A user's mixture on 2 ranks: one job of 8 steps equals two jobs of 4 (same seed) in
-    every loss, although one source's features are computed from audio in the workers; each
-    row counts the cuts per source and validation is logged per set."""
-    input_cfg = two_sources(corpus, tmp_path)
-    sets = (
-        f"eval.sets=[{{name: dev, cuts: {corpus / 'cuts_dev.jsonl.gz'}}}, "
-        f"{{name: test, cuts: {corpus / 'cuts_test.jsonl.gz'}}}]"
-    )
-    common = (
-        "seed=3",
-        f"data.input_cfg={input_cfg}",
-        "data.num_workers=1",
-        "data.max_duration=4",
-        "train.max_steps=8",
-        "train.log_every=2",
-        "wandb.enabled=false",
-    )
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    first = (*common, "train.max_steps_per_run=4", "eval.interval=4", sets)
-    train_together({whole: common, split: first}, corpus, nproc=2)
-    again = train_together({split: (*common, "eval.interval=4", sets)}, corpus, nproc=2)
-    assert "resumed from" in again.stderr
-    losses = [(m["step"], m["loss"]) for m in metrics(whole) if "loss" in m]
-    assert [(m["step"], m["loss"]) for m in metrics(split) if "loss" in m] == losses
-    rows = [m for m in metrics(split) if "loss" in m]
-    assert all(row["cuts/train"] + row["cuts/dev"] > 0 and row["skipped_cuts"] == 0 for row in rows)
-    assert sum(row["cuts/train"] for row in rows) > sum(row["cuts/dev"] for row in rows)
-    validation = [m for m in metrics(split) if "val_loss" in m]
-    assert [m["step"] for m in validation] == [4, 8]
-    for row in validation:
-        assert row["val_split"] == "dev,test"
-        assert {"val_loss/dev", "val_loss/test"} <= row.keys()
-        assert min(row["val_loss/dev"], row["val_loss/test"]) <= row["val_loss"]
-        assert row["val_loss"] <= max(row["val_loss/dev"], row["val_loss/test"])
 
 
 def test_cuts_longer_than_whisper_takes_are_set_aside(bad_source, tmp_path):
