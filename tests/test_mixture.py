@@ -222,3 +222,37 @@ def test_cuts_longer_than_whisper_takes_are_set_aside(bad_source, tmp_path):
     assert long.duration > 30.0
     assert problem(long, 60.0, limits) == "longer than the encoder takes (30 s)"
     assert problem(long, 60.0, AudioLimits(16000)) is None
+
+
+def test_a_shar_source_mixes_with_a_manifest(corpus, tiny_corpus, tmp_path):
+    """A lhotse Shar directory as one source of the mixture: its cuts carry their features in
+    the shards and come out in batches beside the manifest's."""
+    path = tmp_path / "shar_mix.yaml"
+    path.write_text(
+        f"- {{name: streamed, shar: {tiny_corpus / 'shar' / 'train'}, weight: 1}}\n"
+        f"- {{name: manifest, cuts: {corpus / 'cuts_dev.jsonl.gz'}, weight: 1}}\n"
+    )
+    checks = checked(path)
+    assert checks[0].usable > 0
+    batches = itertools.islice(batches_from(loader(checks, 0, 1), DataPosition.start(1)), 6)
+    drawn = Counter(source for _, batch in batches for source in batch["sources"])
+    assert drawn["streamed"] > 0 and drawn["manifest"] > 0, drawn
+
+
+@pytest.mark.parametrize("family", ["whisper", "parakeet"])
+def test_a_pretrained_extractor_computes_what_it_computes_alone(corpus, tmp_path, family):
+    """The worker's features of a cut are the Hugging Face extractor's own output on the same
+    audio (Whisper's transposed to frames x bins), at the utterance's length, not 30 s."""
+    from transformers import ParakeetFeatureExtractor
+
+    extractor = WhisperFeatureExtractor(feature_size=80) if family == "whisper" else None
+    extractor = extractor or ParakeetFeatureExtractor()
+    extractor.save_pretrained(tmp_path / family)
+    cut = next(iter(load_cuts(corpus / "cuts_dev.jsonl.gz"))).drop_features()
+    audio = cut.load_audio()[0]
+    alone = extractor(audio, sampling_rate=16000, padding="longest", return_tensors="np")
+    expected = alone["input_features"][0]
+    expected = expected.T if family == "whisper" else expected
+    got = Featurizer(Extractor(family, str(tmp_path / family)))(cut)
+    assert got.shape == expected.shape and got.shape[0] < 3000
+    np.testing.assert_array_equal(got, expected)
