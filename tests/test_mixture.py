@@ -46,7 +46,9 @@ def checked(path: Path, max_duration: float | None = 8.0) -> list:
     )
 
 
-def loader(checks: list, dp_rank: int = 0, dp_size: int = 2, num_workers: int = 0):
+def loader(
+    checks: list, dp_rank: int = 0, dp_size: int = 2, num_workers: int = 0, epoch_batches=5000
+):
     return lambda epoch, position: build_dataloader(
         checks,
         max_duration=4.0,
@@ -56,7 +58,9 @@ def loader(checks: list, dp_rank: int = 0, dp_size: int = 2, num_workers: int = 
         num_workers=num_workers,
         text=ByteTokenizer(),
         buckets=2,
+        epoch=epoch,
         position=position,
+        mixture_epoch_batches=epoch_batches,
     )
 
 
@@ -101,6 +105,22 @@ def test_mixed_batches_follow_the_seed_contract_and_resume_exactly(corpus, tmp_p
         start, replay = DataPosition.resume(saved, 1)
         resumed = hashes(batches_from(loader(checks, rank, num_workers=workers), start, replay), 1)
         assert resumed == ranks[rank][taken : taken + 1], f"rank {rank} after {taken} batches"
+
+
+def test_a_long_mixture_resumes_within_its_epoch(corpus, tmp_path):
+    """The mixture is cut into epochs (their own seeds), so a job resumed weeks into a run
+    re-draws one epoch's batches at most; across epoch boundaries the stream continues
+    exactly, and each epoch draws a new order."""
+    checks = checked(two_sources(corpus, tmp_path))
+    read = loader(checks, 0, 1, epoch_batches=4)
+    whole = hashes(batches_from(read, DataPosition.start(1)), 10)
+    assert [position.epoch for position, _ in whole] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert whole[3][0] == DataPosition.start(1, epoch=1)  # epoch 0 ends: the next starts
+    assert [h for _, h in whole[:4]] != [h for _, h in whole[4:8]]
+    for taken in (3, 4, 6):
+        saved = json.loads(json.dumps(whole[taken - 1][0].state()))
+        start, replay = DataPosition.resume(saved, 1)
+        assert hashes(batches_from(read, start, replay), 2) == whole[taken : taken + 2], taken
 
 
 def test_features_computed_from_audio_equal_the_stored_ones(corpus, tmp_path):

@@ -47,6 +47,7 @@ its batch count, and Shar with several workers by reading and dropping that many
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, tra
 Batch = dict[str, object]
 T = TypeVar("T")
 BIN_SAMPLE = 5000  # cuts of the mixture the duration buckets are estimated from
+# Batches per rank in an epoch of a mixture (MixtureEpoch): what a resumed job re-draws at most.
+MIXTURE_EPOCH_BATCHES = 5000
 STREAM_KEY = "stream"  # set on Shar batches: the stream (worker's sampler) that drew the batch
 
 
@@ -293,14 +296,16 @@ def build_dataloader(
     epoch: int = 0,
     position: DataPosition | None = None,
     pin_memory: bool = False,
-) -> DataLoader:
+    mixture_epoch_batches: int = MIXTURE_EPOCH_BATCHES,
+) -> DataLoader | MixtureEpoch:
     """One epoch of batches for one data-parallel rank (see the module docstring).
 
     ``data`` is a cut manifest, a Shar directory when ``shar`` is set, or the checked sources
-    of ``data.input_cfg``: mixed by weight (``train.source_cuts.mixed_stream``), they make one
-    epoch that never ends, resumed like a manifest's by re-drawing the batches ``position``
-    counts. ``position`` (of this epoch) continues the epoch after the batches it counts; Shar
-    batches then carry ``STREAM_KEY``. The loader owns a torch generator seeded from the rank's
+    of ``data.input_cfg``: mixed by weight (``train.source_cuts.mixed_stream``, seeded per
+    epoch), an endless stream cut into epochs of ``mixture_epoch_batches`` batches per rank,
+    resumed like a manifest's by re-drawing the batches ``position`` counts. ``position`` (of
+    this epoch) continues the epoch after the batches it counts; Shar batches then carry
+    ``STREAM_KEY``. The loader owns a torch generator seeded from the rank's
     data seed, so creating it never draws from the trainer's global RNG. ``pin_memory`` (for
     CUDA) lets the trainer copy batches to the device without blocking. Features are computed
     by ``featurize`` in the loader's workers when the cuts carry audio only.
@@ -330,7 +335,7 @@ def build_dataloader(
         sampler = _sampler(cuts, bins, max_duration, seed=seed, rank=0, world_size=1)
         return DataLoader(SharStream(dataset, sampler, position), **common)
     if isinstance(data, list):
-        cuts = mixed_stream(data, mixture_seed(job_seed))
+        cuts = mixed_stream(data, mixture_seed(job_seed, epoch))
         bins = duration_bins(cuts.subset(first=BIN_SAMPLE), buckets)
     else:
         cuts = load_cuts(Path(data))
@@ -343,9 +348,28 @@ def build_dataloader(
         rank=dp_rank,
         world_size=dp_size,
     )
-    if position is not None:
-        fast_forward(sampler, position.streams[0])
-    return DataLoader(dataset, sampler=sampler, **common)
+    taken = 0 if position is None else position.streams[0]
+    if taken:
+        fast_forward(sampler, taken)
+    loader = DataLoader(dataset, sampler=sampler, **common)
+    if isinstance(data, list):
+        return MixtureEpoch(loader, mixture_epoch_batches - taken)
+    return loader
+
+
+class MixtureEpoch:
+    """The first ``batches`` batches of an endless mixture's loader: an epoch of the mixture.
+
+    The mixture itself never ends; cutting it into epochs (each with seeds of its own) bounds
+    what a resumed job re-draws from the cut metadata to one epoch's batches, however long the
+    run has been going.
+    """
+
+    def __init__(self, loader: DataLoader, batches: int) -> None:
+        self.loader, self.batches = loader, batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        return itertools.islice(self.loader, max(self.batches, 0))
 
 
 def _sampler(

@@ -43,10 +43,10 @@ def sampler_seed(job_seed: int, epoch: int = 0) -> int:
     return _derive(job_seed, (_PURPOSE_SAMPLER, epoch))
 
 
-def mixture_seed(job_seed: int) -> int:
-    """Seed of the source mixture (each source's shuffles and the draw between sources), shared
-    by all data-parallel ranks like ``sampler_seed``."""
-    return _derive(job_seed, (_PURPOSE_MIXTURE,))
+def mixture_seed(job_seed: int, epoch: int = 0) -> int:
+    """Seed of the source mixture in ``epoch`` (each source's shuffles and the draw between
+    sources), shared by all data-parallel ranks like ``sampler_seed``."""
+    return _derive(job_seed, (_PURPOSE_MIXTURE, epoch))
 
 
 def rank_data_seed(job_seed: int, dp_rank: int, worker_id: int = 0, *, epoch: int = 0) -> int:

@@ -1,5 +1,5 @@
 """The cuts of the sources ``train.sources`` reads: loaded with lhotse, checked once at the
-start of a job, and mixed by weight into one endless stream.
+start of a job, and mixed by weight into one endless stream (``train.data`` cuts it into epochs).
 
 Checking (``check_sources``) walks every source's cut metadata once (no audio is read) and
 sets aside, with one line per source and reason, the cuts no batch can use: an empty
