@@ -113,11 +113,11 @@ def test_a_long_mixture_resumes_within_its_epoch(corpus, tmp_path):
     exactly, and each epoch draws a new order."""
     checks = checked(two_sources(corpus, tmp_path))
     read = loader(checks, 0, 1, epoch_batches=4)
-    whole = hashes(batches_from(read, DataPosition.start(1)), 10)
-    assert [position.epoch for position, _ in whole] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    whole = hashes(batches_from(read, DataPosition.start(1)), 8)
+    assert [position.epoch for position, _ in whole] == [0, 0, 0, 1, 1, 1, 1, 2]
     assert whole[3][0] == DataPosition.start(1, epoch=1)  # epoch 0 ends: the next starts
     assert [h for _, h in whole[:4]] != [h for _, h in whole[4:8]]
-    for taken in (3, 4, 6):
+    for taken in (4, 6):
         saved = json.loads(json.dumps(whole[taken - 1][0].state()))
         start, replay = DataPosition.resume(saved, 1)
         assert hashes(batches_from(read, start, replay), 2) == whole[taken : taken + 2], taken

@@ -70,7 +70,7 @@ from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, tra
 
 Batch = dict[str, object]
 T = TypeVar("T")
-BIN_SAMPLE = 5000  # cuts of the mixture the duration buckets are estimated from
+BIN_SAMPLE = 2000  # cuts of the mixture the duration buckets are estimated from
 # Batches per rank in an epoch of a mixture (MixtureEpoch): what a resumed job re-draws at most.
 MIXTURE_EPOCH_BATCHES = 5000
 STREAM_KEY = "stream"  # set on Shar batches: the stream (worker's sampler) that drew the batch
