@@ -161,7 +161,7 @@ class SpeechDataset(torch.utils.data.Dataset):
             try:
                 example = self.text.for_tags(tags_of(cut)).example(transcript(cut))
                 features.append(torch.from_numpy(self.featurize(cut)))
-            except (BadCut, ValueError) as error:
+            except ValueError as error:  # BadCut, or a text the codec refuses
                 why = str(error) if isinstance(error, BadCut) else f"cut {cut.id}: {error}"
                 skipped.append(f"{why} (source {source_of(cut) or '-'})")
                 continue

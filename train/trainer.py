@@ -783,8 +783,8 @@ class Trainer:
         counts = torch.tensor([*self.drawn.values(), self.skipped], dtype=torch.float64)
         counts = counts.to(self.device)
         dist.all_reduce(counts, group=self.meshes.dp.get_group())
-        totals = [int(value) for value in counts.tolist()]
+        *drawn, skipped = (int(value) for value in counts.tolist())
+        record = {f"{CUTS_PREFIX}{name}": n for name, n in zip(self.drawn, drawn, strict=True)}
         self.drawn = dict.fromkeys(self.drawn, 0)
         self.skipped = 0
-        record = {f"{CUTS_PREFIX}{name}": n for name, n in zip(self.drawn, totals, strict=False)}
-        return {**record, "skipped_cuts": totals[-1]}
+        return {**record, "skipped_cuts": skipped}
