@@ -61,6 +61,7 @@ def run_one(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # set_device needs an index
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -124,6 +125,7 @@ def run_one(args: argparse.Namespace) -> dict:
             mfu_measured_ceiling=flops / step_time / ceiling,
             matmul_ceiling_tflops=ceiling / 1e12,
             peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+            peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
         )
     dist.destroy_process_group()
     return result

@@ -24,7 +24,7 @@ from train.models.parallelize import (
     mixed_precision_policies,
 )
 from train.models.presets import get_preset
-from train.models.salm import SALM, loss_targets
+from train.models.salm import SALM, loss_for_backward, loss_targets
 from train.trainer import clip_grad_norm
 
 CPU = torch.device("cpu")
@@ -141,6 +141,26 @@ def test_fsdp_bf16_keeps_rope_tables_fp32(one_rank_group):
         )
     model(*synthetic_batch())
     assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * 2
+
+
+def test_the_root_keeps_its_gathered_parameters_from_forward_to_backward(one_rank_group):
+    """The head's bf16 weight, saved by its matmul for backward, must still be allocated when
+    backward comes. With the root resharded after forward, every GPU step (torch 2.11, bf16
+    FSDP2) failed in backward with ``setStorage: sizes [259, 2048] ... storage of size 0``;
+    torch 2.13 re-gathers it in time, so on this CPU the check is the gathered storage itself."""
+    from train.mesh import build_meshes
+    from train.models import parallelize
+    from train.parallel_dims import ParallelDims
+
+    options = ParallelizeOptions(mixed_precision=True)
+    meshes = build_meshes(ParallelDims(world_size=1), "cpu")
+    with pytest.MonkeyPatch.context() as patch:  # FSDP2's bf16 policy, as on a GPU
+        patch.setattr(parallelize, "fsdp_mixed_precision", lambda _meshes, _options: True)
+        model = build_model(get_preset("tiny"), CPU, 1, meshes, options)
+    out = model(*synthetic_batch())
+    head = model.llm.lm_head.weight
+    assert head.dtype == torch.bfloat16 and head.untyped_storage().size() == head.nbytes
+    loss_for_backward(out, out.num_tokens.float(), torch.tensor(4.0), 1).backward()
 
 
 def test_nonfinite_gradient_skips_the_step_on_the_device():
