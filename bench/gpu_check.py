@@ -18,15 +18,16 @@ test in CI (``tests/test_gpu_check.py``: no recompile-limit failure, 4 graphs pe
 equal to eager).
 
 Each part prints one markdown table and writes ``OUT/gpu_check_<part>.json``; measured step
-times also go to ``OUT/measurements.csv`` (columns ``MEASUREMENT_COLUMNS``), one row per
-configuration, the format in which our own runs join the planner's table of published
-measurements.
+times also go to ``OUT/measurements.csv``, one row per configuration, in the columns of the
+planner's table of published measurements (``orchestrator/planner/measured.py``): a row from an
+H100 joins that table as it is, and ``orchestrator plan --measured OUT/measurements.csv`` prices
+each row. Part 1 also runs ``bench/bench_kernels.py``: what this GPU's matmuls, attention and
+memory reach, the figures the planner's step-time terms are calibrated with.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -36,22 +37,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MEASUREMENT_COLUMNS = (
-    "source",
-    "date",
-    "model",
-    "gpu",
-    "gpus",
-    "layout",
-    "batch",
-    "compile",
-    "ac",
-    "precision",
-    "step_time_s",
-    "tokens_per_s_per_gpu",
-    "mfu",
-    "peak_memory_gib",
-)
+sys.path.insert(0, str(REPO))
+
+from contract.gpus import gpu_of_device  # noqa: E402
+from orchestrator.planner.measured import PRICED, append  # noqa: E402
+
+# Fast-path batches: (utterances, audio seconds, transcript tokens) per step.
+BATCHES = {"audio": (8, 20.0, 128), "text": (4, 0.5, 2048)}
 STALL = re.compile(r"stall / synchronous save: ([0-9.]+)%")
 GRAPHS = re.compile(r"compiled graphs per region: (.+) \(limit")
 
@@ -63,8 +55,8 @@ def settings(cpu: bool) -> dict:
             "device": "cpu",
             "preset": "tiny",
             # compiled on the CPU: the entrypoint's run (a second inductor build costs ~30 s)
-            "fast_path": [(False, "none")],
-            "bench": ["--batch", "2", "--audio-seconds", "2", "--text-tokens", "16"],
+            "fast_path": [(False, "none", "audio")],
+            "batches": {"audio": (2, 2.0, 16)},
             "bench_steps": ["--steps", "2", "--warmup", "1"],
             "corpus": 64,
             "nproc": 2,  # FSDP2 over 2 gloo ranks, as the compiled-path test in CI asks
@@ -78,8 +70,11 @@ def settings(cpu: bool) -> dict:
     return {
         "device": "cuda",
         "preset": "llm_1b",
-        "fast_path": [(c, ac) for c in (False, True) for ac in ("none", "selective", "full")],
-        "bench": [],
+        "fast_path": [
+            *((c, ac, "audio") for c in (False, True) for ac in ("none", "selective", "full")),
+            *((c, "selective", "text") for c in (False, True)),
+        ],
+        "batches": BATCHES,
         "bench_steps": ["--steps", "10", "--warmup", "3"],
         "corpus": 2000,
         "nproc": 1,
@@ -98,7 +93,8 @@ def settings(cpu: bool) -> dict:
 
 
 def run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, **kwargs)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:6])} ... failed:\n{done.stderr[-3000:]}")
@@ -107,13 +103,45 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
 
 def fast_path(s: dict) -> list[dict]:
     rows = []
-    for compile_, ac in s["fast_path"]:
+    for compile_, ac, batch in s["fast_path"]:
+        utterances, seconds, tokens = s["batches"][batch]
         command = [sys.executable, str(REPO / "bench/bench_fast_path.py"), "--ac", ac]
-        command += ["--preset", s["preset"], "--device", s["device"], *s["bench"]]
+        command += ["--preset", s["preset"], "--device", s["device"], "--batch", str(utterances)]
+        command += ["--audio-seconds", str(seconds), "--text-tokens", str(tokens)]
         command += [*s["bench_steps"], *(["--compile"] if compile_ else [])]
         result = json.loads(run(command).stdout.strip().splitlines()[-1])
-        rows.append({"compile": compile_, "ac": ac, **result})
+        rows.append({"compile": compile_, "ac": ac, "batch": batch, **result})
+        print(f"gpu_check: fast path {json.dumps(rows[-1])}", flush=True)
     return rows
+
+
+def fast_path_run(text: str, s: dict) -> tuple[bool, str, str]:
+    """``compiled:selective:audio`` as (compile, ac, batch)."""
+    parts = text.split(":")
+    if (
+        len(parts) != 3
+        or parts[0] not in ("eager", "compiled")
+        or parts[1] not in ("none", "selective", "full")
+        or parts[2] not in s["batches"]
+    ):
+        raise ValueError(
+            f"{text!r} is not eager|compiled:none|selective|full:{'|'.join(s['batches'])}"
+        )
+    return parts[0] == "compiled", parts[1], parts[2]
+
+
+def kernels(s: dict, out: Path) -> dict:
+    """bench/bench_kernels.py's figures (reduced on the CPU)."""
+    command = [sys.executable, str(REPO / "bench/bench_kernels.py"), "--device", s["device"]]
+    run(
+        [
+            *command,
+            "--out",
+            str(out / "kernels.json"),
+            *(["--quick"] if s["device"] == "cpu" else []),
+        ]
+    )
+    return json.loads((out / "kernels.json").read_text())
 
 
 def grouped_gemm_error(device: str) -> float:
@@ -163,9 +191,10 @@ def train(s: dict, out: Path, corpus: Path, name: str, *overrides: str) -> list[
     return [*rows, {"graphs": graphs.group(1) if graphs else None}]
 
 
-def part_bench(s: dict) -> dict:
+def part_bench(s: dict, out: Path) -> dict:
     return {
         "fast_path": fast_path(s),
+        "kernels": kernels(s, out),
         "grouped_gemm_rel_error": grouped_gemm_error(s["device"]),
         "checkpoint_stall": checkpoint_stall(s),
     }
@@ -209,7 +238,8 @@ def table(part: str, result: dict) -> str:
                     f" {r['mfu_measured_ceiling']:.1%} (measured matmul ceiling"
                     f" {r['matmul_ceiling_tflops']:.0f} TFLOP/s), {r['peak_memory_gib']:.1f} GiB"
                 )
-            lines.append(f"| fast path, compile={r['compile']}, ac={r['ac']} | {figure} |")
+            what = f"fast path ({r['batch']}), compile={r['compile']}, ac={r['ac']}"
+            lines.append(f"| {what} | {figure} |")
         lines.append(f"| grouped GEMM, max rel. error | {result['grouped_gemm_rel_error']:.2e} |")
         for model, stall in result["checkpoint_stall"].items():
             lines.append(f"| async checkpoint stall, {model} | {stall:.1%} of a sync save |")
@@ -229,43 +259,42 @@ def table(part: str, result: dict) -> str:
 
 
 def measurements(part: str, result: dict, s: dict) -> list[dict]:
-    """Rows of our own measured step times, in the table format of ``MEASUREMENT_COLUMNS``."""
-    common = {
-        "source": "bench/gpu_check.py",
-        "date": datetime.date.today().isoformat(),
-        "model": s["preset"],
-        "gpu": result.get("gpu", s["device"]),
-        "gpus": s["nproc"],
-        "layout": f"dp_shard={s['nproc']}",
-        "precision": "fp32" if s["device"] == "cpu" else "bf16",
-    }
+    """Our measured rows in the planner's table format (``orchestrator.planner.measured``): the
+    fast path's fixed batches are priced; the entrypoint's run, whose batches vary with the
+    corpus, is recorded but not priced."""
+    date = datetime.date.today().isoformat()
+    rows = []
     if part == "bench":
-        return [
-            {
-                **common,
-                "gpu": r.get("gpu", s["device"]),
-                "gpus": 1,
-                "layout": "dp_shard=1",
-                "batch": " ".join(s["bench"]) or "8 x 20 s + 128 tokens",
-                "compile": r["compile"],
-                "ac": r["ac"],
-                "step_time_s": r["step_time_s"],
-                "tokens_per_s_per_gpu": r["tokens_per_s"],
-                "mfu": r.get("mfu_datasheet"),
-                "peak_memory_gib": r.get("peak_memory_gib"),
-            }
-            for r in result["fast_path"]
-        ]
+        for r in result["fast_path"]:
+            utterances, seconds, tokens = s["batches"][r["batch"]]
+            gpu = gpu_of_device(r.get("gpu", ""))
+            plan = f"--model {s['preset']} --seconds {seconds:g} --tokens {tokens}"
+            plan += f" --global-batch {utterances} --gpus 1 --gpu {gpu.key if gpu else 'h100'}"
+            plan += "" if r["compile"] else " --eager"
+            on_gpu = gpu is not None
+            rows.append(
+                {
+                    "source": "bench/gpu_check.py (bench_fast_path)",
+                    "date": date,
+                    "hardware": r.get("gpu", s["device"]),
+                    "plan": plan,
+                    "layout": f"dp_shard=1 microbatches=1 ac={r['ac']}",
+                    "tokens_per_s_per_gpu": f"{r['tokens_per_s']:.1f}",
+                    "peak_memory_gib": f"{r['peak_reserved_gib']:.2f}" if on_gpu else "",
+                    "scope": PRICED if on_gpu else "out: measured on a CPU",
+                }
+            )
+        return rows
     return [
         {
-            **common,
-            "batch": next(o for o in s["train"] if o.startswith("data.max_duration")),
-            "compile": True,
-            "ac": "selective",
-            "step_time_s": result["step_time_s"],
-            "tokens_per_s_per_gpu": result["tokens_per_s"] / s["nproc"],  # over all ranks
-            "mfu": result["mfu"],
-            "peak_memory_gib": None,
+            "source": "bench/gpu_check.py (python -m train)",
+            "date": date,
+            "hardware": result.get("gpu", s["device"]),
+            "plan": f"--model {s['preset']} --gpus {s['nproc']}",
+            "layout": f"dp_shard={s['nproc']} microbatches=1 ac=selective",
+            "tokens_per_s_per_gpu": f"{result['tokens_per_s'] / s['nproc']:.1f}",
+            "peak_memory_gib": "",
+            "scope": "out: batches of a real corpus vary in shape",
         }
     ]
 
@@ -275,8 +304,24 @@ def main() -> int:
     parser.add_argument("part", nargs="?", choices=("bench", "train", "all"), default="all")
     parser.add_argument("--cpu", action="store_true", help="the reduced form, on the CPU")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check")
+    parser.add_argument(
+        "--fast-path",
+        metavar="RUNS",
+        help="the fast-path runs, e.g. compiled:selective:audio,eager:full:text (default: all "
+        f"of eager|compiled x none|selective|full x {'|'.join(BATCHES)} the part lists)",
+    )
+    parser.add_argument("--train-steps", type=int, help="steps of the entrypoint's runs")
     args = parser.parse_args()
     s = settings(args.cpu)
+    if args.fast_path:
+        try:
+            s["fast_path"] = [fast_path_run(item, s) for item in args.fast_path.split(",")]
+        except ValueError as error:
+            print(f"error: --fast-path: {error}")
+            return 2
+    if args.train_steps:
+        s["steps"] = args.train_steps
+        s["eval_every"] = max(1, args.train_steps // 2)
     if not args.cpu:
         import torch
 
@@ -289,15 +334,9 @@ def main() -> int:
     parts = ("bench", "train") if args.part == "all" else (args.part,)
     for part in parts:
         print(f"gpu_check: {part} on {s['device']} ({s['preset']}) ...", flush=True)
-        result = part_bench(s) if part == "bench" else part_train(s, args.out)
+        result = part_bench(s, args.out) if part == "bench" else part_train(s, args.out)
         (args.out / f"gpu_check_{part}.json").write_text(json.dumps(result, indent=1))
-        csv_path = args.out / "measurements.csv"
-        fresh = not csv_path.exists()
-        with csv_path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=MEASUREMENT_COLUMNS)
-            if fresh:
-                writer.writeheader()
-            writer.writerows(measurements(part, result, s))
+        append(args.out / "measurements.csv", measurements(part, result, s))
         print(table(part, result), flush=True)
     print(f"gpu_check: results in {args.out}", flush=True)
     return 0

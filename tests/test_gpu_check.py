@@ -10,13 +10,13 @@ one and more), log them as ``recompiles``, and give eager's losses."""
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 
 import pytest
 
-from tests.helpers import REPO
+from orchestrator.planner.measured import load
+from tests.helpers import REPO, run_tool
 
 
 @pytest.mark.slow
@@ -40,11 +40,14 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     # fp32 on the CPU: compiled equals eager, training and validation.
     assert trained["loss_rel_diff_vs_fp32"] < 1e-5
     assert trained["val_loss_rel_diff_vs_fp32"] < 1e-5
-    with (tmp_path / "measurements.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    assert [row["compile"] for row in rows] == ["False", "True"]
-    assert [row["gpus"] for row in rows] == ["1", "2"]
-    assert all(float(row["step_time_s"]) > 0 for row in rows)
+    assert bench["kernels"]["matmul"] and bench["kernels"]["attention"]
+    # The measured rows are the planner's table format: orchestrator plan --measured reads them.
+    rows = load(tmp_path / "measurements.csv")
+    assert [row.plan.split()[:2] for row in rows] == [["--model", "tiny"]] * 2
+    assert "--eager" in rows[0].plan and rows[0].layout == "dp_shard=1 microbatches=1 ac=none"
+    assert all(row.tokens_per_s_per_gpu > 0 and not row.priced for row in rows)
+    priced = run_tool("orchestrator", "plan", "--measured", str(tmp_path / "measurements.csv"))
+    assert priced.returncode == 0 and "0 figure(s) outside the bounds" in priced.stdout
     assert (
         "| recompiles (graphs per region) | 6 (decoder_block 4, encoder_block 4) |" in done.stdout
     )

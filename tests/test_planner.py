@@ -1,4 +1,5 @@
-"""The planner's search: the flowchart's choices, valid layouts only, exact overrides, speed.
+"""The planner's search: the fastest layout with the flowchart among near ties, valid layouts
+only, exact overrides, speed.
 
 Pure functions and the CLI (no cluster); the memory model itself is checked against the trainer
 in tests/test_planner_memory.py (state) and tests/test_planner_activations.py (activations).
@@ -14,7 +15,7 @@ import pytest
 
 from contract.gpus import gpu_preset
 from orchestrator.planner.cluster import Cluster
-from orchestrator.planner.search import LONG_SEQUENCE, PlanRequest, plan
+from orchestrator.planner.search import LONG_SEQUENCE, NEAR_TIE, PlanRequest, plan
 from orchestrator.planner.shapes import model_preset
 from tests.helpers import run_tool
 
@@ -42,21 +43,36 @@ def test_a_model_that_fits_one_gpu_gets_data_parallelism_only():
     assert "fits one GPU" in result.best.reasoning
 
 
-def test_a_model_too_big_for_one_gpu_on_one_node_gets_tp_first():
+def test_a_model_whose_state_fsdp_shards_over_the_node_gets_data_parallelism_only():
+    """Llama 3.1 8B does not fit one H100 whole, but FSDP over 8 fits it and is faster than
+    TP (what torchtitan runs): the old flowchart put TP first here."""
     result = plan(request("llama_8b", 8))
     assert not result.fits_one_gpu
     best = result.best.layout
-    assert best.tp > 1 and best.pp == 1 and best.cp == 1
+    assert (best.tp, best.pp) == (1, 1) and best.dp * best.cp == 8
     assert "does not fit one GPU" in result.best.reasoning
+    assert "data parallelism alone fits" in result.best.reasoning
+
+
+def test_when_data_parallelism_alone_does_not_fit_tp_comes_inside_the_node():
+    """16,384-position sequences without checkpointing: no FSDP-only layout holds their
+    activations; TP with sequence parallelism divides them."""
+    req = request("llama_8b", 8, seconds=0.0, tokens=16384, global_batch=8, ac_modes=("none",))
+    result = plan(req)
+    assert not any(e.layout.tp == e.layout.cp == 1 for e in result.feasible)
+    best = result.best.layout
+    assert best.tp > 1 and best.pp == 1
+    assert "data parallelism alone does not fit" in result.best.reasoning
     assert f"TP={best.tp} inside the node" in result.best.reasoning
 
 
-def test_on_several_nodes_pp_goes_across_nodes_and_tp_stays_inside_one():
+def test_on_several_nodes_tp_stays_inside_a_node_and_the_fastest_wins():
     req = request("llama_70b", 32)
     result = plan(req)
-    best = result.best.layout
-    assert best.tp == 8, result.best.reasoning  # TP fills a node before PP comes in
-    assert best.pp > 1
+    fastest = min(item.step_time_s for item in result.feasible)
+    assert result.best.step_time_s <= fastest * (1 + NEAR_TIE)
+    assert max(result.best.layout.tp, result.best.layout.pp) > 1  # FSDP alone over 4 nodes is
+    assert "data parallelism alone fits but is slower" in result.best.reasoning  # network-bound
     for item in result.estimates:
         layout = item.layout
         assert 8 % layout.tp == 0  # TP groups are neighbouring ranks of one node

@@ -114,6 +114,10 @@ def test_the_installed_wheel_works_from_an_empty_directory(
         ).strip(),
     ]
 
+    # The planner's table of measured runs ships with it, priced within its bounds.
+    measured = run([venv_bin / "orchestrator", "plan", "--measured"], here, env)
+    assert "0 figure(s) outside the bounds" in measured
+
     # A YAML recipe copied here renders with the packaged distributed template.
     shutil.copy(shipped / "train_tiny_fsdp2.yaml", here / "mine.yaml")
     dry = run([venv_bin / "auto_launch", "--dry-run", "--backend", "local", "mine.yaml"], here, env)

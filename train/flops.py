@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from contract.gpus import GPUS
+from contract.gpus import gpu_of_device
 from train.models.shape import (
     OWN_ENCODER,
     SALMConfig,
@@ -37,20 +37,14 @@ if TYPE_CHECKING:
     import torch
 
 PEAK_FLOPS_ENV = "ORCH_PEAK_FLOPS"
-# Dense bf16 FLOP/s by CUDA device name, more specific names first (the planner's GPU table).
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = tuple(
-    (gpu.cuda_name, gpu.peak_bf16_flops) for gpu in GPUS
-)
 
 
 def peak_flops(device_name: str, environ: Mapping[str, str]) -> float | None:
     """Peak bf16 FLOP/s of one GPU, or None when it is unknown (MFU is then not reported)."""
     if environ.get(PEAK_FLOPS_ENV):
         return float(environ[PEAK_FLOPS_ENV])
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in device_name:
-            return flops
-    return None
+    gpu = gpu_of_device(device_name)
+    return gpu.peak_bf16_flops if gpu else None
 
 
 def _block_weights(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_weights: int) -> int:

@@ -103,6 +103,13 @@ class ActivationLayout:
     element_bytes: int = FP32  # 2 for bf16 compute on a GPU
 
 
+# torchtitan's per-op selective checkpointing (``selective_ac_option="op"``): a block keeps its
+# input, attention's output and every second matmul's output, and recomputes the rest. The
+# trainer does not run it; ``orchestrator plan --layout`` prices it, so that torchtitan's
+# published measurements are priced as they ran.
+TORCHTITAN_OP = "selective_op"
+
+
 def block_bytes(
     h: int, kv: int, f: int, heads: int, ac: str, tp: int, e: int, context: bool = False
 ) -> float:
@@ -112,6 +119,8 @@ def block_bytes(
         return 2 * h / tp * e + heads / tp * FP32
     if ac == "selective":
         return (5 * h + 2 * kv + 2 * f) / tp * e + heads / tp * FP32
+    if ac == TORCHTITAN_OP:  # the input, q, v, attention's output, w1's and w2's
+        return (4 * h + kv + f) / tp * e + heads / tp * FP32
     own = 7 * h if context else 6 * h + 2 * kv  # CP: no K/V of its own, attention copied
     return ((own + 4 * f) / tp + 2 * h) * e + (heads / tp + 2) * FP32
 
@@ -245,7 +254,8 @@ def activation_terms(
     """One microbatch's terms on a rank holding ``part``: its LLM blocks, and whether it has
     the encoder (pipeline stage 0) and the head (the last stage)."""
     blocks, has_encoder, has_head = part
-    e, ac, tp, cp = layout.element_bytes, layout.ac, layout.tp, layout.cp
+    e, tp, cp = layout.element_bytes, layout.tp, layout.cp
+    ac = "selective" if layout.ac == TORCHTITAN_OP else layout.ac  # outside the LLM's blocks
     b = batch.sequences
     d, vocab = cfg.d_model, cfg.vocab_size
     encoder = conv = enc_block_full = conv_grads = 0.0
@@ -264,7 +274,7 @@ def activation_terms(
     kv = cfg.n_kv_heads * llm_head_dim(cfg)
     f = 0 if cfg.n_experts else cfg.ffn_hidden
     context = cp > 1
-    per_position = block_bytes(d, kv, f, cfg.n_heads, ac, tp, e, context)
+    per_position = block_bytes(d, kv, f, cfg.n_heads, layout.ac, tp, e, context)
     per_position_full = block_bytes(d, kv, f, cfg.n_heads, "none", tp, e, context)
     if cfg.n_experts:
         per_position += moe_ffn_bytes(cfg, ac, e) / tp

@@ -5,12 +5,30 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from contract.gpus import GPU_KEYS, gpu_preset
 from orchestrator.errors import UsageError
+from orchestrator.planner.activations import TORCHTITAN_OP, Microbatch
 from orchestrator.planner.cluster import DEFAULT_INTER_NODE_GBPS, GIB, Cluster
-from orchestrator.planner.search import AC_MODES, Estimate, PlanRequest, PlanResult, plan
+from orchestrator.planner.measured import (
+    MEMORY_BOUND,
+    SPEED_BOUND,
+    TABLE,
+    Measurement,
+    load,
+    parse_layout,
+)
+from orchestrator.planner.search import (
+    AC_MODES,
+    Estimate,
+    Layout,
+    PlanRequest,
+    PlanResult,
+    plan,
+    price,
+)
 from orchestrator.planner.shapes import model_names, model_preset, with_overrides
 from train.models.freeze import frozen_names
 from train.models.hf_config import decoder_fields
@@ -90,7 +108,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     )
     batch.add_argument("--global-batch", type=int, default=256, help="sequences per step")
     cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--gpus", type=int, required=True)
+    cluster.add_argument("--gpus", type=int, help="GPUs in all (required, except with --measured)")
     cluster.add_argument("--gpus-per-node", type=int, default=8)
     cluster.add_argument("--gpu", default="h100", choices=GPU_KEYS, help="GPU model")
     cluster.add_argument("--gpu-memory-gib", type=float, help="usable memory (default: the GPU's)")
@@ -104,13 +122,41 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     choices = parser.add_argument_group("what may be used")
     choices.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
     choices.add_argument("--no-mixed-precision", action="store_true", help="fp32 compute")
+    choices.add_argument(
+        "--eager",
+        action="store_true",
+        help="price eager execution (compile=false; default: compiled)",
+    )
+    choices.add_argument(
+        "--llm-only",
+        action="store_true",
+        help="the LLM alone, without the audio encoder and projector (text-only training, as "
+        "published LLM benchmarks run; needs --seq-len)",
+    )
+    choices.add_argument(
+        "--layout",
+        metavar="SPEC",
+        help='price this layout only, e.g. "dp_shard=4 tp=2 microbatches=1 ac=selective" '
+        "(degrees left out are 1; microbatch size: what the global batch leaves)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--top", type=int, default=5, help="feasible layouts shown (default 5)")
     output.add_argument("--all", action="store_true", help="also the layouts that do not fit")
     output.add_argument("--json", action="store_true")
+    output.add_argument(
+        "--measured",
+        nargs="?",
+        const=str(TABLE),
+        metavar="CSV",
+        help="instead of planning: price every row of a table of measured runs (default: the "
+        "published measurements and ours, orchestrator/planner/measurements.csv) and print "
+        "predicted against measured tokens/s per GPU and peak memory",
+    )
 
 
 def request_from(args: argparse.Namespace) -> PlanRequest:
+    if args.gpus is None:
+        raise UsageError("orchestrator plan: --gpus is required")
     try:
         shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
         model = model_preset(args.model)
@@ -138,6 +184,8 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
     tokens = args.seq_len if args.seq_len is not None else (args.tokens or 256)
     if seconds < 0 or tokens < 1 or args.global_batch < 1:
         raise UsageError("--seconds must be >= 0, --tokens/--seq-len and --global-batch >= 1")
+    if args.llm_only and args.seq_len is None:
+        raise UsageError("--llm-only prices text-only sequences: give --seq-len")
     return PlanRequest(
         model=model,
         seconds=seconds,
@@ -147,7 +195,35 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         ac_modes=("none",) if args.no_ac else AC_MODES,
         mixed_precision=not args.no_mixed_precision,
         frozen=frozenset(frozen),
+        compiled=not args.eager,
+        llm_only=args.llm_only,
     )
+
+
+def layout_from(spec: str, request: PlanRequest) -> Layout:
+    """``--layout``'s layout; its microbatch size is what the global batch leaves."""
+    try:
+        fields = parse_layout(spec)
+    except ValueError as error:
+        raise UsageError(f"--layout: {error}") from error
+    degrees = {
+        key: int(fields[key]) for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+    }
+    microbatches = int(fields["microbatches"])
+    if fields["ac"] not in (*AC_MODES, TORCHTITAN_OP):
+        modes = ", ".join((*AC_MODES, TORCHTITAN_OP))
+        raise UsageError(f"--layout: ac={fields['ac']} is not one of {modes}")
+    world = 1
+    for degree in degrees.values():
+        world *= degree if degree > 0 else 1
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    per_rank, left = divmod(request.global_batch, dp * microbatches)
+    if left or per_rank < 1:
+        raise UsageError(
+            f"--layout: --global-batch {request.global_batch} is not a multiple of {dp} "
+            f"data-parallel ranks x {microbatches} microbatches"
+        )
+    return Layout(**degrees, microbatch=per_rank, microbatches=microbatches, ac=str(fields["ac"]))
 
 
 def estimate_json(result: Estimate, seconds: float) -> dict:
@@ -254,7 +330,19 @@ def print_result(result: PlanResult, shown: list[Estimate], elapsed: float) -> N
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.measured is not None:
+        return print_measured(Path(args.measured))
     request = request_from(args)
+    if args.layout:
+        try:
+            result = price(request, layout_from(args.layout, request))
+        except ValueError as error:
+            raise UsageError(f"--layout: {error}") from error
+        if args.json:
+            print(json.dumps(result_json(result, result.estimates, 0.0)))
+        else:
+            print_result(result, result.estimates, 0.0)
+        return 0 if result.best is not None else 1
     started = time.perf_counter()
     result = plan(request)
     elapsed = time.perf_counter() - started
@@ -266,3 +354,75 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print_result(result, shown, elapsed)
     return 0 if result.best is not None else 1
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The planner's figures for one measured row."""
+
+    row: Measurement
+    tokens_per_s: float  # per GPU
+    memory_gib: float  # the busiest rank's total
+    estimate: Estimate
+
+    @property
+    def speed_error(self) -> float:
+        return self.tokens_per_s / self.row.tokens_per_s_per_gpu - 1
+
+    @property
+    def memory_error(self) -> float:
+        if self.row.peak_memory_gib is None:
+            return 0.0
+        return self.memory_gib / self.row.peak_memory_gib - 1
+
+
+def price_row(row: Measurement) -> Prediction:
+    """The planner's figures for a measured configuration: its plan arguments and layout."""
+    parser = argparse.ArgumentParser(prog="orchestrator", exit_on_error=False)
+    add_plan_parser(parser.add_subparsers())
+    try:
+        args = parser.parse_args(["plan", *row.plan_args])
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise UsageError(f"measurement {row.plan!r}: not orchestrator plan's arguments") from error
+    request = request_from(args)
+    result = price(request, layout_from(row.layout, request))
+    item = result.estimates[0]
+    batch = Microbatch(1, request.frames, request.tokens)
+    positions = batch.decoder_positions(request.model, 1)
+    tokens_per_s = request.global_batch * positions / item.step_time_s / request.cluster.gpus
+    return Prediction(row, tokens_per_s, item.memory["total"] / GIB, item)
+
+
+def print_measured(path: Path) -> int:
+    """Predicted against measured, one markdown row per measurement; 1 when a priced row is
+    outside the bounds."""
+    try:
+        rows = load(path)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--measured {path}: {error}") from error
+    print(
+        "| source | configuration | layout | measured tok/s/GPU | predicted | error "
+        "| measured GiB | predicted | error |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    outside = 0
+    for row in rows:
+        if not row.priced:
+            print(
+                f"| {row.source} | `{row.plan}` | {row.layout} | {row.tokens_per_s_per_gpu:,.0f} "
+                f"| {row.scope} | | {row.peak_memory_gib or ''} | | |"
+            )
+            continue
+        p = price_row(row)
+        memory = "| |"
+        if row.peak_memory_gib is not None:
+            memory = f"| {p.memory_gib:.1f} | {p.memory_error:+.1%} |"
+            outside += abs(p.memory_error) > MEMORY_BOUND
+        outside += abs(p.speed_error) > SPEED_BOUND
+        print(
+            f"| {row.source} | `{row.plan}` | {row.layout} | {row.tokens_per_s_per_gpu:,.0f} "
+            f"| {p.tokens_per_s:,.0f} | {p.speed_error:+.1%} | {row.peak_memory_gib or ''} {memory}"
+        )
+    bounds = f"{SPEED_BOUND:.0%} on speed, {MEMORY_BOUND:.0%} on memory"
+    print(f"{outside} figure(s) outside the bounds ({bounds})")
+    return 1 if outside else 0

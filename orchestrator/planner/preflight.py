@@ -34,14 +34,7 @@ from contract.configs import PACKAGED_CONFIG_MODULE, TRAIN_CONFIG, TRAIN_MODULE
 from contract.gpus import GPU, gpu_preset
 from orchestrator.errors import UsageError
 from orchestrator.planner.cluster import GIB, Cluster
-from orchestrator.planner.search import (
-    Estimate,
-    Layout,
-    PlanRequest,
-    estimate,
-    plan,
-    priced_inventory,
-)
+from orchestrator.planner.search import Estimate, Layout, PlanRequest, plan, price
 from orchestrator.slurm.partitions import Partition
 
 if TYPE_CHECKING:
@@ -132,13 +125,9 @@ def request_and_layout(
         on_gpu=capacity.gpu is not None,
         strategy=cfg.strategy,
         frozen=frozenset(frozen_of(cfg)),
+        compiled=cfg.compile,
     )
     return request, layout
-
-
-def price(request: PlanRequest, layout: Layout) -> Estimate:
-    grouped, counts = priced_inventory(request)
-    return estimate(request, layout, grouped, counts, {})
 
 
 def check_training_fits(
@@ -151,7 +140,7 @@ def check_training_fits(
 ) -> Estimate:
     """Raise a one-line UsageError when ``cfg``'s layout needs more than ``capacity``."""
     request, layout = request_and_layout(cfg, nodes, tasks_per_node, capacity)
-    priced = price(request, layout)
+    priced = price(request, layout).estimates[0]
     if priced.fits:
         return priced
     memory = priced.memory

@@ -9,27 +9,22 @@ gathered from forward to backward; DDP's gradient buckets); and an allowance for
 (CUDA context, NCCL communicators, workspaces: 1.5 GiB) plus 5% of the rest for allocator
 fragmentation.
 
-Step time: the step's model FLOPs (``train.flops``), plus full checkpointing's recomputed
-forward (a third of the blocks' work; selective checkpointing's elementwise recompute is taken
-as 3%), at 60% of the GPU's peak, plus 30 us per block and microbatch for kernel launches and
-collective latency (what makes many small microbatches cost more than few large ones); times
-the pipeline bubble
-(1 + (pp - 1) / microbatches, over stages per rank for interleaved 1F1B); plus the
-communication that does not overlap compute. FSDP/HSDP/DDP traffic (all-gathers forward and
-backward, reduce-scatters, replica all-reduces) overlaps compute by prefetch, so only what
-exceeds it counts; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the
-critical path and count in full. A group of ranks inside one node talks at NVLink speed, a group
-spanning nodes at the network's. MFU is the model FLOPs over step time x GPUs x peak.
+Step time: ``planner.speed`` (each kind of work at the rate a GPU reaches for it, host time
+in eager, communication that compute does not hide, the pipeline bubble). MFU is the model
+FLOPs over step time x GPUs x peak.
 
-Ranking follows the flowchart of the parallelism guide first, then the estimated step time: a
-model whose training state and one sequence's activations fit one GPU gets data parallelism
-only; one that does not gets TP inside the node first; PP goes across nodes once TP fills a node;
-CP comes in for long sequences (``LONG_SEQUENCE`` decoder positions or more).
+Ranking follows the estimated step time. Among the layouts within ``NEAR_TIE`` of the fastest,
+the flowchart of the parallelism guide decides, so that a simpler layout wins what the model
+cannot tell apart: data parallelism alone (FSDP2, HSDP across nodes) when it fits; else TP
+inside the node first; PP across nodes once TP fills a node; CP for long sequences
+(``LONG_SEQUENCE`` decoder positions or more).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import cache
 
 from orchestrator.planner.activations import (
     ActivationLayout,
@@ -40,24 +35,24 @@ from orchestrator.planner.activations import (
     in_flight,
 )
 from orchestrator.planner.cluster import GIB, Cluster
+from orchestrator.planner.speed import step_time
 from orchestrator.planner.state import GroupedInventory, group, held, state_bytes, uses_fsdp
 from train.flops import sequence_flops
 from train.models.inventory import inventory, stage_param_counts
-from train.models.shape import SALMConfig, llm_head_dim
+from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims, sequence_multiple
 from train.pipeline_plan import PipelinePlan, plan_pipeline
 
 AC_MODES = ("none", "selective", "full")
-MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s the step's matmuls reach
-SELECTIVE_RECOMPUTE = 1.03  # selective checkpointing redoes the blocks' elementwise work
-BLOCK_LAUNCH_S = 30e-6  # per block and microbatch: kernel launches and collective latency
 FRAMEWORK_BYTES = 1.5 * GIB  # CUDA context, communicators, workspaces
 HOST_FRAMEWORK_BYTES = 0.5 * GIB  # a CPU rank's Python, torch and gloo
 FRAGMENTATION = 0.05  # of everything else, for the caching allocator
 LONG_SEQUENCE = 32768  # decoder positions from which CP is the flowchart's answer
+NEAR_TIE = 0.05  # step times within 5% of the fastest: the flowchart chooses among them
 FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 FULL_STATE_BYTES = 16  # fp32 weight + gradient + two Adam moments per parameter
 WEIGHT_BYTES = 4  # the fp32 weight alone (a frozen parameter)
+AUDIO_PREFIXES = ("encoder.", "projector.")  # what --llm-only leaves out
 
 
 @dataclass(frozen=True)
@@ -72,6 +67,8 @@ class PlanRequest:
     on_gpu: bool = True  # False: a CPU recipe checked against host memory
     strategy: str = "fsdp2"  # or ddp (whole replicas)
     frozen: frozenset[str] = frozenset()  # parameter names model.freeze leaves frozen
+    compiled: bool = True  # torch.compile per block (the GPU recipes' default); False: eager
+    llm_only: bool = False  # the LLM alone: no encoder or projector (text-only training)
 
     @property
     def frames(self) -> int:
@@ -309,8 +306,8 @@ def estimate(
         if memory["total"] > worst.get("total", -1):
             worst = memory
     fits = worst["total"] <= cluster.memory_bytes
-    times = step_time(request, layout, counts[3])
-    flops = request.global_batch * sequence_flops(cfg, request.frames, request.tokens)
+    times = step_time(request, layout, counts[3], fsdp)
+    flops = request.global_batch * _sequence_flops(cfg, request.frames, request.tokens)
     mfu = flops / (times["step"] * gpus * cluster.gpu.peak_bf16_flops)
     reason = ""
     if not fits:
@@ -321,64 +318,13 @@ def estimate(
     return Estimate(layout, worst, fits, times["step"], mfu, "", 0, reason, times)
 
 
+@cache
+def _sequence_flops(cfg: SALMConfig, frames: int, tokens: int) -> float:
+    return sequence_flops(cfg, frames, tokens)
+
+
 def framework_bytes(request: PlanRequest) -> float:
     return FRAMEWORK_BYTES if request.on_gpu else HOST_FRAMEWORK_BYTES
-
-
-def _bandwidth(cluster: Cluster, span: int) -> float:
-    """Bytes/s for a group of ranks spread over ``span`` consecutive ranks."""
-    return cluster.nvlink_bytes_per_s if span <= cluster.per_node else cluster.network_bytes_per_s
-
-
-def step_time(request: PlanRequest, layout: Layout, total_params: int) -> dict[str, float]:
-    cfg, cluster = request.model, request.cluster
-    e = request.element_bytes
-    gpus = cluster.gpus
-    peak = cluster.gpu.peak_bf16_flops * MATMUL_EFFICIENCY
-    flops = request.global_batch * sequence_flops(cfg, request.frames, request.tokens)
-    recompute = {"full": 4 / 3, "selective": SELECTIVE_RECOMPUTE}.get(layout.ac, 1.0)
-    compute = flops * recompute / (gpus * peak)
-    compute += layout.microbatches * cfg.n_layers / layout.pp * BLOCK_LAUNCH_S
-    if layout.pp > 1:
-        compute *= 1 + (layout.pp - 1) / layout.microbatches
-    params = total_params / (layout.tp * layout.pp)
-    m = layout.microbatches
-    shards = layout.dp_shard * layout.cp
-    overlapped = 0.0
-    if shards > 1:
-        span = shards * layout.tp
-        gathers = 2 * m if layout.pp == 1 else 1
-        moved = (shards - 1) / shards * params * (gathers * e + 4 * m)
-        overlapped += moved / _bandwidth(cluster, span)
-    if layout.dp_replicate > 1:
-        r = layout.dp_replicate
-        moved = 2 * (r - 1) / r * params / shards * 4
-        overlapped += moved / _bandwidth(cluster, gpus // layout.pp)
-    batch = Microbatch(layout.microbatch, request.frames, request.tokens)
-    positions = batch.decoder_positions(request.model, sequence_multiple(layout.tp, layout.cp))
-    activation = layout.microbatch * positions * cfg.d_model * e
-    exposed = 0.0
-    if layout.tp > 1:
-        per_block = 8 * (layout.tp - 1) / layout.tp * activation / layout.cp
-        exposed += m * cfg.n_layers / layout.pp * per_block / _bandwidth(cluster, layout.tp)
-    if layout.cp > 1:
-        kv = cfg.n_kv_heads * llm_head_dim(cfg)
-        per_block = 4 * (layout.cp - 1) / layout.cp * activation * kv / cfg.d_model / layout.tp
-        span = layout.cp * layout.tp
-        exposed += m * cfg.n_layers / layout.pp * per_block / _bandwidth(cluster, span)
-    if layout.ep > 1:
-        tokens = activation / layout.cp / layout.tp * cfg.top_k
-        per_layer = 4 * (layout.ep - 1) / layout.ep * tokens
-        exposed += m * cfg.n_layers / layout.pp * per_layer / _bandwidth(cluster, layout.ep)
-    if layout.pp > 1:
-        hop = 2 * activation / layout.cp / layout.tp
-        exposed += m * (layout.pp - 1) * hop / cluster.network_bytes_per_s
-    hidden = max(0.0, overlapped - compute)
-    return {
-        "step": compute + hidden + exposed,
-        "compute": compute,
-        "exposed_comm": hidden + exposed,
-    }
 
 
 def full_state_fits(request: PlanRequest, params: int, trainable: int) -> tuple[bool, float]:
@@ -394,15 +340,16 @@ def full_state_fits(request: PlanRequest, params: int, trainable: int) -> tuple[
     return needed <= request.cluster.memory_bytes, needed
 
 
-def flowchart(request: PlanRequest, layout: Layout, fits_one: bool, max_tp: int) -> int:
-    """How many of the guide's rules ``layout`` breaks."""
+def flowchart(request: PlanRequest, layout: Layout, dp_fits: bool, max_tp: int) -> int:
+    """How many of the guide's rules ``layout`` breaks (``dp_fits``: a layout of data
+    parallelism alone fits)."""
     batch = Microbatch(1, request.frames, request.tokens)
     long = (
         batch.decoder_positions(request.model, sequence_multiple(layout.tp, layout.cp))
         >= LONG_SEQUENCE
     )
     broken = 0
-    if fits_one:
+    if dp_fits:
         broken += (layout.tp > 1) + (layout.pp > 1)
     elif layout.tp == 1 and max_tp > 1:
         broken += 1
@@ -413,14 +360,30 @@ def flowchart(request: PlanRequest, layout: Layout, fits_one: bool, max_tp: int)
     return broken
 
 
-def reasoning(request: PlanRequest, layout: Layout, params: int, needed: float) -> str:
+def _data_parallel_clause(layout: Layout, fits_one_gpu: bool, dp_best: float | None) -> str:
+    if dp_best is None:
+        return "; data parallelism alone does not fit"
+    if math.isnan(dp_best):
+        return ""
+    if max(layout.tp, layout.pp, layout.cp) > 1:
+        return f"; data parallelism alone fits but is slower ({dp_best:.2f} s per step)"
+    return "" if fits_one_gpu else "; data parallelism alone fits"
+
+
+def reasoning(
+    request: PlanRequest, layout: Layout, params: int, needed: float, dp_best: float | None
+) -> str:
+    """One line: which branch of the flowchart ``layout`` takes, and why (``dp_best``: the
+    fastest layout of data parallelism alone, None when none fits, NaN when ``layout`` was
+    priced alone)."""
     cluster = request.cluster
     gib = cluster.memory_bytes / GIB
     fits = needed <= cluster.memory_bytes
+    one = "fits one GPU" if fits else f"does not fit one GPU ({gib:.0f} GiB)"
+    one += _data_parallel_clause(layout, fits, dp_best)
     parts = [
         f"model needs {needed / GIB:.0f} GiB for {params / 1e9:.2f}B parameters with fp32 "
-        f"gradients and Adam states and one sequence's activations: "
-        + ("fits one GPU" if fits else f"does not fit one GPU ({gib:.0f} GiB)")
+        f"gradients and Adam states and one sequence's activations: {one}"
     ]
     if layout.tp > 1:
         parts.append(f"TP={layout.tp} inside the node")
@@ -449,12 +412,31 @@ def priced_inventory(request: PlanRequest) -> tuple[GroupedInventory, tuple]:
     the first and last stages' extras, the total)."""
     cfg = request.model
     tensors = inventory(cfg)
+    if request.llm_only:
+        tensors = [t for t in tensors if not t.name.startswith(AUDIO_PREFIXES)]
     grouped = group(tensors, request.frozen)
     return grouped, (*stage_param_counts(tensors, cfg.n_layers), grouped.numel)
 
 
+def price(request: PlanRequest, layout: Layout) -> PlanResult:
+    """One given layout, priced (ValueError when the trainer cannot run it)."""
+    layout.dims(request.cluster.gpus).validate(request.model)
+    if request.global_batch % (layout.dp * layout.microbatch * layout.microbatches):
+        raise ValueError(
+            f"{layout.describe()}: the global batch of {request.global_batch} is not "
+            f"{layout.dp} data-parallel ranks x {layout.microbatches} microbatches of "
+            f"{layout.microbatch}"
+        )
+    grouped, counts = priced_inventory(request)
+    fits_one, needed = full_state_fits(request, grouped.numel, grouped.trainable_numel)
+    result = estimate(request, layout, grouped, counts, {})
+    result.reasoning = reasoning(request, layout, grouped.numel, needed, math.nan)
+    return PlanResult(request, grouped.numel, grouped.trainable_numel, [result], fits_one, needed)
+
+
 def plan(request: PlanRequest) -> PlanResult:
-    """Every layout, priced; feasible ones first in the flowchart's order, then by step time."""
+    """Every layout, priced; feasible ones first, fastest first (the flowchart's order among
+    near ties), then those that do not fit."""
     cfg = request.model
     grouped, counts = priced_inventory(request)
     params = grouped.numel
@@ -468,14 +450,26 @@ def plan(request: PlanRequest) -> PlanResult:
             layout.dims(request.cluster.gpus).validate(cfg)
         except ValueError:
             continue
-        result = estimate(request, layout, grouped, counts, cache)
-        result.penalty = flowchart(request, layout, fits_one, max_tp)
-        estimates.append(result)
-    estimates.sort(
-        key=lambda e: (
-            (not e.fits, e.penalty, e.step_time_s) if e.fits else (True, e.memory["total"])
-        )
-    )
+        estimates.append(estimate(request, layout, grouped, counts, cache))
+    dp_times = [
+        e.step_time_s
+        for e in estimates
+        if e.fits and e.layout.tp == e.layout.pp == e.layout.cp == 1
+    ]
+    dp_fits = bool(dp_times)
     for result in estimates:
-        result.reasoning = reasoning(request, result.layout, params, needed)
+        result.penalty = flowchart(request, result.layout, dp_fits, max_tp)
+    fastest = min((e.step_time_s for e in estimates if e.fits), default=0.0)
+
+    def order(e: Estimate) -> tuple:
+        if not e.fits:
+            return (True, False, 0, e.memory["total"])
+        near = e.step_time_s <= fastest * (1 + NEAR_TIE)
+        return (False, not near, e.penalty if near else 0, e.step_time_s)
+
+    estimates.sort(key=order)
+    for result in estimates:
+        result.reasoning = reasoning(
+            request, result.layout, params, needed, min(dp_times) if dp_times else None
+        )
     return PlanResult(request, params, grouped.trainable_numel, estimates, fits_one, needed)

@@ -1,0 +1,231 @@
+"""A layout's step time: each kind of work at the rate the GPU really reaches for it.
+
+Per GPU and step (docs/planner.md, "Step-time model", gives the figures and their sources):
+
+- **matmuls**: the model's matmul FLOPs on this rank (LLM blocks and head split by TP, PP and
+  CP; the encoder whole on every TP and CP rank, as the trainer runs it) at the share of peak
+  a bf16 matmul of that width reaches (``matmul_share``, fitted to ``bench/bench_kernels.py``
+  on an H100);
+- **attention**: flash attention's FLOPs (causal: half the score matrix; backward 2.5 times the
+  forward) at the share its kernel reaches for that sequence length (``attention_share``);
+- **memory-bound work**: norms, rotary embeddings, SwiGLU, residual adds and casts, in passes
+  over the block's activations, more of them in eager than compiled (fused); the loss's fp32
+  cross-entropy over the vocabulary; the optimizer and FSDP's copies per parameter; all at the
+  HBM bandwidth a copy reaches;
+- **recomputation** per activation checkpointing mode: ``full`` redoes each block's forward,
+  ``selective`` its memory-bound work;
+- **host time**: eager launches every op from Python (more under selective checkpointing, whose
+  dispatch mode sees each op twice); the step takes the longer of the GPU's work and the host's;
+- **communication**: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) overlap the
+  compute, so only what exceeds it counts, plus the first all-gather of a step, which nothing
+  hides; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the critical
+  path; collectives reach ``BUS_SHARE`` of the link's bandwidth;
+- **pipeline bubble**: (pp - 1) / (microbatches x stages per rank) of the compute.
+
+A whole step reaches less than the sum of its kernels run alone (allocator, synchronization,
+kernels too small to fill the GPU): ``STEP_EFFICIENCY``, fitted to the measured steps in
+``measurements.csv`` (published and our own), divides the GPU's work.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+from orchestrator.planner.activations import TORCHTITAN_OP, Microbatch
+from train.flops import ENCODER_MACS, llm_weights_per_position
+from train.models.shape import SALMConfig, audio_positions, encoder_frames, llm_head_dim
+from train.parallel_dims import sequence_multiple
+
+if TYPE_CHECKING:
+    from orchestrator.planner.search import Layout, PlanRequest
+
+# bench/bench_kernels.py, H100 80GB HBM3 (SXM, 700 W), torch 2.11, 2026-11-26: bf16 matmuls of
+# 2,048-16,384 rows reach 52-58% of the datasheet peak at width 1,024, 65-70% at 2,048, 71-80%
+# at 4,096 and 70-84% at 8,192; share = MATMUL_SHARE * w / (w + MATMUL_HALF_WIDTH).
+MATMUL_SHARE = 0.80
+MATMUL_HALF_WIDTH = 350
+# Causal flash attention forward + backward, head width 128: 24% of peak at 1,024 positions,
+# 36% at 2,048, 46% at 4,096, 53% at 8,192; share = ATTENTION_SHARE * P / (P + half).
+ATTENTION_SHARE = 0.60
+ATTENTION_HALF_LENGTH = 1200
+ATTENTION_BACKWARD = 2.5  # flash backward: five matmuls against the forward's two
+HBM_SHARE = 0.90  # a device-to-device copy: 3.0 of the datasheet's 3.35 TB/s
+LOSS_BYTES_PER_LOGIT = 57  # fp32 cross-entropy forward + backward: 2.42 us/token at 128,256
+# Memory-bound passes over a block's activations per position in forward, in (model width,
+# FFN width) elements of 2 bytes; backward moves BACKWARD_PASSES times as much.
+ELEMENTWISE_PASSES = {"eager": (32, 6), "compiled": (8, 2)}
+BACKWARD_PASSES = 2
+OPTIMIZER_BYTES = 32  # per local parameter: fused AdamW reads p, g, m, v and writes p, m, v
+GATHER_BYTES = 8  # per gathered parameter and all-gather: FSDP's bf16 copy-in and copy-out
+GRADIENT_BYTES = 10  # per gathered parameter: the bf16 gradient cast to fp32 and reduced
+# Host time per block and microbatch (eager: ~120 ops forward and backward from Python), which
+# the GPU's work hides when it is longer.
+HOST_BLOCK_S = {"eager": 3.5e-3, "compiled": 0.4e-3}
+# Eager checkpointing's dispatch mode sees every op of the forward and of its recompute from
+# Python while the GPU waits on it (the recomputed kernels are short), per block and microbatch:
+# measured as the eager step's growth over no checkpointing, less the GPU's recomputation.
+HOST_CHECKPOINT_S = {"selective": 4.1e-3, TORCHTITAN_OP: 4.1e-3, "full": 4.6e-3}
+STEP_EFFICIENCY = 0.78  # measured steps against the sum of their kernels (measurements.csv)
+BUS_SHARE = 0.80  # NCCL bus bandwidth against the link's one-way figure
+
+
+def matmul_share(width: float) -> float:
+    return MATMUL_SHARE * width / (width + MATMUL_HALF_WIDTH)
+
+
+def attention_share(positions: float) -> float:
+    return ATTENTION_SHARE * positions / (positions + ATTENTION_HALF_LENGTH)
+
+
+@cache
+def _encoder_train_flops(cfg: SALMConfig, frames: int) -> float:
+    """The encoder's and projector's training FLOPs for one sequence (frames > 0)."""
+    audio = audio_positions(cfg, frames)
+    projector = (cfg.projector_stride * cfg.enc_dim * cfg.d_model + cfg.d_model**2) * audio
+    return 6.0 * (ENCODER_MACS[cfg.encoder](cfg, frames) + projector)
+
+
+@cache
+def _llm_weights(cfg: SALMConfig) -> int:
+    return llm_weights_per_position(cfg)
+
+
+@cache
+def decoder_positions(cfg: SALMConfig, frames: int, tokens: int, tp: int, cp: int) -> int:
+    """One sequence's decoder positions, padded as the trainer pads them under ``tp`` and
+    ``cp``."""
+    return Microbatch(1, frames, tokens).decoder_positions(cfg, sequence_multiple(tp, cp))
+
+
+def _passes_bytes(passes: tuple[int, int], width: int, ffn: int) -> float:
+    return 2.0 * (passes[0] * width + passes[1] * ffn)
+
+
+def gpu_work(request: PlanRequest, layout: Layout) -> dict[str, float]:
+    """Seconds of each kind of GPU work on the busiest rank in one step, before overlap."""
+    cfg, gpu = request.model, request.cluster.gpu
+    peak, hbm = gpu.peak_bf16_flops, gpu.hbm_gbps * 1e9 * HBM_SHARE
+    mode = "compiled" if request.compiled else "eager"
+    sequences = request.global_batch / layout.dp  # per data-parallel rank and step
+    positions = decoder_positions(cfg, request.frames, request.tokens, layout.tp, layout.cp)
+    local = positions / layout.cp  # positions of one sequence on this rank
+    split = layout.tp * layout.pp
+    full = layout.ac == "full"
+    # Recomputed matmul work, as a share of forward + backward: full redoes the forward (1/3),
+    # torchtitan's per-op policy every second matmul of it (1/6).
+    recompute_fwd = {"full": 1.0 / 3, TORCHTITAN_OP: 1.0 / 6}.get(layout.ac, 0.0)
+    # LLM blocks and head.
+    llm_flops = 6.0 * _llm_weights(cfg) * sequences * local / split
+    work = {
+        "matmul": llm_flops * (1 + recompute_fwd) / (peak * matmul_share(cfg.d_model / layout.tp))
+    }
+    heads_width = cfg.n_heads * llm_head_dim(cfg) / layout.tp
+    causal = 2.0 * positions * positions / 2 * heads_width / layout.cp  # forward, per sequence
+    passes = ATTENTION_BACKWARD + 1 + (1 if full else 0)
+    attention = cfg.n_layers / layout.pp * sequences * 2 * causal * passes
+    work["attention"] = attention / (peak * attention_share(positions))
+    elementwise = _passes_bytes(ELEMENTWISE_PASSES[mode], cfg.d_model, cfg.ffn_hidden)
+    elementwise *= 1 + BACKWARD_PASSES + (1 if layout.ac != "none" else 0)
+    tokens = sequences * local / layout.tp  # sequence parallel: a TP rank's share
+    work["elementwise"] = cfg.n_layers / layout.pp * tokens * elementwise / hbm
+    work["loss"] = sequences * local * cfg.vocab_size * LOSS_BYTES_PER_LOGIT / (hbm * layout.pp)
+    # Audio encoder and projector: whole on every TP and CP rank, on the first stage.
+    if request.frames and cfg.enc_layers:
+        enc_flops = sequences * _encoder_train_flops(cfg, request.frames) / layout.pp
+        work["encoder"] = enc_flops * (1 + recompute_fwd) / (peak * matmul_share(cfg.enc_dim))
+        frames = encoder_frames(cfg, request.frames)
+        enc_bytes = _passes_bytes(ELEMENTWISE_PASSES[mode], cfg.enc_dim, cfg.enc_ffn_hidden)
+        enc_bytes *= 1 + BACKWARD_PASSES + (1 if layout.ac != "none" else 0)
+        work["encoder"] += cfg.enc_layers * sequences * frames * enc_bytes / (hbm * layout.pp)
+    return work
+
+
+def host_time(request: PlanRequest, layout: Layout) -> tuple[float, float]:
+    """(Seconds the host spends issuing one step's blocks, of which the GPU waits for eager
+    checkpointing's share whatever its own work)."""
+    cfg = request.model
+    blocks = cfg.n_layers + (cfg.enc_layers if request.frames else 0)
+    blocks *= layout.microbatches / layout.pp
+    issue = blocks * HOST_BLOCK_S["compiled" if request.compiled else "eager"]
+    checkpointing = 0.0 if request.compiled else blocks * HOST_CHECKPOINT_S.get(layout.ac, 0.0)
+    return issue, checkpointing
+
+
+def parameter_work(request: PlanRequest, layout: Layout, total_params: int, fsdp: bool) -> float:
+    """Seconds of the optimizer's and FSDP's passes over the parameters."""
+    gathered = total_params / (layout.tp * layout.pp)
+    shard = gathered / (layout.dp_shard * layout.cp) if fsdp else gathered
+    moved = OPTIMIZER_BYTES * shard
+    if fsdp:
+        gathers = 2 * layout.microbatches if layout.pp == 1 else 1
+        moved += (GATHER_BYTES * gathers + GRADIENT_BYTES) * gathered
+    return moved / (request.cluster.gpu.hbm_gbps * 1e9 * HBM_SHARE)
+
+
+def _bandwidth(request: PlanRequest, span: int) -> float:
+    """Bus bytes/s of a collective over ``span`` consecutive ranks (inside a node: NVLink)."""
+    cluster = request.cluster
+    link = cluster.nvlink_bytes_per_s if span <= cluster.per_node else cluster.network_bytes_per_s
+    return link * BUS_SHARE
+
+
+def communication(
+    request: PlanRequest, layout: Layout, total_params: int
+) -> tuple[float, float, float]:
+    """(FSDP/HSDP traffic that compute can hide, the step's first all-gather, which it cannot,
+    collectives on the critical path), in seconds."""
+    cfg = request.model
+    e = request.element_bytes
+    m = layout.microbatches
+    params = total_params / (layout.tp * layout.pp)
+    shards = layout.dp_shard * layout.cp
+    overlapped = first = 0.0
+    if shards > 1:
+        span = shards * layout.tp
+        gathers = 2 * m if layout.pp == 1 else 1
+        moved = (shards - 1) / shards * params * (gathers * e + 4)
+        overlapped += moved / _bandwidth(request, span)
+        first = (
+            (shards - 1) / shards * params * e / max(1, cfg.n_layers) / _bandwidth(request, span)
+        )
+    if layout.dp_replicate > 1:
+        r = layout.dp_replicate
+        moved = 2 * (r - 1) / r * params / shards * 4
+        overlapped += moved / _bandwidth(request, request.cluster.gpus // layout.pp)
+    positions = decoder_positions(cfg, request.frames, request.tokens, layout.tp, layout.cp)
+    activation = layout.microbatch * positions * cfg.d_model * e
+    blocks = m * cfg.n_layers / layout.pp
+    exposed = 0.0
+    if layout.tp > 1:
+        per_block = 8 * (layout.tp - 1) / layout.tp * activation / layout.cp
+        exposed += blocks * per_block / _bandwidth(request, layout.tp)
+    if layout.cp > 1:
+        kv = cfg.n_kv_heads * llm_head_dim(cfg)
+        per_block = 4 * (layout.cp - 1) / layout.cp * activation * kv / cfg.d_model / layout.tp
+        exposed += blocks * per_block / _bandwidth(request, layout.cp * layout.tp)
+    if layout.ep > 1:
+        tokens = activation / layout.cp / layout.tp * cfg.top_k
+        per_layer = 4 * (layout.ep - 1) / layout.ep * tokens
+        exposed += blocks * per_layer / _bandwidth(request, layout.ep)
+    if layout.pp > 1:
+        hop = 2 * activation / layout.cp / layout.tp
+        exposed += m * (layout.pp - 1) * hop / (request.cluster.network_bytes_per_s * BUS_SHARE)
+    return overlapped, first, exposed
+
+
+def step_time(
+    request: PlanRequest, layout: Layout, total_params: int, fsdp: bool
+) -> dict[str, float]:
+    """The step's seconds, and its parts: ``compute`` (GPU work or host time, whichever is
+    longer, with the pipeline bubble), ``exposed_comm``, and each kind of GPU work."""
+    work = gpu_work(request, layout)
+    work["parameters"] = parameter_work(request, layout, total_params, fsdp)
+    gpu = sum(work.values()) / STEP_EFFICIENCY
+    issue, checkpointing = host_time(request, layout)
+    compute = max(gpu, issue) + checkpointing
+    if layout.pp > 1:
+        compute *= 1 + (layout.pp - 1) / (layout.microbatches * max(1, layout.stages_per_rank))
+    overlapped, first, exposed = communication(request, layout, total_params)
+    comm = max(0.0, overlapped - compute) + first + exposed
+    return {"step": compute + comm, "compute": compute, "exposed_comm": comm, **work}
