@@ -143,11 +143,16 @@ def test_fsdp_bf16_keeps_rope_tables_fp32(one_rank_group):
     assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * 2
 
 
-def test_the_root_keeps_its_gathered_parameters_from_forward_to_backward(one_rank_group):
-    """The head's bf16 weight, saved by its matmul for backward, must still be allocated when
-    backward comes. With the root resharded after forward, every GPU step (torch 2.11, bf16
-    FSDP2) failed in backward with ``setStorage: sizes [259, 2048] ... storage of size 0``;
-    torch 2.13 re-gathers it in time, so on this CPU the check is the gathered storage itself."""
+def test_fsdp_finds_the_loss_in_the_models_output_to_gather_the_root_for_backward(
+    one_rank_group,
+):
+    """FSDP2 hooks its pre-backward re-gather on the output tensors it finds, up to torch 2.11
+    with ``tree_flatten``: a plain dataclass output hid them, the root (head included) stayed
+    resharded in backward, and every bf16 step on a GPU failed with ``setStorage: sizes [259,
+    2048] ... storage of size 0``. Here the root is resharded after forward (the bf16 head
+    weight's storage freed), and backward must gather it again."""
+    from torch.utils._pytree import tree_flatten
+
     from train.mesh import build_meshes
     from train.models import parallelize
     from train.parallel_dims import ParallelDims
@@ -158,9 +163,10 @@ def test_the_root_keeps_its_gathered_parameters_from_forward_to_backward(one_ran
         patch.setattr(parallelize, "fsdp_mixed_precision", lambda _meshes, _options: True)
         model = build_model(get_preset("tiny"), CPU, 1, meshes, options)
     out = model(*synthetic_batch())
-    head = model.llm.lm_head.weight
-    assert head.dtype == torch.bfloat16 and head.untyped_storage().size() == head.nbytes
+    leaves, _ = tree_flatten(out)
+    assert any(leaf is out.nll_sum for leaf in leaves) and out.nll_sum.requires_grad
     loss_for_backward(out, out.num_tokens.float(), torch.tensor(4.0), 1).backward()
+    assert all(p.grad is not None for p in model.llm.lm_head.parameters())
 
 
 def test_nonfinite_gradient_skips_the_step_on_the_device():

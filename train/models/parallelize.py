@@ -395,9 +395,8 @@ def apply_fsdp(model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeO
     A pipeline stage runs one forward per microbatch: it keeps its blocks' parameters gathered
     from forward to backward instead of gathering them again for every microbatch (more memory
     per stage, as in torchtitan under PP). The root (embedding, encoder stem, projector, final
-    norm, head) keeps its parameters gathered from forward to backward, as FSDP2 does for a root
-    left to its default: resharding it after forward freed the head's gathered bf16 weight that
-    its backward had saved (every GPU step failed with ``setStorage ... storage of size 0``).
+    norm, head) is resharded after forward too, and gathered again when backward reaches the
+    model's output (``SALMOutput`` is a pytree for that).
     """
     root_policy, policy = mixed_precision_policies(fsdp_mixed_precision(meshes, options))
     shard = partial(fully_shard, reshard_after_forward=not meshes.dims.pp_enabled)
@@ -408,7 +407,7 @@ def apply_fsdp(model: SALM | PipelinePart, meshes: Meshes, options: ParallelizeO
         if block.moe is not None:
             _shard_experts(block.moe, meshes, policy)
         shard(block, mesh=meshes.fsdp, mp_policy=policy)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=root_policy, reshard_after_forward=False)
+    shard(model, mesh=meshes.fsdp, mp_policy=root_policy)
     if meshes.dims.ep_enabled:
         _prefetch_explicitly(list(model.llm.layers.values()))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -503,9 +503,14 @@ def splice(
     return torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
 
 
-@dataclass
-class SALMOutput:
-    """Sums rather than means, so the trainer can normalize by the global counts."""
+class SALMOutput(NamedTuple):
+    """Sums rather than means, so the trainer can normalize by the global counts.
+
+    A NamedTuple, so that the output is a pytree of its tensors: FSDP2 up to torch 2.11 finds
+    the tensors to hook its pre-backward re-gather on with ``tree_flatten``, which sees a plain
+    dataclass as one leaf. The root's parameters, resharded after forward, were then never
+    gathered again for backward: every bf16 step on a GPU failed in the head's backward with
+    ``setStorage: ... storage of size 0`` (torch 2.11, H100, 2026-11-26)."""
 
     nll_sum: torch.Tensor  # summed next-token loss over this rank's transcript targets
     num_tokens: torch.Tensor  # how many targets that sum covers
