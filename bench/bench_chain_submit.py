@@ -6,10 +6,13 @@ From the smallest and the largest N it prints the marginal cost of one more job,
 ``(T_large - T_small) / (large - small)``, for both, and their ratio (target <= 1.2). Then the
 fixed cost of a YAML training recipe: ``auto_launch --dry-run`` on the local backend with the
 plan check (which composes the trainer's config and prices its layout) and without it, against
-the target of 0.3 s. Jobs are cancelled between rounds, outside the timed part. Uses
-$SLURM_CONF when set, else starts (and stops) a private cluster with `orchestrator cluster up`.
+the target of 0.3 s. Then the code snapshot's cost: ``auto_launch -n8`` of this repository's
+own training recipe, run from the repository's root, with the snapshot (the default) against
+``--code live`` (target: at most 1.5 s extra). Jobs are cancelled between rounds, outside the
+timed part. Uses $SLURM_CONF when set, else starts (and stops) a private cluster with
+`orchestrator cluster up`.
 
-    python bench/bench_chain_submit.py [--rounds 7] [--jobs 8 100]
+    python bench/bench_chain_submit.py [--rounds 7] [--jobs 8 100] [--only snapshot]
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from pathlib import Path
 from loopback import bench_cluster  # bench/loopback.py, beside this script
 
 BIN = Path(sys.executable).parent
-TRAINING_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "train_tiny_fsdp2.yaml"
+REPO = Path(__file__).resolve().parents[1]
+TRAINING_RECIPE = REPO / "recipes" / "train_tiny_fsdp2.yaml"
 RECIPE = """#!/bin/bash
 #SBATCH --time=00:05:00
 SEED=${1:?seed required}
@@ -93,10 +97,38 @@ def submission_medians(
     return medians
 
 
+def snapshot_cost(rounds: int, work: Path, env: dict[str, str]) -> None:
+    """``auto_launch -n8`` of the repository's training recipe from its root: snapshot against
+    ``--code live``, alternating, medians."""
+    times: dict[str, list[float]] = {"snapshot": [], "live": []}
+    cancel_all()
+    for round_index in range(rounds):
+        order = ("snapshot", "live") if round_index % 2 == 0 else ("live", "snapshot")
+        for code in order:
+            run_dir = work / f"code-{code}-{round_index}"
+            argv = [str(BIN / "auto_launch"), "-n8", "--no-plan-check", "--code", code]
+            argv += ["--run-dir", str(run_dir), str(TRAINING_RECIPE)]
+            started = time.perf_counter()
+            done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
+            times[code].append(time.perf_counter() - started)
+            if done.returncode != 0:
+                raise SystemExit(f"auto_launch failed: {done.stderr.strip()}")
+            cancel_all()
+    medians = {code: statistics.median(values) for code, values in times.items()}
+    extra = medians["snapshot"] - medians["live"]
+    print(
+        f"\nauto_launch -n8 {TRAINING_RECIPE.name} from {REPO}: snapshot median "
+        f"{medians['snapshot']:.3f} s, --code live {medians['live']:.3f} s; extra {extra:.3f} s "
+        f"(target <= 1.5 s), ratio {medians['snapshot'] / medians['live']:.2f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--jobs", type=int, nargs="+", default=[8, 100])
+    parser.add_argument("--only", choices=("snapshot",), help="only the code snapshot's cost")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-chain-"))
     recipe = work / "bench.sub"
@@ -109,6 +141,9 @@ def main() -> None:
     }
     with bench_cluster(work) as conf:
         env["SLURM_CONF"] = conf
+        if args.only == "snapshot":
+            snapshot_cost(args.rounds, work, env)
+            return
         medians = {n: submission_medians(n, args.rounds, work, recipe, env) for n in args.jobs}
         small, large = min(args.jobs), max(args.jobs)
         if large > small:
@@ -131,6 +166,7 @@ def main() -> None:
         for label, argv in fixed.items():
             median = statistics.median(timed(argv, env) for _ in range(args.rounds))
             print(f"  {label}: median {median:.3f} s ({median / 0.3:.2f}x the 0.3 s target)")
+        snapshot_cost(args.rounds, work, env)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ SEED = "ORCH_SEED"  # the job's own seed
 SWEEP_ID = "ORCH_SWEEP_ID"  # set for the members of a sweep
 PYTHON = "ORCH_PYTHON"  # the interpreter that runs the chain hook
 HOME = "ORCH_HOME"  # where chains, indexes and the default cluster dir live
+# The code a chain's jobs run: the snapshot of the git work tree frozen at submission, or the
+# directory given with --code DIR (unset with --code live).
+CODE_DIR = "ORCH_CODE_DIR"
 # Epoch seconds at which the training saves and stops by itself: the batch script sets it to the
 # job's end time (squeue's) less ``signal_grace``, a second path beside SLURM's USR1 warning.
 STOP_AT = "ORCH_STOP_AT"

@@ -30,6 +30,8 @@ CUTS_PREFIX = "cuts/"
 EVAL_DIR = "eval"
 JOB_ENDS_DIR = "job_ends"
 LOGS_DIR = "logs"
+CODE_SNAPSHOT_DIR = "code"  # the work tree as it was at submission, which every job runs
+CODE_DIFF = "code.diff"  # its uncommitted changes against the recorded commit
 STEP_DIR = re.compile(r"step_(\d+)")
 TMP_DIR = re.compile(r"\.tmp-step_(\d+)-.+")
 

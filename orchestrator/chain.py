@@ -12,10 +12,9 @@ queues replacements for failed jobs (``--retries``).
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +43,14 @@ from orchestrator.preflight import (
 from orchestrator.scripts import read_recipe
 from orchestrator.seeds import chain_seeds, validate_base_seed
 from orchestrator.slurm.resources import JobResources
+from orchestrator.snapshot import (
+    DEFAULT_LIMIT_MB,
+    SNAPSHOT,
+    CodeSource,
+    code_env,
+    freeze,
+    plan_code,
+)
 
 # The --then job waits for the chain's last job to end, however it ended: a chain that failed or
 # timed out still gets its final answer from what it saved.
@@ -110,6 +117,7 @@ class ChainPlan:
     function_args: tuple[Any, ...] = ()
     then: ThenJob | None = None
     retries: int = 0
+    code: CodeSource | None = None  # what the jobs run (None: the live workdir, unrecorded)
 
     @classmethod
     def create(
@@ -130,11 +138,16 @@ class ChainPlan:
         workdir: Path | None = None,
         then: ThenJob | None = None,
         retries: int = 0,
+        code: str = SNAPSHOT,
+        code_limit_mb: float = DEFAULT_LIMIT_MB,
     ) -> ChainPlan:
         """The one way to plan a chain: every check made, the id, run dir and seeds decided.
 
         ``run_dir`` defaults to ``$ORCH_HOME/runs/<chain id>``, ``workdir`` to the current one.
-        A --then job takes the seed after the chain's last, derived the same way.
+        A --then job takes the seed after the chain's last, derived the same way. ``code``:
+        what the jobs run (``orchestrator.snapshot``: by default a snapshot of the git work
+        tree holding ``workdir``, frozen into the run dir at submission; the jobs start in its
+        copy of ``workdir``).
         """
         check_num_jobs(num_jobs)
         check_dependency(dependency_kind)
@@ -145,12 +158,13 @@ class ChainPlan:
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
+        source = plan_code(code, workdir or Path.cwd(), resolved_run_dir, code_limit_mb)
         return cls(
             chain_id=chain_id,
             recipe=recipe,
             script_text=script_text,
             run_dir=resolved_run_dir,
-            workdir=workdir or Path.cwd(),
+            workdir=source.workdir,
             num_jobs=num_jobs,
             seeds=tuple(chain_seeds(num_jobs + (then is not None), base_seed)),
             dependency_kind=dependency_kind,
@@ -162,6 +176,7 @@ class ChainPlan:
             function_args=tuple(function_args),
             then=then,
             retries=retries,
+            code=source,
         )
 
     @property
@@ -226,9 +241,12 @@ def contract_env(plan: ChainPlan, index: int) -> dict[str, str]:
 
     ORCH_NUM_JOBS counts the chain's jobs without the --then job, whose index is that number.
     """
-    return job_variables(
+    env = job_variables(
         plan.chain_id, index, plan.num_jobs, plan.seeds[index], plan.run_dir, plan.sweep_id
     )
+    if plan.code is not None:
+        env.update(plan.code.env(os.environ.get("PYTHONPATH")))
+    return env
 
 
 def job_variables(
@@ -254,14 +272,17 @@ def replacement_request(manifest: Manifest, index: int, seed: int, after: str | 
     for a failed job. It runs the chain's script copy, as every job of the chain does."""
     script = Path(manifest.script)
     job_name = script.stem  # ChainPlan.script_path is RUN_DIR/<job name>.sub
+    env = job_variables(
+        manifest.chain_id, index, manifest.num_jobs, seed, manifest.run_dir, manifest.sweep_id
+    )
+    if manifest.code_dir:  # the chain's code, whatever the replacing job was started with
+        env.update(code_env(manifest.code_dir, os.environ.get("PYTHONPATH")))
     return JobRequest(
         script=script,
         script_args=tuple(manifest.args),
         job_name=job_name,
         log_pattern=log_pattern(Path(manifest.run_dir), job_name),
-        env=job_variables(
-            manifest.chain_id, index, manifest.num_jobs, seed, manifest.run_dir, manifest.sweep_id
-        ),
+        env=env,
         dependency_kind=manifest.dependency_kind,
         after=after,
         workdir=Path(manifest.workdir or manifest.run_dir),
@@ -293,26 +314,6 @@ def new_chain_id(stem: str) -> str:
     return f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def git_state(directory: Path) -> tuple[str | None, bool | None]:
-    """(commit sha, dirty flag) of the repository holding ``directory``, or (None, None)."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10
-        )
-        if sha.returncode != 0:
-            return None, None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None, None
-    return sha.stdout.strip(), bool(dirty.stdout.strip())
-
-
 def callable_name(function: Callable[..., Any]) -> str:
     return f"python:{function.__module__}.{function.__qualname__}"
 
@@ -329,6 +330,7 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
             recipe_sha256=sha256_of(plan.then.recipe),
             script=str(plan.then_script_path),
         )
+    code = plan.code
     return Manifest(
         chain_id=plan.chain_id,
         recipe=str(plan.recipe),
@@ -340,13 +342,16 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         num_jobs=plan.num_jobs,
         args=list(plan.script_args),
         base_seed=plan.base_seed,
-        git_sha=None,
-        git_dirty=None,
+        git_sha=code.commit if code else None,
+        git_dirty=code.dirty if code else None,
         created=time.time(),
         sweep_id=plan.sweep_id,
         then=then,
         retries=plan.retries,
         workdir=str(plan.workdir),
+        code_mode=code.mode if code else None,
+        code_dir=str(code.root) if code and code.root else None,
+        code_diff=str(code.diff_path) if code and code.diff_path else None,
     )
 
 
@@ -371,19 +376,13 @@ def _submit_chain(
     backend: Backend,
     on_submitted: Callable[[JobRecord], None] | None,
 ) -> Manifest:
+    if plan.code is not None:
+        freeze(plan.code)
     write_scripts(plan)
     manifest = new_manifest(plan, backend.label)
     manifest.save(durable=False)
     register_chain(manifest)
-    # The git state is only for the record: read it while the jobs are being submitted.
-    git: list[tuple[str | None, bool | None]] = []
-    reader = threading.Thread(target=lambda: git.append(git_state(plan.recipe.parent)))
-    reader.start()
-    try:
-        _submit_jobs(plan, backend, manifest, on_submitted)
-    finally:
-        reader.join()
-    manifest.git_sha, manifest.git_dirty = git[0] if git else (None, None)
+    _submit_jobs(plan, backend, manifest, on_submitted)
     manifest.status = "submitted"
     manifest.save()
     return manifest

@@ -28,6 +28,7 @@ from orchestrator.manifest import (
 )
 from orchestrator.results import RunResults, as_json, disk_problem, format_wer, last_progress
 from orchestrator.scripts import PreparedScript, read_recipe
+from orchestrator.snapshot import DEFAULT_LIMIT_MB, SNAPSHOT
 
 
 def _run(handler, args: argparse.Namespace) -> int:
@@ -94,6 +95,22 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         "without finishing its training, up to K in all (slurm backend; the recipe must run "
         "the chain hook, as rendered YAML recipes do)",
     )
+    parser.add_argument(
+        "--code",
+        default=SNAPSHOT,
+        metavar="snapshot|live|DIR",
+        help="what the jobs run: snapshot (default) freezes the git work tree holding the "
+        "current directory (tracked files with their uncommitted changes, untracked files git "
+        "does not ignore) into RUN_DIR/code, and every job runs that copy; live: the tree as it "
+        "is when each job starts; DIR: that directory. The jobs get it as ORCH_CODE_DIR",
+    )
+    parser.add_argument(
+        "--code-limit-mb",
+        type=float,
+        default=DEFAULT_LIMIT_MB,
+        metavar="MB",
+        help="refuse a snapshot larger than this (default %(default)g)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
     parser.add_argument(
@@ -128,6 +145,8 @@ def build_plan(
         script_args=tuple(script_args),
         then=then,
         retries=args.retries,
+        code=args.code,
+        code_limit_mb=args.code_limit_mb,
     )
     return plan, prepared
 
@@ -153,6 +172,8 @@ def print_dry_run(plan: ChainPlan, backend: Backend) -> None:
         f"# chain {plan.chain_id}: {plan.num_jobs} job(s){then}, backend {backend.label}, dry run"
     )
     print(f"# run dir: {plan.run_dir}")
+    if plan.code is not None:
+        print(f"# {plan.code.describe()}")
     after: str | None = None
     for index in range(plan.total_jobs):
         request = plan.request(index, after)
@@ -185,6 +206,13 @@ def summary(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
         "run_dir": manifest.run_dir,
         "backend": manifest.backend,
         "status": manifest.status,
+        "code": {
+            "mode": manifest.code_mode,
+            "dir": manifest.code_dir,
+            "commit": manifest.git_sha,
+            "dirty": manifest.git_dirty,
+            "diff": manifest.code_diff,
+        },
         "jobs": [
             {
                 "index": job.index,
@@ -246,6 +274,8 @@ def auto_launch(args: argparse.Namespace) -> int:
         return 0
     print(f"chain {manifest.chain_id} ({backend.label}): {jobs_label(manifest)} job(s)")
     print(f"run dir  {manifest.run_dir}")
+    if plan.code is not None:
+        print(plan.code.describe())
     print(f"manifest {manifest.path}")
     rows = [
         [
@@ -395,10 +425,18 @@ def job_reason(job: JobRecord, status: JobStatus | None) -> str:
     return "; ".join(parts)
 
 
+def code_line(code: dict) -> str:
+    """What the chain's jobs run, in one line: the commit, dirty or not, and from where."""
+    commit = (code["commit"] or "no commit")[:12] + (" (dirty)" if code["dirty"] else "")
+    where = {"snapshot": f"snapshot {code['dir']}", "dir": f"from {code['dir']}"}
+    return f"code: {commit}, {where.get(code['mode'] or '', 'live tree')}"
+
+
 def print_status(payload: dict, results: RunResults) -> None:
     """The chain's status as a table: ``status_payload``'s, so the two never disagree."""
     chain, backend, run_dir = payload["chain_id"], payload["backend"], payload["run_dir"]
     print(f"chain {chain} ({backend}, {payload['status']})  {run_dir}")
+    print(code_line(payload["code"]))
     if payload["controller_unreachable"]:
         print(unreachable_notice(payload["controller_unreachable"]))
     if payload["accounting_unreachable"]:

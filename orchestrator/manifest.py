@@ -104,6 +104,9 @@ class Manifest:
     then: ThenRecord | None = None
     retries: int = 0  # --retries: replacement jobs the chain may queue for failed ones
     workdir: str | None = None  # where the jobs start (sbatch --chdir), for replacements
+    code_mode: str | None = None  # snapshot, dir or live (orchestrator/snapshot.py)
+    code_dir: str | None = None  # ORCH_CODE_DIR: the snapshot or --code DIR (None: live)
+    code_diff: str | None = None  # the snapshot's uncommitted changes (RUN_DIR/code.diff)
     ended: str | None = None  # why the chain is complete or diverged (its queued jobs cancelled)
     jobs: list[JobRecord] = field(default_factory=list)
 

@@ -25,6 +25,7 @@ from orchestrator.errors import UsageError
 from orchestrator.launch import LaunchJob, check_jobs, find_site, site_for
 from orchestrator.manifest import Manifest
 from orchestrator.slurm.resources import JobResources
+from orchestrator.snapshot import SNAPSHOT
 
 
 def launch_callable_chain(
@@ -38,13 +39,15 @@ def launch_callable_chain(
     cluster: str | None = None,
     executor_params: dict[str, Any] | None = None,
     name: str | None = None,
+    code: str = SNAPSHOT,
 ) -> Manifest:
     """Submit ``num_jobs`` chained jobs of ``function``; return the chain's manifest.
 
     ``cluster`` is ``slurm`` or ``local`` (default: slurm when a controller answers).
     ``executor_params`` go to the submitit executor (e.g. ``{"time": 240, "partition": "batch"}``);
     the resources they ask for are checked against the cluster's partitions (or this machine) as
-    auto_launch checks a recipe's, before anything is queued.
+    auto_launch checks a recipe's, before anything is queued. ``code``: what the jobs run, as
+    ``auto_launch --code`` (``snapshot``, the default, ``live`` or a directory).
     """
     from orchestrator.backends.submitit_local import SubmititLocalBackend
     from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
@@ -66,6 +69,7 @@ def launch_callable_chain(
         base_seed=seed,
         function=function,
         function_args=tuple(args),
+        code=code,
     )
     site = site_for(executors[cluster]) if cluster else find_site(SubmititSlurmBackend.option)
     resources = JobResources.from_executor_params(executor_params or {})

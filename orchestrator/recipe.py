@@ -89,6 +89,7 @@ CONTRACT_VARIABLES = (
     job_env.NUM_JOBS,
     job_env.SEED,
     job_env.RUN_DIR,
+    job_env.CODE_DIR,
     "SLURM_JOB_ID",
     "SLURM_NODEID",
 )

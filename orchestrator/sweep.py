@@ -26,6 +26,7 @@ from orchestrator.manifest import Manifest, register_sweep
 from orchestrator.recipe import load_recipe, parse_recipe
 from orchestrator.render import render_recipe
 from orchestrator.slurm.resources import JobResources
+from orchestrator.snapshot import SNAPSHOT
 
 BACKENDS = ("slurm", "local")
 
@@ -59,6 +60,7 @@ class SweepRequest:
     workdir: Path
     then: ThenJob | None = None  # each member's chain ends with it
     retries: int = 0  # replacements each member's chain may queue (auto_launch --retries)
+    code: str = SNAPSHOT  # what each member's jobs run (auto_launch --code)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
         workdir=request.workdir,
         then=request.then,
         retries=request.retries,
+        code=request.code,
     )
     config = member.config
     job = LaunchJob(

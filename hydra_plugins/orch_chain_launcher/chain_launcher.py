@@ -22,6 +22,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from contract.configs import TRAIN_MODULE
+from contract.job_env import CODE_DIR
 from hydra_plugins.orch_chain_launcher.config import ChainSettings
 from hydra_plugins.orch_chain_launcher.members import (
     fail,
@@ -30,6 +31,7 @@ from hydra_plugins.orch_chain_launcher.members import (
     validate_members,
 )
 from orchestrator.errors import UsageError
+from orchestrator.snapshot import SNAPSHOT, work_tree
 
 # The chain sets these for every job: seed=${SEED}, run_dir=${ORCH_RUN_DIR}.
 CHAIN_KEYS = ("seed", "run_dir")
@@ -117,7 +119,7 @@ class ChainLauncher(Launcher):
                 sys.executable,
                 "-m",
                 TRAIN_MODULE,
-                *config_path_args(self.config),
+                *config_path_args(self.config, str(params["code"])),
                 "--config-name",
                 config_name,
             ),
@@ -128,6 +130,7 @@ class ChainLauncher(Launcher):
             workdir=Path.cwd(),
             then=then,
             retries=int(params["retries"]),
+            code=str(params["code"]),
         )
         manifests = submit_sweep(request, members)
         print_sweep(request, manifests)
@@ -143,15 +146,22 @@ class ChainLauncher(Launcher):
         ]
 
 
-def config_path_args(config: DictConfig) -> list[str]:
+def config_path_args(config: DictConfig, code: str) -> list[str]:
     """The config folders a user gave (``--config-path``, ``--config-dir``), so that every job
-    reads the same configs; the packaged ones need no argument."""
+    reads the same configs; the packaged ones need no argument. Under a code snapshot, a folder
+    of the work tree is read from the member's snapshot (``${ORCH_CODE_DIR}/...``): the configs
+    as they were at submission."""
+    tree = work_tree(Path.cwd()) if code == SNAPSHOT else None
     args: list[str] = []
     for source in config.hydra.runtime.config_sources:
         if source.schema != "file":
             continue
+        path = Path(source.path).resolve()
+        where = str(path)
+        if tree is not None and path.is_relative_to(tree):
+            where = "${" + CODE_DIR + "}/" + path.relative_to(tree).as_posix()
         if source.provider == "main":
-            args += ["--config-path", str(Path(source.path).resolve())]
+            args += ["--config-path", where]
         elif source.provider == "command-line":
-            args += ["--config-dir", str(Path(source.path).resolve())]
+            args += ["--config-dir", where]
     return args

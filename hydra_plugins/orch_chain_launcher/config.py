@@ -22,7 +22,9 @@ class ChainSettings:
     with, as ``auto_launch --then`` (e.g. an evaluation of the member's run). ``retries``: as
     ``auto_launch --retries``, replacement jobs each member's chain may queue (slurm backend).
     ``plan_check``: price each member's layout with the planner and refuse, before anything is
-    queued, one that cannot fit the memory its ranks get."""
+    queued, one that cannot fit the memory its ranks get. ``code``: as ``auto_launch --code``,
+    what each member's jobs run (``snapshot``: the git work tree frozen into the member's run
+    dir; ``live``; or a directory)."""
 
     _target_: str = f"{PACKAGE}.chain_launcher.ChainLauncher"
     backend: str = "slurm"  # slurm | local
@@ -35,6 +37,7 @@ class ChainSettings:
     retries: int = 0
     # Refuse members whose layout the planner says cannot fit (auto_launch --no-plan-check).
     plan_check: bool = True
+    code: str = "snapshot"
 
 
 # The chain settings plus every recipe setting, with its default, from the one recipe schema
