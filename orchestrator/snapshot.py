@@ -4,10 +4,11 @@ A chain runs for days; without a snapshot, a job that starts on day three runs w
 checkout holds that day. When ``auto_launch`` runs inside a git work tree (the one holding the
 current directory), the tree's tracked files as they are on disk (uncommitted changes included)
 and its untracked files that git does not ignore (each up to ``UNTRACKED_FILE_LIMIT``; larger
-ones are left out and named) are copied into ``RUN_DIR/code`` once per launch. Every job of the
-chain starts in the snapshot's copy of the current directory, with the snapshot first on
-``PYTHONPATH`` (and its ``src/`` where there is one), so a package installed in editable mode
-from that tree, the toolkit's own checkout included, is imported from the snapshot.
+ones, and those whose names say they hold credentials, are left out and named) are copied into
+``RUN_DIR/code`` once per launch. Every job of the chain starts in the snapshot's copy of the
+current directory, with the snapshot first on ``PYTHONPATH`` (and its ``src/`` where there is
+one), so a package installed in editable mode from that tree, the toolkit's own checkout
+included, is imported from the snapshot.
 
 What git ignores (data, run dirs, virtual environments, build outputs) is not copied: each
 ignored entry is linked from the snapshot to the live tree, so that relative paths to data keep
@@ -21,6 +22,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 from contract import job_env
@@ -33,6 +35,10 @@ DIRECTORY = "dir"  # run from a directory the user gives (--code DIR)
 DEFAULT_LIMIT_MB = 200  # a snapshot larger than this is refused (--code-limit-mb)
 UNTRACKED_FILE_LIMIT = 10 * 2**20  # untracked files larger than this are left out
 NOT_LINKED = ("__pycache__",)  # ignored entries no job needs
+# Untracked files that hold credentials are never copied into a run dir (often on a shared
+# filesystem); tracked ones are copied as git already holds them.
+CREDENTIAL_FILES = (".env", ".env.*", "*.pem", "*.key", ".netrc", "id_rsa*", "id_ed25519*")
+CREDENTIAL_WORDS = ("secret", "credential", "token", "password")
 GIT_TIMEOUT_S = 30
 
 
@@ -73,7 +79,8 @@ class CodeSource:
             return f"code: {self.root}, {commit}"
         left = ""
         if self.left_out:
-            left = f"; left out (untracked, over 10 MiB): {', '.join(self.left_out)}"
+            left = "; left out (untracked: over 10 MiB, or credentials): "
+            left += ", ".join(self.left_out)
         return (
             f"code: snapshot of {self.tree} at {commit}: {len(self.files)} files, "
             f"{self.size / 2**20:.1f} MiB -> {self.root}{left}"
@@ -125,6 +132,14 @@ def _listed(tree: Path, *args: str) -> list[str]:
     return [name for name in done.stdout.split("\0") if name]
 
 
+def holds_credentials(name: str) -> bool:
+    """Whether a file's name says it holds credentials (``.env``, keys, ``*secret*``)."""
+    base = Path(name).name.lower()
+    return any(fnmatch(base, pattern) for pattern in CREDENTIAL_FILES) or any(
+        word in base for word in CREDENTIAL_WORDS
+    )
+
+
 def plan_code(code: str, cwd: Path, run_dir: Path, limit_mb: float) -> CodeSource:
     """Decide what the jobs run (nothing is copied yet; ``freeze`` copies). A snapshot over
     ``limit_mb``, or a ``--code DIR`` that is not a directory, is a UsageError."""
@@ -164,7 +179,7 @@ def _snapshot_plan(tree: Path, cwd: Path, root: Path, limit_mb: float) -> CodeSo
             submodules.append(name)  # linked to the live tree, as ignored entries are
             continue
         size = path.lstat().st_size
-        if name in not_tracked and size > UNTRACKED_FILE_LIMIT:
+        if name in not_tracked and (size > UNTRACKED_FILE_LIMIT or holds_credentials(name)):
             left_out.append(name)
             continue
         files.append(name)

@@ -73,12 +73,13 @@ def test_a_snapshot_holds_tracked_files_as_on_disk_and_untracked_ones_git_keeps(
     (project / "project" / "__init__.py").write_text("VERSION = 2  # not committed\n")
     (project / "project" / "helper.py").write_text("X = 1\n")  # new, not yet added
     (project / "huge.bin").write_bytes(b"\0" * (UNTRACKED_FILE_LIMIT + 1))
+    (project / ".env").write_text("WANDB_API_KEY=abc\n")  # untracked credentials: never copied
     (project / "run.sub").unlink()  # deleted from the tree: not in the snapshot
     code = plan_code(SNAPSHOT, project, tmp_path / "run", 200)
     assert code.mode == SNAPSHOT and code.tree == project
     assert code.commit == git(project, "rev-parse", "HEAD") and code.dirty
     assert set(code.files) == {".gitignore", "project/__init__.py", "project/helper.py"}
-    assert code.left_out == ("huge.bin",) and "huge.bin" in code.describe()
+    assert set(code.left_out) == {"huge.bin", ".env"} and "huge.bin" in code.describe()
     assert set(code.links) == {"build", "data"}
     freeze(code)
     root = tmp_path / "run" / CODE_SNAPSHOT_DIR
