@@ -7,7 +7,7 @@ From the smallest and the largest N it prints the marginal cost of one more job,
 fixed cost of a YAML training recipe: ``auto_launch --dry-run`` on the local backend with the
 plan check (which composes the trainer's config and prices its layout) and without it, against
 the target of 0.3 s. Then the code snapshot's cost: ``auto_launch -n8`` of this repository's
-own training recipe, run from the repository's root, with the snapshot (the default) against
+own smoke recipe, run from the repository's root, with the snapshot (the default) against
 ``--code live`` (target: at most 1.5 s extra). Jobs are cancelled between rounds, outside the
 timed part. Uses $SLURM_CONF when set, else starts (and stops) a private cluster with
 `orchestrator cluster up`.
@@ -31,6 +31,7 @@ from loopback import bench_cluster  # bench/loopback.py, beside this script
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 TRAINING_RECIPE = REPO / "recipes" / "train_tiny_fsdp2.yaml"
+SMOKE_RECIPE = REPO / "recipes" / "smoke.yaml"  # fits the bench's 1-CPU nodes
 RECIPE = """#!/bin/bash
 #SBATCH --time=00:05:00
 SEED=${1:?seed required}
@@ -98,7 +99,7 @@ def submission_medians(
 
 
 def snapshot_cost(rounds: int, work: Path, env: dict[str, str]) -> None:
-    """``auto_launch -n8`` of the repository's training recipe from its root: snapshot against
+    """``auto_launch -n8`` of the repository's smoke recipe from its root: snapshot against
     ``--code live``, alternating, medians."""
     times: dict[str, list[float]] = {"snapshot": [], "live": []}
     cancel_all()
@@ -106,8 +107,8 @@ def snapshot_cost(rounds: int, work: Path, env: dict[str, str]) -> None:
         order = ("snapshot", "live") if round_index % 2 == 0 else ("live", "snapshot")
         for code in order:
             run_dir = work / f"code-{code}-{round_index}"
-            argv = [str(BIN / "auto_launch"), "-n8", "--no-plan-check", "--code", code]
-            argv += ["--run-dir", str(run_dir), str(TRAINING_RECIPE)]
+            argv = [str(BIN / "auto_launch"), "-n8", "--code", code]
+            argv += ["--run-dir", str(run_dir), str(SMOKE_RECIPE)]
             started = time.perf_counter()
             done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
             times[code].append(time.perf_counter() - started)
@@ -117,7 +118,7 @@ def snapshot_cost(rounds: int, work: Path, env: dict[str, str]) -> None:
     medians = {code: statistics.median(values) for code, values in times.items()}
     extra = medians["snapshot"] - medians["live"]
     print(
-        f"\nauto_launch -n8 {TRAINING_RECIPE.name} from {REPO}: snapshot median "
+        f"\nauto_launch -n8 {SMOKE_RECIPE.name} from {REPO}: snapshot median "
         f"{medians['snapshot']:.3f} s, --code live {medians['live']:.3f} s; extra {extra:.3f} s "
         f"(target <= 1.5 s), ratio {medians['snapshot'] / medians['live']:.2f}",
         flush=True,
