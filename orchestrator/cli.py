@@ -435,7 +435,9 @@ def code_line(code: dict) -> str:
 def print_status(payload: dict, results: RunResults) -> None:
     """The chain's status as a table: ``status_payload``'s, so the two never disagree."""
     chain, backend, run_dir = payload["chain_id"], payload["backend"], payload["run_dir"]
-    print(f"chain {chain} ({backend}, {payload['status']})  {run_dir}")
+    print(
+        f"chain {chain} ({backend}, {payload['status']})  {run_dir}  {code_line(payload['code'])}"
+    )
     if payload["controller_unreachable"]:
         print(unreachable_notice(payload["controller_unreachable"]))
     if payload["accounting_unreachable"]:
@@ -471,7 +473,6 @@ def print_status(payload: dict, results: RunResults) -> None:
     ]
     header = ["index", "job_id", "seed", "state", "step", "loss", "exit", "elapsed", "nodes"]
     print_table(rows, [*header, "reason"])
-    print(code_line(payload["code"]))
 
 
 def print_ranking(
