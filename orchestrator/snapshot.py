@@ -164,7 +164,8 @@ def _snapshot_plan(tree: Path, cwd: Path, root: Path, limit_mb: float) -> CodeSo
         tracked = _listed(tree, "--cached")
         untracked = _listed(tree, "--others", "--exclude-standard")
         ignored = _listed(tree, "--others", "--ignored", "--exclude-standard", "--directory")
-        commit, _ = git_state(tree)
+        head = _git(tree, "rev-parse", "HEAD")  # the dirty flag comes from the diff below
+        commit = head.stdout.strip() if head.returncode == 0 else None
         diff = _git(tree, "diff", "HEAD", "--binary").stdout if commit else ""
     except (OSError, subprocess.TimeoutExpired) as error:
         raise UsageError(f"code snapshot: git failed in {tree}: {error}") from error
