@@ -47,6 +47,9 @@ def shell_word(word: str) -> str:
 
 
 TEMPLATE_DIR_ENV = "ORCH_TEMPLATE_DIR"
+# Seconds after the launch before the batch shell passes a stop (USR1) on: long enough for srun
+# to start the step's tasks and for each task to install its trap.
+LAUNCH_SETTLE_S = 10
 # The facts of contract/ that the templates write into every script.
 CONTRACT = {
     "port_base": PORT_BASE,
@@ -54,6 +57,7 @@ CONTRACT = {
     "exit_chain_ended": EXIT_CHAIN_ENDED,
     "exited_prefix": EXITED_PREFIX,
     "stop_at_env": STOP_AT,
+    "launch_settle_s": LAUNCH_SETTLE_S,
 }
 
 

@@ -136,14 +136,15 @@ def dense_alone(dense_run) -> dict:
 def learnt_it(result: dict) -> None:
     """The hypotheses depend on the audio: most learnt utterances come out exactly, in several
     different transcripts of different lengths (so rows of a batch stop at different steps),
-    and the unheard ones do not, so the WER is neither 0 nor 1."""
+    and the unheard ones do not, so the WER is not 0 (nor bounded by 1: a model that learnt eight
+    utterances by heart may say a long one for an utterance it never heard)."""
     rows = result["rows"]
     assert len(rows) == MEMORIZED + UNHEARD
     exact = [row for row in rows if row["hypothesis"] == row["reference"]]
     assert len(exact) >= MEMORIZED - 2, rows
     assert len({row["hypothesis"] for row in rows}) >= MEMORIZED // 2 + 1, rows
     assert len({len(row["hypothesis"]) for row in exact}) >= 3, rows
-    assert 0 < result["summary"]["wer"] < 1
+    assert result["summary"]["wer"] > 0, rows
 
 
 def test_one_process_writes_hypotheses_and_a_summary(dense_run, dense_alone, memorable):
