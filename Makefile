@@ -5,7 +5,7 @@ VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 WHEELHOUSE = $(VENV)/wheelhouse
 TORCH_VERSION ?= 2.13.0
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox openssh-server
 PYTEST_ARGS ?=
 # make test runs the test modules on this many workers (pytest-xdist), a module per worker at a
 # time, longest first (tests/ledger.py): the SLURM and fault tests mostly wait on daemons and
@@ -44,10 +44,11 @@ print-%:
 	@echo '$($*)'
 
 # Debian packages: SLURM and munge for the loopback cluster, slurmdbd and MariaDB for its
-# accounting (`cluster up --accounting`, used by the tests), espeak-ng and sox for the corpus.
+# accounting (`cluster up --accounting`, used by the tests), espeak-ng and sox for the corpus,
+# OpenSSH's server (and client) for the test of launches over SSH (`auto_launch --host`).
 setup-system:
 	@missing=""; \
-	for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd mariadb-install-db espeak-ng sox; do \
+	for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd mariadb-install-db espeak-ng sox sshd ssh ssh-keygen; do \
 	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; \
 	done; \
 	if [ -n "$$missing" ]; then \

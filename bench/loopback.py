@@ -13,7 +13,10 @@ from orchestrator import cluster
 
 @contextmanager
 def bench_cluster(
-    work: Path, nodes: int | None = None, cpus_per_node: int | None = None
+    work: Path,
+    nodes: int | None = None,
+    cpus_per_node: int | None = None,
+    preemption: bool = False,
 ) -> Iterator[str]:
     """Yield the slurm.conf to use, with SLURM_CONF set to it in this process."""
     if "SLURM_CONF" in os.environ:
@@ -21,7 +24,7 @@ def bench_cluster(
         return
     directory = work / "cluster"
     print(f"starting a loopback cluster in {directory}", flush=True)
-    info = cluster.up(directory, nodes=nodes, cpus_per_node=cpus_per_node)
+    info = cluster.up(directory, nodes=nodes, cpus_per_node=cpus_per_node, preemption=preemption)
     os.environ["SLURM_CONF"] = info.conf
     try:
         yield info.conf

@@ -2,7 +2,8 @@
 
 Rank 0 writes ``RUN_DIR/job_ends/<ORCH_JOB_INDEX>-<SLURM_JOB_ID>.json`` as the trainer exits
 (only inside a job: no ``SLURM_JOB_ID``, no record), atomically, so a reader sees all of it or
-nothing:
+nothing. A rank that ends the job itself (its hang watchdog, exit 5; a lost peer rank, exit 6)
+writes it too where there is none yet: rank 0 may be the rank that was lost.
 
     {"reason": "max_steps" | "signal" | "budget" | "diverged" | "error",
      "step": N, "finished": bool, "saved": bool, "signal": "SIGTERM" | "SIGUSR1" | null,
@@ -19,6 +20,7 @@ cannot say how the job ended.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +35,7 @@ EXIT_CONFIG = 2  # the config or layout is refused before training: a new job wo
 EXIT_DIVERGED = 3  # N consecutive non-finite steps: nothing new saved, the next job resumes
 EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): previous intact
 EXIT_HUNG = 5  # no progress for train.hang_timeout_s: nothing saved, the next job resumes
+EXIT_PEER_LOST = 6  # a collective failed: a peer rank died or its link broke; the next job resumes
 EXIT_CHAIN_ENDED = 100  # the chain hook's `start`: the chain has ended, this job does not train
 REASONS = ("max_steps", "signal", "budget", "diverged", "error")
 
@@ -79,8 +82,9 @@ def job_end_record(
     }
 
 
-def write_job_end(run_dir: Path | str, record: dict[str, Any]) -> Path | None:
-    """Write the record of this job (rank 0 only); None outside a SLURM-style job."""
+def write_job_end(run_dir: Path | str, record: dict[str, Any], replace: bool = True) -> Path | None:
+    """Write the record of this job; None outside a SLURM-style job. ``replace=False`` (a rank
+    other than 0) leaves a record already there as it is: rank 0 wrote how the job ended."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return None
@@ -93,10 +97,13 @@ def write_job_end(run_dir: Path | str, record: dict[str, Any]) -> Path | None:
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
+        if replace:
+            os.replace(tmp_name, path)
+        else:
+            with contextlib.suppress(FileExistsError):  # a link never replaces: created or not
+                os.link(tmp_name, path)
+    finally:
         Path(tmp_name).unlink(missing_ok=True)
-        raise
     return path
 
 

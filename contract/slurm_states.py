@@ -19,6 +19,8 @@ END_STATES = (
     "BOOT_FAIL",
     "DEADLINE",
 )
+# The cluster ended the job, not its own work: a new job can do what it could not.
+CUT_SHORT_STATES = ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
 # Ending: the job's processes are being cleaned up. Its dependants may already start (the chain
 # hook counts it as ended), but its log may still grow (``logs --follow`` waits).
 ENDING_STATES = ("COMPLETING",)

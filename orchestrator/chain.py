@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from contract import job_env
-from contract.run_dir import LOGS_DIR, log_pattern
+from contract.run_dir import LOGS_DIR, complete_checkpoints, log_pattern
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
+    DEFAULT_MAX_STALLED,
     JobRecord,
     Manifest,
     ThenRecord,
@@ -117,6 +118,8 @@ class ChainPlan:
     function_args: tuple[Any, ...] = ()
     then: ThenJob | None = None
     retries: int = 0
+    retry_on_exit: tuple[int, ...] = ()  # exit codes worth a replacement (besides the transient)
+    max_stalled: int = DEFAULT_MAX_STALLED
     code: CodeSource | None = None  # what the jobs run (None: the live workdir, unrecorded)
 
     @classmethod
@@ -138,6 +141,8 @@ class ChainPlan:
         workdir: Path | None = None,
         then: ThenJob | None = None,
         retries: int = 0,
+        retry_on_exit: str = "",
+        max_stalled: int = DEFAULT_MAX_STALLED,
         code: str = SNAPSHOT,
         code_limit_mb: float = DEFAULT_LIMIT_MB,
     ) -> ChainPlan:
@@ -155,6 +160,8 @@ class ChainPlan:
             validate_base_seed(base_seed)
         check_job_name(job_name)
         check_retries(retries, dependency_kind, script_text)
+        exit_codes = parse_exit_codes(retry_on_exit, retries)
+        check_max_stalled(max_stalled)
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
@@ -176,6 +183,8 @@ class ChainPlan:
             function_args=tuple(function_args),
             then=then,
             retries=retries,
+            retry_on_exit=exit_codes,
+            max_stalled=max_stalled,
             code=source,
         )
 
@@ -309,6 +318,25 @@ def check_retries(retries: int, dependency_kind: str, script_text: str | None) -
         )
 
 
+def parse_exit_codes(text: str, retries: int) -> tuple[int, ...]:
+    """--retry-on-exit's comma-separated exit codes (1..255)."""
+    if not text:
+        return ()
+    words = [word.strip() for word in text.split(",")]
+    if not all(word.isdigit() and 1 <= int(word) <= 255 for word in words):
+        raise UsageError(
+            f"--retry-on-exit {text!r}: give exit codes 1..255, comma-separated (e.g. 1,137)"
+        )
+    if retries == 0:
+        raise UsageError("--retry-on-exit lists codes worth a retry: give --retries K too")
+    return tuple(sorted({int(word) for word in words}))
+
+
+def check_max_stalled(max_stalled: int) -> None:
+    if not 0 <= max_stalled <= MAX_RETRIES:
+        raise UsageError(f"--max-stalled {max_stalled}: give 0 (never stop) .. {MAX_RETRIES}")
+
+
 def new_chain_id(stem: str) -> str:
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in stem)[:40] or "chain"
     return f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
@@ -348,6 +376,9 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         sweep_id=plan.sweep_id,
         then=then,
         retries=plan.retries,
+        retry_on_exit=list(plan.retry_on_exit),
+        max_stalled=plan.max_stalled,
+        start_step=max(complete_checkpoints(plan.run_dir), default=None),
         workdir=str(plan.workdir),
         code_mode=code.mode if code else None,
         code_dir=str(code.root) if code and code.root else None,

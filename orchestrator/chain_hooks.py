@@ -15,8 +15,19 @@ trainer's end-of-job record (contract/job_end.py), the launcher's exit status or
 - blocked (the trainer's exit 2, config refused, or 4, checkpoints cannot be saved): a new job
   would fail the same way, so the chain stops the same way too; no retry is spent;
 - stopped (a signal or a budget, after saving) or completed (exit 0, no record): nothing to do;
-- failed (an error, or no record and a non-zero status, or killed without running ``end``):
-  one replacement job is queued at the end of the chain while ``--retries`` allow.
+- failed: a failure a new job can fix queues one replacement at the end of the chain while
+  ``--retries`` allow: the cluster cut the job short (NODE_FAIL, PREEMPTED: even after it saved,
+  the chain lost a job's worth of time), its time limit came before a save, a rank hung (exit 5)
+  or lost a peer (exit 6), a process was killed by a signal (status over 128, or the batch
+  shell killed before its end hook), or an exit code the user listed (``--retry-on-exit``).
+  Any other failure (an error of the training's own, exit 1) is not retried: a new job would
+  fail alike.
+
+After the outcomes, two checks end the chain: ``--max-stalled N`` jobs in a row that ended
+without a newer complete checkpoint than the chain had before them stop it as ``stalled`` (its
+queued jobs cancelled: they would burn the queue); and when its last job has ended with the
+training unfinished and nothing more is queued, the chain is ``incomplete``, its line naming the
+step reached and the command that continues it.
 
 ``end`` covers a job that lives to run it; a job killed with its batch shell (node failure,
 SIGKILL, the time limit) is judged by ``start`` of the next job of the chain, which afterany
@@ -28,6 +39,8 @@ outcome as the log's last line (orchestrator/backends/run_dir.py reads it).
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -38,16 +51,23 @@ from contract import job_env
 from contract.job_end import (
     EXIT_CHAIN_ENDED,
     EXIT_CONFIG,
+    EXIT_HUNG,
     EXIT_NOT_SAVED,
+    EXIT_PEER_LOST,
+    job_end_path,
     outcome_line,
     read_job_end,
 )
-from contract.slurm_states import END_STATES, ENDING_STATES
+from contract.run_dir import complete_checkpoints
+from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_STATES
 from orchestrator.backends import registry
 from orchestrator.backends.base import dependency_spec
+from orchestrator.backends.slurm import scontrol_fields
 from orchestrator.chain import THEN_DEPENDENCY, last_first, replacement_request
+from orchestrator.errors import SchedulerError
 from orchestrator.manifest import MANIFEST_NAME, JobRecord, Manifest, chain_lock
 from orchestrator.seeds import chain_seeds
+from orchestrator.slurm.commands import run_slurm
 
 ACTIVE_BACKEND = "slurm"  # the backend whose chains the hook looks after
 # A job has ended, or is ending (its dependants may already start).
@@ -69,50 +89,122 @@ BLOCKED = {
     EXIT_CONFIG: "the trainer's config or layout is refused",
     EXIT_NOT_SAVED: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
 }
+# Trainer exits a new job can fix: retried under --retries.
+TRANSIENT = {
+    EXIT_HUNG: "a rank hung",
+    EXIT_PEER_LOST: "a rank lost a peer",
+}
 # Outcomes that end the whole chain (its queued jobs are cancelled), and the status each gives it.
 CHAIN_ENDINGS = {"finished": "complete", "diverged": "diverged", "blocked": "blocked"}
+STALLED = "stalled"  # --max-stalled jobs in a row without a newer checkpoint
+INCOMPLETE = "incomplete"  # the last job ended, training unfinished, nothing queued
+ENDED_STATUSES = (*CHAIN_ENDINGS.values(), STALLED, INCOMPLETE)
 
 
 @dataclass(frozen=True)
 class Ending:
-    """What a job's end means for the chain: an outcome word and one line saying why."""
+    """What a job's end means for the chain: an outcome word, one line saying why, and whether
+    a failure is one a new job can fix (a replacement is queued under --retries)."""
 
     outcome: str  # finished, stopped, completed, failed, blocked, diverged, not_started
     detail: str
+    retry: bool = False
+
+
+RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"  # set by SLURM in a requeued job: its requeues so far
+REQUEUED, REQUEUE, ENDED = "requeued", "requeue", "ended"  # what became of a preempted run
 
 
 def say(line: str) -> None:
     print(f"[orch] chain: {line}", flush=True)
 
 
-def judge(record: dict[str, Any] | None, status: int | None, state: str, started: bool) -> Ending:
+def judge(
+    record: dict[str, Any] | None,
+    status: int | None,
+    state: str,
+    started: bool,
+    retry_on_exit: tuple[int, ...] = (),
+) -> Ending:
     """The ending of one job: ``record`` is its end-of-job record, ``status`` the launcher's exit
-    status (known to ``end`` only), ``state`` SLURM's, ``started`` whether it has a log."""
+    status (known to ``end`` only), ``state`` SLURM's, ``started`` whether it has a log, and
+    ``retry_on_exit`` the exit codes the user listed as worth a retry."""
+    step = record.get("step") if record is not None else None
+    if record is not None and record.get("finished"):
+        return Ending("finished", f"training finished at step {step}")
+    if record is not None and record["reason"] == "diverged":
+        return Ending("diverged", f"training diverged at step {step}")
+    if state in CUT_SHORT_STATES:
+        saved = f" after saving step {step}" if record is not None and record.get("saved") else ""
+        return Ending("failed", f"cut short by the cluster ({state}){saved}", retry=True)
+    if record is not None and record.get("saved"):
+        signalled = record["reason"] == "signal"
+        why = record.get("signal") or ("a signal" if signalled else "its budget")
+        return Ending("stopped", f"training stopped on {why} after saving step {step}")
+    if state == "TIMEOUT":
+        return Ending("failed", "reached its time limit before saving", retry=True)
     if record is not None:
-        step = record.get("step")
-        if record.get("finished"):
-            return Ending("finished", f"training finished at step {step}")
-        if record["reason"] == "diverged":
-            return Ending("diverged", f"training diverged at step {step}")
-        if record.get("saved"):
-            signalled = record["reason"] == "signal"
-            why = record.get("signal") or ("a signal" if signalled else "its budget")
-            return Ending("stopped", f"training stopped on {why} after saving step {step}")
         code = record.get("exit_code")
         if code in BLOCKED:
             return Ending(
                 "blocked", f"{BLOCKED[code]} (exit {code}); no retry: fix it and queue again"
             )
-        return Ending("failed", f"training failed at step {step} (exit {code})")
+        return failure(f"training failed at step {step} (exit {code})", code, retry_on_exit)
     if status is not None:
         if status == 0:
             return Ending("completed", "exited with status 0")
-        return Ending("failed", f"exited with status {status} and no end-of-job record")
+        said = f"exited with status {status} and no end-of-job record"
+        return failure(said, status, retry_on_exit)
     if state == "CANCELLED" and not started:
         return Ending("not_started", "cancelled before it started")
     if state == "COMPLETED":
         return Ending("completed", "completed")
-    return Ending("failed", f"ended {state} without running its end hook")
+    # The batch shell ended without its end hook: killed (SIGKILL, the OOM killer, a lost node).
+    retry = state in ("FAILED", "CANCELLED") and started
+    return Ending("failed", f"ended {state} without running its end hook", retry=retry)
+
+
+def failure(said: str, code: Any, retry_on_exit: tuple[int, ...]) -> Ending:
+    """A failed job with exit ``code``: retried when a new job can fix it (see the module)."""
+    if code in TRANSIENT:
+        return Ending("failed", f"{said}: {TRANSIENT[code]}", retry=True)
+    if isinstance(code, int) and code > 128:
+        name = signal_name(code - 128)
+        return Ending("failed", f"{said}: killed by {name}", retry=True)
+    if code in retry_on_exit:
+        return Ending("failed", f"{said}, listed in --retry-on-exit", retry=True)
+    return Ending(
+        "failed",
+        f"{said}; not retried: a new job would fail alike (--retry-on-exit {code} retries it)",
+    )
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def newest_checkpoint(run_dir: Path) -> int | None:
+    """The step of the run dir's newest complete checkpoint; None: none yet."""
+    return max(complete_checkpoints(run_dir), default=None)
+
+
+def stalled_jobs(manifest: Manifest) -> list[JobRecord]:
+    """The chain's latest jobs, in a row, that ended without a newer complete checkpoint than
+    the chain had before each (jobs whose progress was not measured are passed over)."""
+    best = manifest.start_step
+    stalled: list[JobRecord] = []
+    for job in sorted(manifest.jobs, key=lambda job: job.index):
+        if job.then or job.outcome in (None, "not_started") or not job.measured:
+            continue
+        if job.checkpoint_step is not None and (best is None or job.checkpoint_step > best):
+            best = job.checkpoint_step
+            stalled = []
+        else:
+            stalled.append(job)
+    return stalled
 
 
 def scrub_job_environment() -> None:
@@ -128,23 +220,83 @@ def scrub_job_environment() -> None:
 class ChainKeeper:
     """One pass of the hook over a chain's manifest, under the chain lock."""
 
-    def __init__(self, manifest: Manifest, current: JobRecord | None) -> None:
+    def __init__(self, manifest: Manifest, current: JobRecord | None, restarts: int = 0) -> None:
         self.manifest = manifest
         self.current = current
+        self.restarts = restarts  # the current job's restart count as this run started
         self.run_dir = Path(manifest.run_dir)
         self.backend = registry.for_run_dir(manifest.backend, self.run_dir)
+        self.requeue_id: str | None = None  # a preempted job the hook requeues as its last act
 
     @property
     def has_ended(self) -> bool:
-        return self.manifest.status in CHAIN_ENDINGS.values()
+        return self.manifest.status in ENDED_STATUSES
+
+    def judge_one(
+        self, job: JobRecord, status: int | None, state: str, started: bool
+    ) -> tuple[JobRecord, Ending]:
+        """Judge ``job``, noting the newest checkpoint it left and whether it trained (a record,
+        or checkpoints in the run dir: a command that saves none is not measured for stalls)."""
+        record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
+        job.checkpoint_step = newest_checkpoint(self.run_dir)
+        job.measured = record is not None or job.checkpoint_step is not None
+        if record is not None:
+            job.step = record.get("step")
+        retry_on_exit = tuple(self.manifest.retry_on_exit)
+        return job, judge(record, status, state, started, retry_on_exit)
 
     def judge_current(self, status: int) -> None:
-        """``end``: the current job has ended with the launcher's ``status``."""
+        """``end``: the current job has ended with the launcher's ``status``. A run SLURM
+        preempted is requeued (same id, it resumes) when the job allows it, by SLURM or else by
+        the hook as the job's last act (``requeue_id``), and is not judged; one that may not be
+        requeued is a failure to retry, even after it saved."""
         job = self.current
         if job is None or job.outcome is not None:
             return
-        record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
-        self.act([(job, judge(record, status, "", True))], ended_ids=set())
+        job, ending = self.judge_one(job, status, "", True)
+        preempted = self.preemption(job) if ending.outcome != "finished" else None
+        if preempted in (REQUEUED, REQUEUE):
+            say(
+                f"job {job.index} (id {job.job_id}) was preempted: {ending.detail}; it is "
+                "requeued and comes back with the same id, resuming from the newest checkpoint"
+            )
+            if preempted == REQUEUE:
+                self.requeue_id = str(job.job_id)
+            return
+        if preempted == ENDED:
+            ending = Ending("failed", f"preempted ({ending.detail})", retry=True)
+        self.act([(job, ending)], ended_ids=set())
+
+    def preemption(self, job: JobRecord) -> str | None:
+        """Whether SLURM preempted this run of the job (``scontrol show job``: a PreemptTime
+        since the run started): None, or REQUEUED (SLURM requeued it already), REQUEUE (it may
+        be requeued) or ENDED (it may not)."""
+        try:
+            fields = scontrol_fields(str(job.job_id))
+        except SchedulerError as error:
+            say(f"could not ask SLURM whether job {job.job_id} was preempted: {error}")
+            return None
+        preempted_at = fields.get("PreemptTime", "None")
+        if not preempted_at[:1].isdigit() or preempted_at < fields.get("StartTime", ""):
+            return None
+        if int(fields.get("Restarts", 0)) > self.restarts:
+            return REQUEUED
+        return REQUEUE if fields.get("Requeue") == "1" else ENDED
+
+    def note_requeue(self, restarts: int) -> None:
+        """``start`` of a requeued job: count the restart, and put the record of its run
+        before aside (``end`` reads this run's own)."""
+        job = self.current
+        assert job is not None
+        job.restarts = restarts
+        record = job_end_path(self.run_dir, str(job.index), str(job.job_id))
+        if record.is_file():
+            record.rename(record.with_name(f"{record.stem}.run{restarts - 1}{record.suffix}"))
+        self.manifest.save()
+        say(
+            f"job {job.index} (id {job.job_id}) was requeued (restart {restarts}): it resumes "
+            "from the newest checkpoint"
+        )
 
     def judge_earlier(self) -> None:
         """``start``/``check``: every other job of the chain that SLURM says has ended."""
@@ -161,9 +313,8 @@ class ChainKeeper:
             state = statuses[str(job.job_id)].state
             if state not in ENDED_STATES:
                 continue
-            record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
             started = any(self.run_dir.glob(self.backend.log_glob(str(job.job_id))))
-            endings.append((job, judge(record, None, state, started)))
+            endings.append(self.judge_one(job, None, state, started))
         self.act(endings, ended_ids={str(job.job_id) for job, _ in endings})
 
     def act(self, endings: list[tuple[JobRecord, Ending]], ended_ids: set[str]) -> None:
@@ -179,12 +330,50 @@ class ChainKeeper:
             if job.then or self.has_ended:
                 continue
             if ending.outcome in CHAIN_ENDINGS:
-                self.end_chain(job, ending)
-            elif ending.outcome == "failed":
-                self.replace(job, ending, ended_ids)
+                self.end_chain(job, CHAIN_ENDINGS[ending.outcome], ending.detail)
+            elif ending.retry:
+                self.stop_if_stalled()  # a stalled chain spends no more retries
+                if not self.has_ended:
+                    self.replace(job, ending, ended_ids)
+        if not self.has_ended:
+            self.stop_if_stalled()
+        if not self.has_ended:
+            self.note_if_incomplete()
         self.manifest.save()
 
-    def end_chain(self, job: JobRecord, ending: Ending) -> None:
+    def stop_if_stalled(self) -> None:
+        """End the chain once --max-stalled jobs in a row made no progress."""
+        limit = self.manifest.max_stalled
+        stalled = stalled_jobs(self.manifest)
+        if limit <= 0 or len(stalled) < limit:
+            return
+        newest = stalled[-1].checkpoint_step
+        at = f"step {newest}" if newest is not None else "no checkpoint"
+        self.end_chain(
+            stalled[-1],
+            STALLED,
+            f"{len(stalled)} jobs in a row ended without a newer checkpoint (still {at}; "
+            f"--max-stalled {limit}): look at their logs before queueing more",
+        )
+
+    def note_if_incomplete(self) -> None:
+        """The chain's last job has ended, training unfinished, and nothing is queued."""
+        chain_jobs = [job for job in self.manifest.jobs if not job.then]
+        if any(job.outcome is None for job in chain_jobs):
+            return
+        last = max(chain_jobs, key=lambda job: job.index)
+        if not last.measured or last.outcome not in ("stopped", "failed"):
+            return  # a command of its own that keeps no record: unknown whether it is unfinished
+        steps = [job.step for job in chain_jobs if job.step is not None]
+        reached = f"step {max(steps)}" if steps else "no recorded step"
+        self.manifest.status = INCOMPLETE
+        self.manifest.ended = (
+            f"job {last.index} (id {last.job_id}), the last, ended with training unfinished at "
+            f"{reached}; continue it with: {continue_command(self.manifest)}"
+        )
+        say(f"chain {INCOMPLETE}: {self.manifest.ended}")
+
+    def end_chain(self, job: JobRecord, status: str, detail: str) -> None:
         """Cancel the chain's queued jobs (the --then job stays: it runs after the chain)."""
         live = [
             other
@@ -197,10 +386,9 @@ class ChainKeeper:
         self.backend.cancel(last_first(ids))
         for other in pending:
             other.outcome = "not_started"
-        status = CHAIN_ENDINGS[ending.outcome]
         self.manifest.status = status
         self.manifest.ended = (
-            f"job {job.index} (id {job.job_id}): {ending.detail}; "
+            f"job {job.index} (id {job.job_id}): {detail}; "
             f"cancelled {len(ids)} queued job(s){(': ' + ' '.join(ids)) if ids else ''}"
         )
         say(f"chain {status}: {self.manifest.ended}")
@@ -245,6 +433,15 @@ class ChainKeeper:
         say(f"the --then job (id {then.job_id}) now waits for job {new_tail}")
 
 
+def continue_command(manifest: Manifest) -> str:
+    """The auto_launch command line that queues one more job of the chain's recipe in its run
+    dir (run from the directory the chain was launched from)."""
+    words = ["auto_launch", "-n1", "--run-dir", manifest.run_dir, manifest.recipe]
+    if manifest.args:
+        words += ["--", *manifest.args]
+    return shlex.join(words)
+
+
 def replacement_seed(manifest: Manifest, index: int) -> int:
     """Job ``index``'s seed in the chain's sequence (with --seed: what a chain that long would
     have had), else a fresh random one that no job of the chain had."""
@@ -278,27 +475,40 @@ def find_job(manifest: Manifest, job_id: str | None) -> JobRecord | None:
 
 def run_hook(
     mode: str, run_dir: Path, chain_id: str | None, job_id: str | None, status: int = 0
-) -> int:
-    """One hook call (``status``: the launcher's, for ``end``); the exit code for the script."""
+) -> tuple[int, str | None]:
+    """One hook call (``status``: the launcher's, for ``end``): the exit code for the script,
+    and the id of a preempted job to requeue once the hook has said all it says."""
     if load_chain(run_dir, chain_id) is None:
-        return 0
+        return 0, None
+    restarts = int(os.environ.get(RESTART_COUNT_ENV) or 0)  # before the scrub drops it
     scrub_job_environment()
     with chain_lock(run_dir):
         manifest = load_chain(run_dir, chain_id)  # again, under the lock
         if manifest is None:
-            return 0
+            return 0, None
         current = find_job(manifest, job_id)
         if current is not None and current.then:
-            return 0  # the --then job runs after the chain, whatever became of it
-        keeper = ChainKeeper(manifest, current)
+            return 0, None  # the --then job runs after the chain, whatever became of it
+        keeper = ChainKeeper(manifest, current, restarts)
+        if mode == "start" and current is not None and restarts > current.restarts:
+            keeper.note_requeue(restarts)
         if mode == "end":
             keeper.judge_current(status)
         elif not keeper.has_ended:
             keeper.judge_earlier()
         if mode == "start" and keeper.has_ended:
             say(f"chain {manifest.status} ({manifest.ended}): this job does not train")
-            return EXIT_CHAIN_ENDED
-    return 0
+            return EXIT_CHAIN_ENDED, None
+    return 0, keeper.requeue_id
+
+
+def requeue(job_id: str) -> None:
+    """Put a preempted running job back in the queue: SLURM ends this run (the hook's process
+    with it), so it is the hook's very last act."""
+    try:
+        run_slurm(["scontrol", "requeue", job_id])
+    except SchedulerError as error:
+        say(f"could not requeue job {job_id} ({error}): the chain's next job resumes instead")
 
 
 def main(argv: list[str]) -> int:
@@ -307,27 +517,31 @@ def main(argv: list[str]) -> int:
     if mode == "end" and len(argv) == 2 and argv[1].isdigit():
         status = int(argv[1])
         run_dir = os.environ.get(job_env.RUN_DIR)
-        record = None
+        record = requeue_id = None
         try:
             if run_dir:
                 job_id = os.environ.get("SLURM_JOB_ID", "")
                 record = read_job_end(run_dir, os.environ.get(job_env.JOB_INDEX, ""), job_id)
-                run_hook("end", Path(run_dir), os.environ.get(job_env.CHAIN_ID), job_id, status)
+                chain_id = os.environ.get(job_env.CHAIN_ID)
+                _, requeue_id = run_hook("end", Path(run_dir), chain_id, job_id, status)
         except Exception as error:  # the outcome line must come whatever failed
             say(f"hook failed: {type(error).__name__}: {error}")
         print(outcome_line(record, status), flush=True)
+        if requeue_id is not None:
+            requeue(requeue_id)
         return 0
     if mode == "start" and len(argv) == 1:
         run_dir = os.environ.get(job_env.RUN_DIR)
         if not run_dir:
             return 0
         try:
-            return run_hook(
+            code, _ = run_hook(
                 "start",
                 Path(run_dir),
                 os.environ.get(job_env.CHAIN_ID),
                 os.environ.get("SLURM_JOB_ID"),
             )
+            return code
         except Exception as error:  # never keep a job from training because the hook failed
             say(f"hook failed: {type(error).__name__}: {error}")
             return 0

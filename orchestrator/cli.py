@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from contract.slurm_states import REQUEUE_GRACE_S, has_ended
-from orchestrator import __version__
+from orchestrator import __version__, remote
 from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
@@ -17,6 +18,7 @@ from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, wri
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import (
+    DEFAULT_MAX_STALLED,
     MANIFEST_NAME,
     JobRecord,
     Manifest,
@@ -91,9 +93,25 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="K",
-        help="queue a replacement job (new seed) at the end of the chain for each job that ends "
-        "without finishing its training, up to K in all (slurm backend; the recipe must run "
-        "the chain hook, as rendered YAML recipes do)",
+        help="queue a replacement job (new seed) at the end of the chain for each job that "
+        "fails in a way a new job can fix (node failure, preemption, a hang, a rank killed, "
+        "the time limit before a save, a code of --retry-on-exit), up to K in all (slurm "
+        "backend; the recipe must run the chain hook, as rendered YAML recipes do)",
+    )
+    parser.add_argument(
+        "--retry-on-exit",
+        default="",
+        metavar="CODES",
+        help="exit codes (comma-separated) that also earn a replacement under --retries, e.g. "
+        "1 for a command of your own whose failures are transient",
+    )
+    parser.add_argument(
+        "--max-stalled",
+        type=int,
+        default=DEFAULT_MAX_STALLED,
+        metavar="N",
+        help="stop the chain (status stalled, its queued jobs cancelled) after N jobs in a row "
+        "end without a newer complete checkpoint; 0: never (default %(default)s)",
     )
     parser.add_argument(
         "--code",
@@ -118,6 +136,7 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="queue a training recipe even when the planner says its layout cannot fit",
     )
+    remote.add_host_options(parser, launch=True)
     return parser
 
 
@@ -145,6 +164,8 @@ def build_plan(
         script_args=tuple(script_args),
         then=then,
         retries=args.retries,
+        retry_on_exit=args.retry_on_exit,
+        max_stalled=args.max_stalled,
         code=args.code,
         code_limit_mb=args.code_limit_mb,
     )
@@ -248,6 +269,8 @@ def jobs_label(manifest: Manifest) -> str:
 
 
 def auto_launch(args: argparse.Namespace) -> int:
+    if args.host:
+        return launch_on_host(args)
     plan, prepared = build_plan(args, args.script_args)
     backend = prepare_launch(
         args.backend,
@@ -292,10 +315,44 @@ def auto_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def launch_on_host(args: argparse.Namespace) -> int:
+    """``auto_launch --host``: the same launch on a login node (orchestrator/remote.py), its
+    summary printed as a local launch prints it."""
+    forwarded = remote.forwarded_argv(auto_launch_parser(), args.own_args)
+    done = remote.launch(args, forwarded, args.script_args)
+    if done.summary is None:
+        return done.exit_code
+    summary, host = done.summary, done.summary["host"]
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    jobs = summary["jobs"]
+    then = "+then" if any(job["then"] for job in jobs) else ""
+    print(f"chain {summary['chain_id']} ({summary['backend']} on {host}): "
+          f"{len(jobs) - bool(then)}{then} job(s)")  # fmt: skip
+    print(f"run dir  {host}:{summary['run_dir']}")
+    print(code_line(summary["code"]))
+    mirror = f" (copy: {done.mirror})" if done.mirror else ""
+    print(f"manifest {host}:{summary['run_dir']}/{MANIFEST_NAME}{mirror}")
+    rows = [
+        [
+            index_label(job["index"], job["then"]),
+            str(job["job_id"]),
+            str(job["seed"]),
+            job["dependency"] or "-",
+            job["state"] or "?",
+        ]
+        for job in jobs
+    ]
+    print_table(rows, ["index", "job_id", "seed", "dependency", "state"])
+    return 0
+
+
 def auto_launch_main(argv: list[str] | None = None) -> int:
     own_args, script_args = split_script_args(list(sys.argv[1:] if argv is None else argv))
     args = auto_launch_parser().parse_args(own_args)
     args.script_args = script_args
+    args.own_args = own_args
     return _run(auto_launch, args)
 
 
@@ -316,6 +373,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             continue
         manifest = Manifest.load(path)
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
+        # a chain launched with --host: a local copy of its manifest, the run dir on the host
+        where = f"{entry['host']}:" if entry.get("host") else ""
         rows.append(
             [
                 manifest.chain_id,
@@ -323,7 +382,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 jobs_label(manifest),
                 manifest.status,
                 created,
-                manifest.run_dir,
+                where + manifest.run_dir,
             ]
         )
     if not rows:
@@ -377,6 +436,7 @@ def status_payload(
     """What ``status`` says about a chain: ``--json`` prints it, the table is drawn from it."""
     payload = summary(manifest, statuses)
     payload["error"] = manifest.error
+    payload["ended"] = manifest.ended
     payload["controller_unreachable"] = unreachable
     payload["accounting_unreachable"] = accounting_unreachable
     progress = last_progress(manifest)
@@ -420,6 +480,8 @@ def job_reason(job: JobRecord, status: JobStatus | None) -> str:
         parts.append(job.outcome)
     if job.replaces is not None:
         parts.append(f"replaces job {job.replaces}" + (f" ({job.reason})" if job.reason else ""))
+    if job.restarts:
+        parts.append(f"preempted and requeued {job.restarts}x")
     if status and status.reason:
         parts.append(status.reason)
     return "; ".join(parts)
@@ -446,6 +508,8 @@ def print_status(payload: dict, results: RunResults) -> None:
         print(f"warning: {payload['disk_problem']}")
     if payload["error"]:
         print(f"error: {payload['error']}")
+    if payload["ended"] and payload["status"] != "complete":
+        print(f"{payload['status']}: {payload['ended']}")
     print(f"latest: {results.describe()}")
     per_set = results.per_set()
     if per_set:
@@ -600,6 +664,20 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def on_host(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``status``, ``logs`` and ``cancel`` of a chain on a login node (``--host``, or the host
+    a chain launched with ``auto_launch --host`` lives on) run there over ssh."""
+
+    def run(args: argparse.Namespace) -> int:
+        where = remote.remote_for(args)
+        if where is None:
+            return handler(args)
+        forwarded = remote.forwarded_argv(orchestrator_parser(), args.argv)
+        return remote.run_command(where, args, forwarded)
+
+    return run
+
+
 def orchestrator_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchestrator", description="Look after chains of jobs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -609,15 +687,17 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="per job: id, seed, state, nodes")
     status.add_argument("chain", help="chain id, sweep id or run dir")
     status.add_argument("--json", action="store_true")
-    status.set_defaults(handler=cmd_status)
+    status.set_defaults(handler=on_host(cmd_status))
     cancel = commands.add_parser("cancel", help="cancel a chain's unfinished jobs")
     cancel.add_argument("chain")
-    cancel.set_defaults(handler=cmd_cancel)
+    cancel.set_defaults(handler=on_host(cmd_cancel))
     logs = commands.add_parser("logs", help="print (or --follow) a chain's job logs")
     logs.add_argument("chain")
     logs.add_argument("--job", type=int, help="only job K (0-based)")
     logs.add_argument("--follow", action="store_true", help="stream until the jobs finish")
-    logs.set_defaults(handler=cmd_logs)
+    logs.set_defaults(handler=on_host(cmd_logs))
+    for command in (status, cancel, logs):
+        remote.add_host_options(command)
     plot = commands.add_parser("plot", help="loss and tokens/s against step, as a PNG")
     plot.add_argument("chain", help="chain id, sweep id or run dir")
     plot.add_argument(
@@ -647,7 +727,9 @@ def orchestrator_parser() -> argparse.ArgumentParser:
 
 
 def orchestrator_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = orchestrator_parser().parse_args(argv)
+    args.argv = argv
     return _run(args.handler, args)
 
 

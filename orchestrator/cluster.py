@@ -48,6 +48,9 @@ from orchestrator.retry import ATTEMPTS, is_transient
 from orchestrator.slurm.commands import run_slurm
 
 DEFAULT_NODES = 2
+URGENT_PARTITION = "urgent"  # with --preemption: its jobs preempt those of the default one
+PREEMPT_GRACE_S = 20  # a preempted job's time to save between SIGTERM and SIGKILL
+REQUEUE_HOLD_S = 16  # how long SLURM holds a requeued job before it may start again
 DEFAULT_CPUS_PER_NODE = 1
 RECORD_NAME = "cluster.json"
 CONF_NAME = "slurm.conf"
@@ -95,11 +98,13 @@ class ClusterInfo:
     munged_pid: int | None
     accounting: bool = False  # slurmdbd + MariaDB (records of earlier versions have none)
     dbd_port: int | None = None
+    preemption: bool = False  # partitions debug (preemptible) and urgent (preempts it)
 
     def shape(self) -> str:
         return (
             f"{len(self.nodes)} nodes x {self.cpus_per_node} CPUs, "
-            f"accounting {'on' if self.accounting else 'off'}"
+            f"accounting {'on' if self.accounting else 'off'}, "
+            f"preemption {'on' if self.preemption else 'off'}"
         )
 
 
@@ -221,7 +226,8 @@ def render_conf(info: ClusterInfo) -> str:
         "ReturnToService=2",
         "# A job whose node failed ends NODE_FAIL rather than being requeued: chains go on by",
         "# dependency, not requeue, and on loopback a 'failed' node's job may still be running",
-        "# (only its slurmd died), so a requeued copy would run beside it.",
+        "# (only its slurmd died), so a requeued copy would run beside it. A job submitted with",
+        "# --requeue (a recipe's `requeue: true`) is still requeued when it is preempted.",
         "JobRequeue=0",
         "KillWait=2",
         "MinJobAge=300",
@@ -241,9 +247,22 @@ def render_conf(info: ClusterInfo) -> str:
         f"Port={info.node_ports[node]} CPUs={info.cpus_per_node} State=UNKNOWN"
         for node in info.nodes
     ]
-    lines.append(
-        f"PartitionName=debug Nodes={','.join(info.nodes)} Default=YES MaxTime=INFINITE State=UP"
-    )
+    nodes = ",".join(info.nodes)
+    debug = f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP"
+    if not info.preemption:
+        return "\n".join([*lines, debug]) + "\n"
+    lines += [
+        "# A job of the urgent partition preempts jobs of debug that hold the nodes it needs:",
+        f"# they get SIGTERM, then SIGKILL {PREEMPT_GRACE_S} s later, and are requeued (same id)",
+        "# where submitted with --requeue, else end PREEMPTED.",
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
+        "# A requeued job waits cred_expire + 1 s before it may start again (default 120 s).",
+        f"AuthInfo=cred_expire={REQUEUE_HOLD_S - 1}",
+        f"{debug} PriorityTier=1 PreemptMode=REQUEUE GraceTime={PREEMPT_GRACE_S}",
+        f"PartitionName={URGENT_PARTITION} Nodes={nodes} MaxTime=INFINITE State=UP "
+        "PriorityTier=10 PreemptMode=OFF",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -640,12 +659,14 @@ def up(
     cpus_per_node: int | None = None,
     timeout_s: float = UP_TIMEOUT_S,
     accounting: bool | None = None,
+    preemption: bool | None = None,
 ) -> ClusterInfo:
     """Start the cluster, find it running, or restart the daemons of it that died; return once
     every node takes jobs.
 
-    ``nodes``/``cpus_per_node``/``accounting`` left None take the defaults for a new cluster
-    (accounting off) and accept any shape of a recorded one; given, they must match it.
+    ``nodes``/``cpus_per_node``/``accounting``/``preemption`` left None take the defaults for a
+    new cluster (accounting and preemption off) and accept any shape of a recorded one; given,
+    they must match it.
     """
     if (nodes is not None and nodes < 1) or (cpus_per_node is not None and cpus_per_node < 1):
         raise UsageError("--nodes and --cpus-per-node must be at least 1")
@@ -654,7 +675,7 @@ def up(
     path = _dir(directory)
     existing = load(path)
     if existing is not None:
-        _check_same_shape(existing, nodes, cpus_per_node, accounting)
+        _check_same_shape(existing, nodes, cpus_per_node, accounting, preemption)
         return _repair(existing, require_binaries(existing.accounting), timeout_s)
     if marked_pids(path) or any((path / entry).exists() for entry in STATE_ENTRIES):
         say(f"leftovers of a cluster without a record in {path}: removing them")
@@ -678,6 +699,7 @@ def up(
         munged_pid=munged_pid,
         accounting=bool(accounting),
         dbd_port=ports[1] if accounting else None,
+        preemption=bool(preemption),
     )
     for sub in ("state", "pid", "log", "db", *(f"spool/{node}" for node in node_names)):
         (path / sub).mkdir(parents=True, exist_ok=True)
@@ -697,7 +719,11 @@ def up(
 
 
 def _check_same_shape(
-    existing: ClusterInfo, nodes: int | None, cpus_per_node: int | None, accounting: bool | None
+    existing: ClusterInfo,
+    nodes: int | None,
+    cpus_per_node: int | None,
+    accounting: bool | None,
+    preemption: bool | None,
 ) -> None:
     """Refuse a change that only a new cluster could make: it would wipe the queue."""
     wanted = dataclasses.replace(
@@ -705,6 +731,7 @@ def _check_same_shape(
         nodes=[f"n{index}" for index in range(1, (nodes or len(existing.nodes)) + 1)],
         cpus_per_node=cpus_per_node or existing.cpus_per_node,
         accounting=existing.accounting if accounting is None else accounting,
+        preemption=existing.preemption if preemption is None else preemption,
     )
     if wanted.shape() == existing.shape():
         return
@@ -853,7 +880,13 @@ def status(directory: Path | str) -> str:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    info = up(args.dir, args.nodes, args.cpus_per_node, accounting=args.accounting)
+    info = up(
+        args.dir,
+        args.nodes,
+        args.cpus_per_node,
+        accounting=args.accounting,
+        preemption=args.preemption,
+    )
     say(f"cluster up: {info.shape()}; point SLURM at it with:")
     say(f"  eval $(orchestrator cluster env --dir {shlex.quote(info.directory)})")
     return 0
@@ -908,6 +941,13 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> None:
         "--accounting",
         action=argparse.BooleanOptionalAction,
         help="run slurmdbd with a private MariaDB under --dir, so sacct knows finished jobs "
+        "(default: off for a new cluster, as recorded for a running one)",
+    )
+    start.add_argument(
+        "--preemption",
+        action=argparse.BooleanOptionalAction,
+        help=f"add a partition {URGENT_PARTITION!r} whose jobs preempt those of the default "
+        f"one (PreemptMode=REQUEUE, GraceTime={PREEMPT_GRACE_S} s), as on shared clusters "
         "(default: off for a new cluster, as recorded for a running one)",
     )
     add("down", _cmd_down, "stop the daemons this cluster started and remove its state")

@@ -23,6 +23,8 @@ from typing import Any
 
 from contract import job_env
 
+# Jobs in a row that may end without a newer checkpoint before the chain stops as stalled.
+DEFAULT_MAX_STALLED = 2
 MANIFEST_NAME = "manifest.json"
 JOURNAL_NAME = ".manifest.jobs"  # jobs accepted since the manifest's last full write
 LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
@@ -72,6 +74,12 @@ class JobRecord:
     outcome: str | None = None
     replaces: int | None = None  # a replacement (--retries): the index of the failed job
     reason: str | None = None  # a replacement: why the job it replaces failed
+    # Set with the outcome: the training's last step (its end-of-job record), the newest complete
+    # checkpoint then, and whether the job's progress was measured (a record or checkpoints).
+    step: int | None = None
+    checkpoint_step: int | None = None
+    measured: bool = False
+    restarts: int = 0  # times SLURM requeued the job (preempted under `requeue: true`)
 
 
 @dataclass
@@ -103,6 +111,9 @@ class Manifest:
     sweep_id: str | None = None
     then: ThenRecord | None = None
     retries: int = 0  # --retries: replacement jobs the chain may queue for failed ones
+    retry_on_exit: list[int] = field(default_factory=list)  # --retry-on-exit: codes worth one
+    max_stalled: int = DEFAULT_MAX_STALLED  # --max-stalled (orchestrator.chain_hooks)
+    start_step: int | None = None  # the run dir's newest complete checkpoint at submission
     workdir: str | None = None  # where the jobs start (sbatch --chdir), for replacements
     code_mode: str | None = None  # snapshot, dir or live (orchestrator/snapshot.py)
     code_dir: str | None = None  # ORCH_CODE_DIR: the snapshot or --code DIR (None: live)

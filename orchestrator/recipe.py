@@ -27,6 +27,13 @@ The fields (any other key is an error):
 ``signal_grace``    seconds before the time limit at which SLURM sends USR1 to the batch shell,
                     which forwards it so the training can save and exit 0 (default 120; must be
                     more than 0, less than the time limit and at most 65535).
+``requeue``         ``true``: the job may be requeued when it is preempted (``--requeue``): SLURM
+                    sends SIGTERM, the training saves within the partition's GraceTime, and the
+                    job comes back with the same id and resumes. Default ``false``
+                    (``--no-requeue``): a job the cluster ends (preempted, its node lost) goes to
+                    the chain's retries instead of a silent requeue. Needs the training in a job
+                    step (``distributed``, or a container): SLURM warns a preempted job's steps at
+                    once but its batch shell only when the grace time is over.
 ``launcher``        ``distributed`` only: ``torchrun`` (default; one task per node running
                     torchrun with a c10d rendezvous on the first node) or ``srun`` (one task per
                     rank, RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT exported from SLURM's
@@ -185,6 +192,7 @@ class RecipeSettings(BaseModel):
     account: SlurmName | None = Field(None, description="letters, digits and _ . , + @ - only")
     qos: SlurmName | None = Field(None, description="letters, digits and _ . , + @ - only")
     signal_grace: int = Field(120, ge=1, le=MAX_SIGNAL_GRACE)
+    requeue: bool = False
     launcher: Literal["torchrun", "srun"] = "torchrun"
     container: Container | None = Field(None, description="a mapping {image: ..., mounts: [...]}")
     env: dict[StrictStr, Word] = Field(default_factory=dict, description="a mapping NAME: value")
@@ -227,6 +235,13 @@ class RecipeSettings(BaseModel):
                 )
             if "launcher" in self.model_fields_set:
                 raise FieldProblem("launcher", "only template distributed has a launcher")
+            if self.requeue and self.container is None:
+                raise FieldProblem(
+                    "requeue",
+                    "needs the training in a job step (template distributed, or a container): "
+                    "SLURM warns a preempted job's steps at once, but a training the batch "
+                    "shell starts only when the grace time is over, too late to save",
+                )
         limit_seconds = parse_time_minutes(self.time) * 60  # _time_limit refused UNLIMITED
         if self.signal_grace >= limit_seconds:
             raise FieldProblem(

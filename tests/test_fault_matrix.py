@@ -145,6 +145,8 @@ def test_a_rank_killed_mid_step_ends_the_job_in_seconds_and_the_chain_finishes(
     # The replacement queued for job 0 was cancelled unstarted once job 1 finished training.
     (replacement,) = [job for job in manifest["jobs"] if job.get("replaces") == 0]
     assert replacement["outcome"] == "not_started" and manifest["status"] == "complete"
+    # The surviving rank's collective failed: exit 6, a failure a new job can fix.
+    assert replacement["reason"].endswith("(exit 6): a rank lost a peer"), replacement
     status = run_tool("orchestrator", "status", chain).stdout
     assert "failed" in status and "replaces job 0" in status, status
 

@@ -123,9 +123,9 @@ def test_an_unknown_stop_phase_is_refused():
 def test_a_stopped_rank_ends_the_run(tmp_path, corpus, stopped, hang_timeout_s, usr1):
     """A rank SIGSTOPped after step 3: the other rank's watchdog ends the run with one line and
     exit 5, after hang_timeout_s (or, once USR1 came, after SIGNAL_PATIENCE_S in a step), and
-    torchrun removes the stopped rank. Without the watchdog gloo would wait 30 minutes. Rank 0,
-    stopped or ended by its watchdog, writes no end-of-job record, and none is needed: the
-    chain's hook judges the job failed from the launcher's status (the next job resumes)."""
+    torchrun removes the stopped rank. Without the watchdog gloo would wait 30 minutes. The rank
+    whose watchdog fired writes the end-of-job record (exit 5), rank 0 or not: the chain's hook
+    judges the job a failure a new job can fix (retried; the next job resumes)."""
     run_dir, log = tmp_path / "run", tmp_path / "stderr.log"
     overrides = ("checkpoint.interval=2", f"train.hang_timeout_s={hang_timeout_s}")
     with two_ranks(run_dir, corpus, log, *overrides) as torchrun:
@@ -155,7 +155,9 @@ def test_a_stopped_rank_ends_the_run(tmp_path, corpus, stopped, hang_timeout_s, 
     assert ("SIGUSR1 came" in errors[0]) == usr1, errors[0]
     assert took > expected - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
     record = read_job_end(run_dir, "0", JOB_ID)
-    assert judge(record, returncode, "", True).outcome == "failed", record
+    assert record is not None and record["exit_code"] == 5, record
+    ending = judge(record, returncode, "", True)
+    assert ending.outcome == "failed" and ending.retry, ending
 
 
 @pytest.mark.parametrize(

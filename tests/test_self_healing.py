@@ -19,7 +19,8 @@ import pytest
 from contract.job_end import job_end_record, outcome_line, read_outcome
 from orchestrator import cluster, processes
 from orchestrator.backends.run_dir import run_dir_status
-from orchestrator.chain_hooks import BLOCKED, judge
+from orchestrator.chain_hooks import BLOCKED, ChainKeeper, judge, stalled_jobs
+from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.seeds import chain_seeds
 from tests.conftest import cluster_cli
 from tests.helpers import REPO, launch_json, run_tool, tiny_training_chain, wait_chain, write_sub
@@ -41,6 +42,27 @@ if [ "$n" -lt "${FAILURES:-0}" ]; then status=1; fi
 "$ORCH_PYTHON" -m orchestrator.chain_hooks end "$status" ||
   echo "[orch] training exited with status $status"
 exit "$status"
+"""
+
+
+# Plays a trainer that follows the end-of-job contract (contract/job_end.py): each job leaves
+# the checkpoint step $SAVE (none when empty) and an end-of-job record of exit $CODE at that step
+# (a saved budget stop when CODE is 0).
+TRAINER_BODY = """
+hook=0
+"$ORCH_PYTHON" -m orchestrator.chain_hooks start || hook=$?
+if [ "$hook" = 100 ]; then exit 0; fi
+step=${SAVE:-0}
+saved_dir="$ORCH_RUN_DIR/checkpoints/step_$step"
+if [ -n "${SAVE:-}" ]; then mkdir -p "$saved_dir" && touch "$saved_dir/COMPLETE"; fi
+saved=false; reason=error; if [ "$CODE" = 0 ]; then saved=true; reason=budget; fi
+mkdir -p "$ORCH_RUN_DIR/job_ends"
+record='{"reason": "%s", "step": %s, "finished": false, "saved": %s, "exit_code": %s}'
+printf "$record" "$reason" "$step" "$saved" "$CODE" \\
+  > "$ORCH_RUN_DIR/job_ends/$ORCH_JOB_INDEX-$SLURM_JOB_ID.json"
+"$ORCH_PYTHON" -m orchestrator.chain_hooks end "$CODE" ||
+  echo "[orch] training exited with status $CODE"
+exit "$CODE"
 """
 
 
@@ -110,8 +132,6 @@ def test_end_records_map_to_chain_outcomes():
         )
         assert judge(blocked, 1, "", True).outcome == "blocked"
     assert judge(None, 0, "", True).outcome == "completed"
-    assert judge(None, 137, "", True).outcome == "failed"
-    assert judge(None, None, "NODE_FAIL", True).outcome == "failed"
     assert judge(None, None, "CANCELLED", False).outcome == "not_started"
 
     # The log's last line: a clean stop is told as one, and the run-dir reader understands both.
@@ -125,6 +145,101 @@ def test_end_records_map_to_chain_outcomes():
     assert read_outcome(outcome_line(error, 1)) == (None, 1)
     assert read_outcome(f"{outcome_line(stopped, 0)}\n{outcome_line(budget, 0)}") == (None, 0)
     assert read_outcome("[train] step 5\n") is None
+
+
+def end_record(code: int, step: int = 5, saved_on: str | None = None) -> dict:
+    return job_end_record(
+        code,
+        step=step,
+        max_steps=8,
+        signalled=saved_on is not None,
+        signal_name=saved_on,
+        diverged=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("record", "status", "state", "listed", "retried", "says"),
+    [
+        # What the cluster did: even after a save, the chain lost a job's worth of time.
+        (end_record(0, saved_on="SIGTERM"), None, "NODE_FAIL", (), True, "NODE_FAIL) after saving"),
+        (end_record(0, saved_on="SIGTERM"), None, "PREEMPTED", (), True, "(PREEMPTED)"),
+        (None, None, "NODE_FAIL", (), True, "cut short by the cluster"),
+        (end_record(1), None, "TIMEOUT", (), True, "time limit before saving"),
+        (end_record(0, saved_on="SIGUSR1"), None, "TIMEOUT", (), False, "stopped on SIGUSR1"),
+        # What the training's ranks said.
+        (end_record(5), 1, "", (), True, "a rank hung"),
+        (end_record(6), 1, "", (), True, "lost a peer"),
+        (end_record(1), 1, "", (), False, "--retry-on-exit 1 retries it"),
+        (end_record(1), 1, "", (1,), True, "listed in --retry-on-exit"),
+        # A command of its own (no record): its exit status.
+        (None, 137, "", (), True, "killed by SIGKILL"),
+        (None, 5, "", (), True, "a rank hung"),
+        (None, 1, "", (), False, "not retried"),
+        (None, 1, "", (1, 7), True, "listed"),
+        (None, None, "FAILED", (), True, "without running its end hook"),
+        (None, None, "OUT_OF_MEMORY", (), False, "without running its end hook"),
+    ],
+)
+def test_only_failures_a_new_job_can_fix_are_retried(record, status, state, listed, retried, says):
+    ending = judge(record, status, state, True, listed)
+    assert (ending.outcome in ("failed",) and ending.retry) == retried, ending
+    assert says in ending.detail, ending
+
+
+def keeper_for(tmp_path: Path, max_stalled: int, steps: list[int | None]) -> ChainKeeper:
+    """A chain of len(steps) judged jobs, job k having left checkpoint steps[k] (None: none)."""
+    manifest = Manifest(
+        chain_id="c",
+        recipe="recipes/train_tiny.yaml",
+        recipe_sha256="-",
+        script="s.sub",
+        run_dir=str(tmp_path),
+        backend="local",
+        dependency_kind="afterany",
+        num_jobs=len(steps) + 1,
+        args=["train.max_steps=600"],
+        base_seed=None,
+        git_sha=None,
+        git_dirty=None,
+        created=0.0,
+        status="submitted",
+        max_stalled=max_stalled,
+        start_step=100,
+    )
+    for index, step in enumerate(steps):
+        manifest.jobs.append(
+            JobRecord(
+                index=index,
+                seed=index,
+                job_id=str(index),
+                outcome="failed",
+                step=step,
+                checkpoint_step=step,
+                measured=True,
+            )
+        )
+    manifest.jobs.append(JobRecord(index=len(steps), seed=9, job_id="9"))
+    return ChainKeeper(manifest, None)
+
+
+def test_jobs_that_save_nothing_newer_stall_the_chain(tmp_path):
+    """Progress is a newer complete checkpoint than the chain had before (100 at submission)."""
+    assert [job.index for job in stalled_jobs(keeper_for(tmp_path, 2, [200, 200]).manifest)] == [1]
+    assert len(stalled_jobs(keeper_for(tmp_path, 2, [100, None]).manifest)) == 2
+    assert stalled_jobs(keeper_for(tmp_path, 2, [100, 150]).manifest) == []
+
+
+def test_incomplete_names_the_step_and_the_command_that_continues(tmp_path):
+    keeper = keeper_for(tmp_path, 0, [222, 522])
+    keeper.manifest.jobs.pop()  # nothing more queued: job 1 was the last
+    keeper.manifest.jobs[-1].outcome = "stopped"
+    keeper.note_if_incomplete()
+    assert keeper.manifest.status == "incomplete"
+    assert "ended with training unfinished at step 522" in keeper.manifest.ended
+    assert keeper.manifest.ended.endswith(
+        f"auto_launch -n1 --run-dir {tmp_path} recipes/train_tiny.yaml -- train.max_steps=600"
+    )
 
 
 def test_run_dir_reads_a_clean_stop_from_the_log(tmp_path):
@@ -144,6 +259,9 @@ def test_run_dir_reads_a_clean_stop_from_the_log(tmp_path):
         (["--retries", "1", "--dependency", "afterok"], HOOKED_BODY, "afterany or singleton"),
         (["--retries", "1", "--backend", "local"], HOOKED_BODY, "needs the slurm backend"),
         (["--retries", "-1"], HOOKED_BODY, "give 0..1000"),
+        (["--retries", "1", "--retry-on-exit", "1,x"], HOOKED_BODY, "give exit codes 1..255"),
+        (["--retry-on-exit", "1"], HOOKED_BODY, "give --retries K too"),
+        (["--max-stalled", "-1"], HOOKED_BODY, "give 0 (never stop)"),
     ],
 )
 def test_retries_refused_where_they_cannot_work(tmp_path, options, body, message):
@@ -167,6 +285,8 @@ def test_failed_jobs_are_replaced_until_one_succeeds(slurm_cluster, tmp_path):
         "-n1",
         "--retries",
         "3",
+        "--retry-on-exit",
+        "1",
         "--seed",
         "7",
         "--run-dir",
@@ -181,7 +301,9 @@ def test_failed_jobs_are_replaced_until_one_succeeds(slurm_cluster, tmp_path):
     assert manifest["retries"] == 3 and manifest["status"] == "submitted"
     assert [job["outcome"] for job in jobs] == ["failed", "failed", "completed"]
     assert [job["replaces"] for job in jobs] == [None, 0, 1]
-    assert jobs[1]["reason"] == "exited with status 1 and no end-of-job record"
+    assert jobs[1]["reason"] == (
+        "exited with status 1 and no end-of-job record, listed in --retry-on-exit"
+    )
     assert [job["seed"] for job in jobs] == chain_seeds(3, 7)
     ids = [job["job_id"] for job in jobs]
     assert [job["dependency"] for job in jobs] == [None, f"afterany:{ids[0]}", f"afterany:{ids[1]}"]
@@ -190,6 +312,64 @@ def test_failed_jobs_are_replaced_until_one_succeeds(slurm_cluster, tmp_path):
     log = run_tool("orchestrator", "logs", summary["chain_id"], "--job", "0").stdout
     assert f"queued job 1 (id {ids[1]}, seed {jobs[1]['seed']}) to replace job 0" in log
     assert log.rstrip().endswith("[orch] training exited with status 1")
+
+
+@pytest.mark.slurm
+def test_a_chain_without_progress_stalls_and_an_unfinished_one_says_how_to_go_on(
+    slurm_cluster, tmp_path
+):
+    """Two chains side by side. Each job of the first fails (exit 1, listed as worth a retry)
+    without a checkpoint: after --max-stalled 2 jobs the chain is stalled, its queued job
+    cancelled, not run, and no third replacement spent. The second's only job stops on its
+    budget after saving step 5: the chain is incomplete, its line naming the step and the
+    command that queues more."""
+    recipe = write_sub(tmp_path / "trainer.sub", TRAINER_BODY)
+    stalls, stops = tmp_path / "stalls", tmp_path / "stops"
+    stalled = launch_json(
+        "-n3",
+        "--retries",
+        "3",
+        "--retry-on-exit",
+        "1",
+        "--run-dir",
+        str(stalls),
+        str(recipe),
+        env={"CODE": "1"},
+    )
+    unfinished = launch_json(
+        "-n1",
+        "--run-dir",
+        str(stops),
+        str(recipe),
+        "--",
+        "train.max_steps=8",
+        env={"CODE": "0", "SAVE": "5"},
+    )
+    wait_chain(stalled["chain_id"], timeout=120)
+    wait_chain(unfinished["chain_id"], timeout=120)
+    manifest = manifest_of(stalls)
+    assert manifest["status"] == "stalled", manifest
+    assert [(job["outcome"], job["replaces"]) for job in manifest["jobs"]] == [
+        ("failed", None),
+        ("failed", None),
+        ("not_started", None),
+        ("not_started", 0),
+    ], manifest
+    assert (
+        "2 jobs in a row ended without a newer checkpoint (still no checkpoint" in manifest["ended"]
+    )
+    status = run_tool("orchestrator", "status", stalled["chain_id"]).stdout.splitlines()
+    assert "stalled" in status[0] and status[1] == f"stalled: {manifest['ended']}", status
+
+    manifest = manifest_of(stops)
+    assert manifest["status"] == "incomplete", manifest
+    assert (
+        "ended with training unfinished at step 5; continue it with: auto_launch -n1"
+        in manifest["ended"]
+    )
+    assert manifest["ended"].endswith(f"{recipe} -- train.max_steps=8")
+    status = run_tool("orchestrator", "status", unfinished["chain_id"]).stdout.splitlines()
+    assert "incomplete" in status[0] and status[1] == f"incomplete: {manifest['ended']}", status
 
 
 @pytest.mark.slurm
@@ -223,6 +403,8 @@ def test_the_then_job_still_runs_after_a_replacement(slurm_cluster, tmp_path):
     summary = launch_json(
         "-n1",
         "--retries",
+        "1",
+        "--retry-on-exit",
         "1",
         "--seed",
         "3",
@@ -534,7 +716,7 @@ def test_a_training_job_whose_node_fails_is_replaced(slurm_cluster, tmp_path, co
         ("stopped", None),
         ("finished", 0),
     ]
-    assert jobs[2]["reason"] == "ended NODE_FAIL without running its end hook"
+    assert jobs[2]["reason"] == "cut short by the cluster (NODE_FAIL)"
     assert jobs[2]["dependency"] == f"afterany:{jobs[1]['job_id']}"
     logs = [
         run_tool("orchestrator", "logs", chain_id, "--job", str(index)).stdout for index in (1, 2)
@@ -545,4 +727,4 @@ def test_a_training_job_whose_node_fails_is_replaced(slurm_cluster, tmp_path, co
     assert resumed_from(run_dir, resumed + 4) in logs[1]
     status = run_tool("orchestrator", "status", chain_id).stdout
     assert "complete" in status.splitlines()[0], status
-    assert "replaces job 0 (ended NODE_FAIL without running its end hook)" in status, status
+    assert "replaces job 0 (cut short by the cluster (NODE_FAIL))" in status, status

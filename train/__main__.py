@@ -7,21 +7,29 @@ search path after it, and ``--config-dir DIR`` adds a folder after them. A bad c
 stops every rank with one ``error:`` line and exit code 2, before any process group exists; a
 training that diverges (``train.nonfinite_limit`` consecutive non-finite steps) exits 3 without
 saving; a rank that makes no progress for ``train.hang_timeout_s`` (a peer stopped or stuck)
-exits 5 without saving (train/watchdog.py); a key the schema does not know, or a value of the
-wrong type, is Hydra's own error (exit 1).
+exits 5 without saving (train/watchdog.py); a rank whose collective fails (a peer died, a link
+broke) exits 6; a key the schema does not know, or a value of the wrong type, is Hydra's own
+error (exit 1).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS, TRAIN_CONFIG
-from contract.job_end import EXIT_CONFIG, EXIT_DIVERGED, job_end_record, write_job_end
+from contract.job_end import (
+    EXIT_CONFIG,
+    EXIT_DIVERGED,
+    EXIT_PEER_LOST,
+    job_end_record,
+    write_job_end,
+)
 from train.config import ConfigError, TrainConfig, register
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
@@ -32,7 +40,9 @@ if TYPE_CHECKING:
 register()
 
 
-def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int) -> None:
+def record_job_end(
+    cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int, replace: bool = True
+) -> None:
     """Tell the chain how this job ended (contract/job_end.py): the batch script's hook decides
     from it whether the chain is complete, diverged, or needs a replacement job."""
     record = job_end_record(
@@ -43,7 +53,19 @@ def record_job_end(cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest,
         signal_name=stop.signal_name,
         diverged=code == EXIT_DIVERGED,
     )
-    write_job_end(cfg.run_dir, record)
+    write_job_end(cfg.run_dir, record, replace)
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` came from the communication backend (a collective or the store): a peer
+    rank died or its link broke, which a new job can fix, unlike an error of the training's own.
+    gloo raises plain RuntimeErrors that name it; NCCL and the store raise DistErrors."""
+    import torch.distributed as dist
+
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text)
 
 
 @hydra.main(version_base=None, config_path=PACKAGED_CONFIGS, config_name=TRAIN_CONFIG)
@@ -77,9 +99,23 @@ def main(raw: DictConfig) -> None:
         if dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         code = EXIT_DIVERGED
+    except Exception as error:
+        if not lost_a_peer(error):
+            raise
+        traceback.print_exc()
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        print(
+            f"error: rank {dist.get_rank()}: a collective failed ({first_line}): another rank "
+            f"died or its connection broke. Exiting with code {EXIT_PEER_LOST}: the next job of "
+            "the chain resumes from the last checkpoint; the other ranks' logs say why",
+            file=sys.stderr,
+            flush=True,
+        )
+        code = EXIT_PEER_LOST
     finally:
-        if dist.get_rank() == 0:
-            record_job_end(cfg, trainer, stop, code)
+        rank = dist.get_rank()
+        if rank == 0 or code == EXIT_PEER_LOST:
+            record_job_end(cfg, trainer, stop, code, replace=rank == 0)
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.
     if code:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from contract import job_env
-from contract.job_end import EXIT_NOT_SAVED
+from contract.job_end import EXIT_HUNG, EXIT_NOT_SAVED, job_end_record, write_job_end
 from contract.run_dir import CUTS_PREFIX, VAL_LOSS_PREFIX
 from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
@@ -279,7 +279,7 @@ class Trainer:
         self.skipped = 0
         self.validated_step = -1
         stop_in = cfg.debug.stop_in if cfg.debug.stop_rank == self.rank else None
-        self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank, stop_in)
+        self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank, stop_in, self.record_hang)
         self.signalled = False  # a stop signal (not a budget) ended training
         self.coords = mesh_coordinates(dims, self.rank)
         self.step = 0
@@ -602,6 +602,19 @@ class Trainer:
             f"validation at step {self.step}: val_loss {nll / targets:.4f} over {int(targets)} "
             f"targets ({each}; {time.perf_counter() - started:.1f} s)"
         )
+
+    def record_hang(self, step: int) -> None:
+        """The end-of-job record of a job this rank's watchdog ends (exit 5), which the chain
+        retries: written by any rank, as the hung one may be rank 0."""
+        record = job_end_record(
+            EXIT_HUNG,
+            step=step,
+            max_steps=self.cfg.train.max_steps,
+            signalled=False,
+            signal_name=None,
+            diverged=False,
+        )
+        write_job_end(self.run_dir, record, replace=self.rank == 0)
 
     def run(self) -> int:
         """Restore, train, save and validate, all watched: a rank hung anywhere from the

@@ -28,6 +28,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -72,11 +73,19 @@ class Watchdog:
     ``timeout_s`` 0 turns it off. Enter it from the main thread (it sets the signal wakeup fd).
     ``stop_in`` (a ``STOPPABLE`` name) is a test's fault (``debug.stop_in``): the rank stops
     itself with SIGSTOP as it begins its first phase of that kind, a real hang at a chosen point.
+    ``on_hang(step)`` runs just before the exit (the trainer writes the job's end-of-job record).
     """
 
-    def __init__(self, timeout_s: float, rank: int, stop_in: str | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        stop_in: str | None = None,
+        on_hang: Callable[[int], None] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
+        self._on_hang = on_hang
         self._stop_in = STOPPABLE[stop_in] if stop_in else None
         self._last = Beat(time.monotonic(), 0, START)
         self._slowest: dict[str, float] = {}  # the longest of each phase so far
@@ -160,4 +169,7 @@ class Watchdog:
             "raise train.hang_timeout_s if steps, saves or validation are legitimately slower\n"
         )
         os.write(2, line.encode())
+        if self._on_hang is not None:
+            with contextlib.suppress(Exception):  # the exit must come whatever the record does
+                self._on_hang(last.step)
         os._exit(EXIT_HUNG)
