@@ -50,7 +50,7 @@ from orchestrator.slurm.commands import run_slurm
 DEFAULT_NODES = 2
 URGENT_PARTITION = "urgent"  # with --preemption: its jobs preempt those of the default one
 PREEMPT_GRACE_S = 20  # a preempted job's time to save between SIGTERM and SIGKILL
-REQUEUE_HOLD_S = 16  # how long SLURM holds a requeued job before it may start again
+REQUEUE_HOLD_S = 11  # how long SLURM holds a requeued job before it may start again
 DEFAULT_CPUS_PER_NODE = 1
 RECORD_NAME = "cluster.json"
 CONF_NAME = "slurm.conf"

@@ -49,7 +49,7 @@ def shell_word(word: str) -> str:
 TEMPLATE_DIR_ENV = "ORCH_TEMPLATE_DIR"
 # Seconds after the launch before the batch shell passes a stop (USR1) on: long enough for srun
 # to start the step's tasks and for each task to install its trap.
-LAUNCH_SETTLE_S = 10
+LAUNCH_SETTLE_S = 5
 # The facts of contract/ that the templates write into every script.
 CONTRACT = {
     "port_base": PORT_BASE,

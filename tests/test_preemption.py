@@ -24,7 +24,7 @@ from tests.test_hang import wait_for_step
 from tests.test_trainer import metrics
 
 INTERVAL = 4  # checkpoint interval
-MAX_STEPS = 24
+MAX_STEPS = 16
 RECIPE = REPO / "recipes" / "train_tiny_fsdp2.yaml"
 
 
@@ -100,8 +100,8 @@ def test_a_preempted_job_is_requeued_or_replaced(preemptible, tmp_path, corpus, 
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_for_step(kept, 5)
-    wait_for_step(replaced, 5)
+    wait_for_step(kept, 4)
+    wait_for_step(replaced, 4)
     submitted = time.monotonic()
     urgent = ["sbatch", "-p", cluster.URGENT_PARTITION, "-N2", "-c", "2", "-o", "/dev/null"]
     subprocess.run([*urgent, "--wrap", "true"], check=True, capture_output=True)
