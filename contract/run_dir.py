@@ -73,6 +73,11 @@ def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
     return scan_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)[0]
 
 
+def newest_complete_step(run_dir: Path) -> int | None:
+    """The step of the run dir's newest complete checkpoint; None: none yet."""
+    return max(complete_checkpoints(run_dir), default=None)
+
+
 def not_writable(directory: Path) -> bool:
     """Whether nothing can be written under ``directory`` (an existing one): a read-only mount
     or no write permission."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import job_env
-from contract.run_dir import LOGS_DIR, complete_checkpoints, log_pattern
+from contract.run_dir import LOGS_DIR, log_pattern, newest_complete_step
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
@@ -378,7 +378,7 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         retries=plan.retries,
         retry_on_exit=list(plan.retry_on_exit),
         max_stalled=plan.max_stalled,
-        start_step=max(complete_checkpoints(plan.run_dir), default=None),
+        start_step=newest_complete_step(plan.run_dir),
         workdir=str(plan.workdir),
         code_mode=code.mode if code else None,
         code_dir=str(code.root) if code and code.root else None,

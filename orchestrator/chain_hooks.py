@@ -58,7 +58,7 @@ from contract.job_end import (
     outcome_line,
     read_job_end,
 )
-from contract.run_dir import complete_checkpoints
+from contract.run_dir import newest_complete_step
 from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_STATES
 from orchestrator.backends import registry
 from orchestrator.backends.base import dependency_spec
@@ -186,11 +186,6 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def newest_checkpoint(run_dir: Path) -> int | None:
-    """The step of the run dir's newest complete checkpoint; None: none yet."""
-    return max(complete_checkpoints(run_dir), default=None)
-
-
 def stalled_jobs(manifest: Manifest) -> list[JobRecord]:
     """The chain's latest jobs, in a row, that ended without a newer complete checkpoint than
     the chain had before each (jobs whose progress was not measured are passed over)."""
@@ -238,7 +233,7 @@ class ChainKeeper:
         """Judge ``job``, noting the newest checkpoint it left and whether it trained (a record,
         or checkpoints in the run dir: a command that saves none is not measured for stalls)."""
         record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
-        job.checkpoint_step = newest_checkpoint(self.run_dir)
+        job.checkpoint_step = newest_complete_step(self.run_dir)
         job.measured = record is not None or job.checkpoint_step is not None
         if record is not None:
             job.step = record.get("step")
