@@ -11,6 +11,7 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from tests.test_hang import wait_for_step
 from tests.test_trainer import metrics
 
 INTERVAL = 4  # checkpoint interval
-MAX_STEPS = 16
+MAX_STEPS = 24  # enough that neither chain finishes before the preemption reaches it, under load
 RECIPE = REPO / "recipes" / "train_tiny_fsdp2.yaml"
 
 
@@ -91,8 +92,13 @@ def test_a_preempted_job_is_requeued_or_replaced(preemptible, tmp_path, corpus, 
     requeueing = tmp_path / "train_requeue.yaml"
     requeueing.write_text(RECIPE.read_text() + "requeue: true\n")
     kept, replaced = tmp_path / "kept", tmp_path / "replaced"
-    first = launch_training(kept, requeueing, corpus, "-n2")
-    second = launch_training(replaced, RECIPE, corpus, "-n1", "--retries", "1")
+    # Launched side by side, so that neither has trained far when the other starts.
+    with ThreadPoolExecutor(2) as launches:
+        first_launch = launches.submit(launch_training, kept, requeueing, corpus, "-n2")
+        second_launch = launches.submit(
+            launch_training, replaced, RECIPE, corpus, "-n1", "--retries", "1"
+        )
+        first, second = first_launch.result(), second_launch.result()
     chain, job0 = first["chain_id"], first["jobs"][0]["job_id"]
     follower = subprocess.Popen(
         [str(BIN / "orchestrator"), "logs", chain, "--job", "0", "--follow"],
@@ -100,13 +106,14 @@ def test_a_preempted_job_is_requeued_or_replaced(preemptible, tmp_path, corpus, 
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_for_step(kept, 4)
-    wait_for_step(replaced, 4)
+    wait_for_step(kept, 1)
+    wait_for_step(replaced, 1)
     submitted = time.monotonic()
     urgent = ["sbatch", "-p", cluster.URGENT_PARTITION, "-N2", "-c", "2", "-o", "/dev/null"]
     subprocess.run([*urgent, "--wrap", "true"], check=True, capture_output=True)
     log = next((kept / "logs").glob(f"*-{job0}.out"))
     while "was requeued (restart 1)" not in log.read_text():
+        assert "max_steps reached" not in log.read_text(), "trained to the end before preempted"
         assert time.monotonic() - submitted < 180, log.read_text()[-3000:]
         time.sleep(0.5)
     back_in = time.monotonic() - submitted
