@@ -1,7 +1,11 @@
 """README's "Your own data" walk-through, small: a corpus in LibriSpeech's own layout prepared by
 lhotse's own recipe, mixed 0.7/0.3 with the project's corpus through the shipped source files
 (recipes/mix/), trained on 2 ranks with features computed from audio, validated per set, and
-both test sets scored in one evaluation; and a bad source file refused before training."""
+both test sets scored in one evaluation; and a bad source file refused before training.
+
+The 2-rank trainings of the mixture (the walk-through's three runs and the pretrained Whisper
+encoder's) are one process group's runs, one after another (tests/trainer_runs_worker.py): the
+ranks' start-up is paid once for the module, and each test reads its own run dirs."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import math
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,16 +26,21 @@ from tests.test_trainer import metrics, run_ranks, train, train_overrides
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def data(tmp_path, corpus, librispeech) -> Path:
+def make_data(root: Path, corpus: Path, librispeech: Path) -> Path:
     """data/ as `make mix` leaves it: the two corpora beside mix/ with the shipped source files."""
-    data = tmp_path / "data"
+    data = root / "data"
     (data / "mix").mkdir(parents=True)
     (data / "librispeech").symlink_to(librispeech)
     (data / "corpus_asr").symlink_to(corpus)
     for path in (REPO / "recipes" / "mix").glob("*.yaml"):
         shutil.copy(path, data / "mix")
     return data
+
+
+@pytest.fixture
+def data(tmp_path, corpus, librispeech) -> Path:
+    """The test's own data/ (make_data)."""
+    return make_data(tmp_path, corpus, librispeech)
 
 
 def evaluate(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
@@ -43,15 +53,26 @@ def evaluate(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]
     )
 
 
-@pytest.mark.slow
-def test_a_librispeech_layout_mixed_with_the_corpus_trains_resumes_validates_and_evaluates(
-    tmp_path, corpus, data
-):
-    """The walk-through on 2 ranks: one job of 6 steps equals two jobs of 3 (same seed) in
-    every loss, although LibriSpeech's features are computed from its audio in the workers (and
-    cached); each row counts the cuts per source, validation is logged per set, and one
-    evaluation scores both test sets."""
-    whole, run_dir, cache = tmp_path / "whole", tmp_path / "run", tmp_path / "features"
+@dataclass(frozen=True)
+class MixRuns:
+    """The module's 2-rank trainings of the mixture, and what their ranks printed."""
+
+    data: Path
+    whole: Path  # the walk-through in one job of 6 steps
+    run: Path  # the same in two jobs of 3, validated
+    features: Path  # the walk-through's feature cache
+    whisper: Path  # the pretrained Whisper encoder's run
+    encoder: Path
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def mix_runs(tmp_path_factory, corpus, librispeech) -> MixRuns:
+    """The walk-through's three runs (one job of 6 steps; two of 3 from the same seed) and the
+    pretrained Whisper encoder's run, trained one after another by one group of 2 ranks."""
+    root = tmp_path_factory.mktemp("mix_runs")
+    data = make_data(root, corpus, librispeech)
+    whole, run_dir, cache = root / "whole", root / "run", root / "features"
     common = (
         "seed=3",
         f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
@@ -63,14 +84,45 @@ def test_a_librispeech_layout_mixed_with_the_corpus_trains_resumes_validates_and
         "train.max_time_per_run=0",
         "wandb.enabled=false",
     )
+    encoder = save_tiny_encoder("whisper", root / "whisper_encoder")
+    whisper = root / "whisper"
     runs = [
         train_overrides(whole, corpus, *common, "eval.interval=0"),
         train_overrides(run_dir, corpus, *common, "eval.interval=3", "train.max_steps_per_run=3"),
         train_overrides(run_dir, corpus, *common, "eval.interval=3"),
+        train_overrides(whisper, corpus, *pretrained_overrides(encoder, data)),
     ]
-    spec = tmp_path / "runs.json"
+    spec = root / "runs.json"
     spec.write_text(json.dumps({"config": "asr_mix", "runs": runs}))
-    run_ranks(["-m", "tests.trainer_runs_worker", str(spec)], 2)
+    done = run_ranks(["-m", "tests.trainer_runs_worker", str(spec)], 2)
+    return MixRuns(data, whole, run_dir, cache, whisper, encoder, done.stderr)
+
+
+def pretrained_overrides(encoder: Path, data: Path) -> tuple[str, ...]:
+    """A pretrained encoder's 4 steps on the mixture, validated every 2."""
+    return (
+        f"model.pretrained_encoder={encoder}",
+        "model.projector_stride=2",
+        f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
+        f"eval.sets={data / 'mix' / 'eval_sets.yaml'}",
+        "data.max_duration=6",
+        "train.max_steps=4",
+        "train.log_every=2",
+        "train.max_time_per_run=0",
+        "eval.interval=2",
+        "wandb.enabled=false",
+    )
+
+
+@pytest.mark.slow
+def test_a_librispeech_layout_mixed_with_the_corpus_trains_resumes_validates_and_evaluates(
+    mix_runs,
+):
+    """The walk-through on 2 ranks: one job of 6 steps equals two jobs of 3 (same seed) in
+    every loss, although LibriSpeech's features are computed from its audio in the workers (and
+    cached); each row counts the cuts per source, validation is logged per set, and one
+    evaluation scores both test sets."""
+    data, whole, run_dir, cache = mix_runs.data, mix_runs.whole, mix_runs.run, mix_runs.features
     losses = [(row["step"], row["loss"]) for row in metrics(whole) if "loss" in row]
     rows = metrics(run_dir)
     trained = [row for row in rows if "loss" in row]
@@ -116,43 +168,25 @@ def test_a_bad_source_file_stops_training_before_it_starts(tmp_path, corpus, dat
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kind", "nproc", "extra"),
-    [
-        ("whisper", 2, ()),
-        (
-            "parakeet",
-            1,
-            ("compile=true", "compile_backend=aot_eager", "activation_checkpointing=full"),
-        ),
-    ],
-    ids=["whisper-fsdp2", "parakeet-compiled"],
+    "kind", ["whisper", "parakeet"], ids=["whisper-fsdp2", "parakeet-compiled"]
 )
-def test_a_pretrained_encoder_trains_on_the_mixture_and_evaluates(
-    tmp_path, corpus, data, kind, nproc, extra
-):
+def test_a_pretrained_encoder_trains_on_the_mixture_and_evaluates(request, tmp_path, corpus, kind):
     """A user's Hugging Face encoder on their own data: its extractor's features computed from
     the audio in the workers (the corpus's stored fbank is not what it reads), real batches of
-    varying shapes, validation per set, then evaluation of both test sets from the checkpoint."""
-    encoder = save_tiny_encoder(kind, tmp_path / kind)
-    run_dir = tmp_path / "run"
-    done = train(
-        run_dir,
-        corpus,
-        f"model.pretrained_encoder={encoder}",
-        "model.projector_stride=2",
-        f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
-        f"eval.sets={data / 'mix' / 'eval_sets.yaml'}",
-        "data.max_duration=6",
-        "train.max_steps=4",
-        "train.log_every=2",
-        "train.max_time_per_run=0",
-        "eval.interval=2",
-        "wandb.enabled=false",
-        *extra,
-        nproc=nproc,
-        config="asr_mix",
-    )
-    assert f"encoder weights loaded from {encoder}" in done.stderr
+    varying shapes, validation per set. Whisper's run (FSDP2 on 2 ranks, the module's process
+    group) then evaluates both test sets from the checkpoint; Parakeet trains on one rank,
+    compiled (aot_eager) with full activation checkpointing."""
+    if kind == "whisper":
+        runs: MixRuns = request.getfixturevalue("mix_runs")
+        data, encoder, run_dir, stderr = runs.data, runs.encoder, runs.whisper, runs.stderr
+    else:
+        data = make_data(tmp_path, corpus, request.getfixturevalue("librispeech"))
+        encoder = save_tiny_encoder(kind, tmp_path / kind)
+        run_dir = tmp_path / "run"
+        compiled = ("compile=true", "compile_backend=aot_eager", "activation_checkpointing=full")
+        overrides = (*pretrained_overrides(encoder, data), *compiled)
+        stderr = train(run_dir, corpus, *overrides, nproc=1, config="asr_mix").stderr
+    assert f"encoder weights loaded from {encoder}" in stderr
     rows = metrics(run_dir)
     assert [row["step"] for row in rows if "loss" in row] == [2, 4]
     validation = [row for row in rows if "val_loss" in row]

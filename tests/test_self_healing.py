@@ -23,7 +23,15 @@ from orchestrator.chain_hooks import BLOCKED, ChainKeeper, judge, stalled_jobs
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.seeds import chain_seeds
 from tests.conftest import cluster_cli
-from tests.helpers import REPO, launch_json, run_tool, tiny_training_chain, wait_chain, write_sub
+from tests.helpers import (
+    REPO,
+    launch_json,
+    queue_ids,
+    run_tool,
+    tiny_training_chain,
+    wait_chain,
+    write_sub,
+)
 from tests.test_trainer import launch_training
 
 # A hand-written .sub that follows the chain-hook contract (docs/contracts.md). Its work fails
@@ -66,8 +74,26 @@ exit "$CODE"
 """
 
 
+# W&B is not what the training chains here check (its start costs a job seconds of CPU); the
+# clean stop on scancel keeps it, as a user's job has it running when the signal comes.
+NO_WANDB = "wandb.enabled=false"
+
+
 def manifest_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "manifest.json").read_text())
+
+
+def wait_chain_quietly(run_dir: Path, chain_id: str, timeout: float = 180) -> dict:
+    """``wait_chain`` without its poll of ``orchestrator status`` every second (a Python start
+    and accounting queries each, a share of a core beside the jobs it waits for): squeue (a C
+    client) every half second until no job of the chain's manifest is queued, replacements
+    queued meanwhile included (a job's hook adds its replacement while the job still runs),
+    then the chain's status, polled as ``wait_chain`` does until accounting has every end."""
+    deadline = time.monotonic() + timeout
+    while set(queue_ids()) & {job["job_id"] for job in manifest_of(run_dir)["jobs"]}:
+        assert time.monotonic() < deadline, f"chain {chain_id} still queued after {timeout} s"
+        time.sleep(0.5)
+    return wait_chain(chain_id, timeout=max(30.0, deadline - time.monotonic()))
 
 
 def sacct_run(job_id: str) -> str:
@@ -294,7 +320,7 @@ def test_failed_jobs_are_replaced_until_one_succeeds(slurm_cluster, tmp_path):
         str(recipe),
         env={"FAILURES": "2"},
     )
-    final = wait_chain(summary["chain_id"], timeout=120)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=120)
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "FAILED", "COMPLETED"], final
     manifest = manifest_of(run_dir)
     jobs = manifest["jobs"]
@@ -345,8 +371,8 @@ def test_a_chain_without_progress_stalls_and_an_unfinished_one_says_how_to_go_on
         "train.max_steps=8",
         env={"CODE": "0", "SAVE": "5"},
     )
-    wait_chain(stalled["chain_id"], timeout=120)
-    wait_chain(unfinished["chain_id"], timeout=120)
+    wait_chain_quietly(stalls, stalled["chain_id"], timeout=120)
+    wait_chain_quietly(stops, unfinished["chain_id"], timeout=120)
     manifest = manifest_of(stalls)
     assert manifest["status"] == "stalled", manifest
     assert [(job["outcome"], job["replaces"]) for job in manifest["jobs"]] == [
@@ -381,7 +407,7 @@ def test_a_job_killed_before_its_hook_is_replaced_by_the_next_job(slurm_cluster,
     summary = launch_json(
         "-n2", "--retries", "1", "--run-dir", str(run_dir), str(recipe), env={"KILL_AT": "0"}
     )
-    final = wait_chain(summary["chain_id"], timeout=120)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=120)
     manifest = manifest_of(run_dir)
     jobs = manifest["jobs"]
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED", "COMPLETED"], final
@@ -415,7 +441,7 @@ def test_the_then_job_still_runs_after_a_replacement(slurm_cluster, tmp_path):
         str(recipe),
         env={"FAILURES": "1"},
     )
-    final = wait_chain(summary["chain_id"], timeout=120)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=120)
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED", "COMPLETED"], final
     jobs = manifest_of(run_dir)["jobs"]
     assert [(job["index"], job["then"], job["replaces"]) for job in jobs] == [
@@ -462,9 +488,9 @@ def test_finished_training_cancels_the_queued_rest(slurm_cluster, tmp_path, corp
     """Job 0 reaches max_steps: jobs 1 and 2 are cancelled while pending and never run."""
     run_dir = tmp_path / "run"
     summary = launch_training(
-        3, run_dir, "recipes/train_tiny_fsdp2.yaml", corpus, "train.max_steps=3"
+        3, run_dir, "recipes/train_tiny_fsdp2.yaml", corpus, "train.max_steps=3", NO_WANDB
     )
-    final = wait_chain(summary["chain_id"], timeout=150)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=150)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED", "CANCELLED", "CANCELLED"]
     manifest = manifest_of(run_dir)
     assert manifest["status"] == "complete"
@@ -504,8 +530,9 @@ def test_diverged_training_stops_the_chain_without_retries(slurm_cluster, tmp_pa
         "train.max_steps=20",
         "train.nonfinite_limit=2",
         "debug.inject_nonfinite_steps=[2,3]",
+        NO_WANDB,
     )
-    final = wait_chain(summary["chain_id"], timeout=150)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=150)
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "CANCELLED", "CANCELLED"]
     manifest = manifest_of(run_dir)
     assert manifest["status"] == "diverged"
@@ -532,8 +559,8 @@ def test_unsavable_checkpoints_block_the_chain_without_retries(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "checkpoints").symlink_to(small_disk)
-    summary = tiny_training_chain(run_dir, corpus, 3, 2)
-    final = wait_chain(summary["chain_id"], timeout=150)
+    summary = tiny_training_chain(run_dir, corpus, 3, 2, NO_WANDB)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=150)
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "CANCELLED", "CANCELLED"]
     manifest = manifest_of(run_dir)
     ids = [job["job_id"] for job in manifest["jobs"]]
@@ -574,7 +601,7 @@ def test_scancel_during_training_is_reported_as_a_clean_stop(slurm_cluster, tmp_
         time.sleep(0.5)
     subprocess.run(["scancel", job_id], check=True, timeout=30)
     deadline = time.monotonic() + 60
-    final = wait_chain(summary["chain_id"], timeout=60)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=60)
     assert [job["state"] for job in final["jobs"]] == ["CANCELLED"], final
     manifest = wait_manifest_settled(run_dir, 1)
     assert [job["outcome"] for job in manifest["jobs"]] == ["stopped"], manifest
@@ -617,7 +644,7 @@ def test_hooks_judging_one_failure_at_once_queue_one_replacement(slurm_cluster, 
         "-n1", "--retries", "3", "--run-dir", str(run_dir), str(recipe), env={"KILL_AT": "0"}
     )
     chain_id = summary["chain_id"]
-    assert [job["state"] for job in wait_chain(chain_id, timeout=60)["jobs"]] == ["FAILED"]
+    assert [job["state"] for job in wait_chain_quietly(run_dir, chain_id, 60)["jobs"]] == ["FAILED"]
     hooks = [
         subprocess.Popen(
             [sys.executable, "-m", "orchestrator.chain_hooks", "start"],
@@ -633,7 +660,7 @@ def test_hooks_judging_one_failure_at_once_queue_one_replacement(slurm_cluster, 
     assert sum("queued job" in out for out in said) == 1, said
     jobs = manifest_of(run_dir)["jobs"]
     assert [(job["index"], job["replaces"]) for job in jobs] == [(0, None), (1, 0)], jobs
-    final = wait_chain(chain_id, timeout=60)
+    final = wait_chain_quietly(run_dir, chain_id, timeout=60)
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
     # SLURM agrees (it keeps ended jobs for MinJobAge): no job of that name beyond the two.
     queued = subprocess.run(
@@ -690,6 +717,7 @@ def test_a_training_job_whose_node_fails_is_replaced(slurm_cluster, tmp_path, co
         "train.max_steps=8",
         "train.max_steps_per_run=4",
         "checkpoint.interval=2",
+        NO_WANDB,
     )
     chain_id, job0 = summary["chain_id"], summary["jobs"][0]["job_id"]
     deadline = time.monotonic() + 120
@@ -703,7 +731,7 @@ def test_a_training_job_whose_node_fails_is_replaced(slurm_cluster, tmp_path, co
         lose_node(slurm_cluster.directory, node, job0)
         resumed = newest_complete(run_dir)
         assert resumed < 4, "job 0 ended its budget before its node was lost"
-        final = wait_chain(chain_id, timeout=240)
+        final = wait_chain_quietly(run_dir, chain_id, timeout=240)
     finally:
         again = cluster_cli("up", "--dir", str(slurm_cluster.directory))
     assert again.returncode == 0 and f"restarting slurmd-{node};" in again.stderr, again.stderr

@@ -18,10 +18,11 @@ import pytest
 from tests.helpers import REPO, queue_ids, run_tool, wait_chain, wait_gone
 from tests.test_then import read_jsonl, recording_recipe
 
-# Few, short steps: each member trains in seconds on one shared core.
+# Few, short steps: each member trains in seconds on one shared core. W&B is not what a sweep
+# checks here (tests/test_metrics.py does); its start would cost every member seconds of CPU.
 TINY = (
     "data.max_duration=8",
-    "wandb.mode=offline",
+    "wandb.enabled=false",
     "optim.warmup_steps=2",
     "checkpoint.interval=2",
 )
@@ -71,35 +72,34 @@ def sweep_status(sweep: str) -> dict:
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_submitit_sweep_trains_each_member_in_its_own_run_dir(empty_queue, corpus, tmp_path):
-    """2 lrs x 2 model sizes, each member 2 srun tasks that meet in one FSDP2 process group."""
+    """2 model sizes (a config group) at a non-default lr, each member 2 srun tasks that meet in
+    one FSDP2 process group. Value sweeps (lr) are the stock and the chained launchers' below."""
     sweep_dir = tmp_path / "sweep"
     done = multirun(
         sweep_dir,
         corpus,
         "hydra/launcher=cpu_loopback",
-        "train.max_steps=3",
-        "optim.lr=1e-3,3e-4",
+        "train.max_steps=2",
+        "optim.lr=3e-4",
         "model=tiny,small",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     members = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
-    assert [p.name for p in members] == ["0", "1", "2", "3"]
+    assert [p.name for p in members] == ["0", "1"]
     logs = "".join(p.read_text() for p in sweep_dir.glob(".submitit/*/*_log.err"))
-    assert logs.count("layout world=2") == 4, logs[-3000:]
+    assert logs.count("layout world=2") == 2, logs[-3000:]
     seeds = set()
-    points = set()
+    sizes = []
     for run_dir in members:
         rows = metrics(run_dir)
-        assert rows[-1]["step"] == 3, rows
+        assert rows[-1]["step"] == 2, rows
         assert len({row["seed"] for row in rows}) == 1
         seeds.add(rows[0]["seed"])
-        # The model size shows in the checkpoint's bytes; the lr in the logged peak.
-        model_bytes = sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*.distcp"))
-        points.add((max(row["lr"] for row in rows), model_bytes))
-    assert len(seeds) == 4
-    assert {lr for lr, _ in points} == {1e-3, 3e-4}
-    assert len({size for _, size in points}) == 2
-    assert len(points) == 4
+        # The lr reaches every member (its logged peak); the model size shows in the checkpoint.
+        assert max(row["lr"] for row in rows) == 3e-4, rows
+        sizes.append(sum(p.stat().st_size for p in (run_dir / "checkpoints").rglob("*.distcp")))
+    assert len(seeds) == 2
+    assert sizes[0] < sizes[1], sizes  # member 0 is tiny, member 1 small
 
 
 @pytest.mark.slurm
@@ -128,8 +128,9 @@ def test_stock_submitit_slurm_launcher_gives_members_their_own_run_dir_and_seed(
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corpus, tmp_path):
-    """2 members x 2 chained jobs: the launcher returns with the jobs queued; job 1 resumes;
-    then each member's --then job runs in the member's run dir, given its seed alone."""
+    """2 members x 2 chained jobs of a step each: the launcher returns with the jobs queued;
+    job 1 resumes; then each member's --then job runs in the member's run dir, given its seed
+    alone."""
     sweep_dir = tmp_path / "sweep"
     evaluate = recording_recipe(tmp_path / "evaluate.sub")
     done = multirun(
@@ -138,8 +139,8 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
         "hydra/launcher=chain_loopback",
         "hydra.launcher.n=2",
         f"hydra.launcher.then={evaluate}",
-        "train.max_steps=4",
-        "train.max_steps_per_run=2",
+        "train.max_steps=2",
+        "train.max_steps_per_run=1",
         "optim.lr=1e-3,3e-4",
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -151,15 +152,17 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
     assert len(states) == 6
     assert all(state in ("PENDING", "RUNNING") for state in states), states
 
+    # squeue is cheap; `orchestrator status` (wait_chain) costs a Python start per poll.
+    wait_gone([job["job_id"] for chain in status["chains"] for job in chain["jobs"]], 240)
     for chain in status["chains"]:
-        finished = wait_chain(chain["chain_id"], timeout=240)
+        finished = wait_chain(chain["chain_id"], timeout=60)
         assert [job["state"] for job in finished["jobs"]] == ["COMPLETED"] * 3, finished
         run_dir = Path(chain["run_dir"])
         rows = metrics(run_dir)
-        assert [row["step"] for row in rows] == [1, 2, 3, 4]
-        assert [row["job_index"] for row in rows] == [0, 0, 1, 1]
+        assert [row["step"] for row in rows] == [1, 2]
+        assert [row["job_index"] for row in rows] == [0, 1]
         seeds = [job["seed"] for job in chain["jobs"]]
-        assert [row["seed"] for row in rows] == [seeds[0], seeds[0], seeds[1], seeds[1]]
+        assert [row["seed"] for row in rows] == [seeds[0], seeds[1]]
         (then,) = read_jsonl(run_dir / "jobs.jsonl")
         assert then["argv"] == [str(seeds[2])], then  # its seed alone, not the overrides
         assert then["env"]["ORCH_RUN_DIR"] == str(run_dir)
@@ -171,7 +174,7 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
     assert 'optim.lr=0.001 seed="${SEED}" run_dir="${ORCH_RUN_DIR}"' in script
     logs = run_tool("orchestrator", "logs", sweep)
     assert logs.returncode == 0, logs.stderr
-    assert logs.stdout.count("[orch] training exited with status 0") == 4
+    assert logs.stdout.count("[orch] training exited with status 0") == 4  # 2 jobs x 2 members
 
 
 @pytest.mark.slurm
