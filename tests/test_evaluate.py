@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jiwer
@@ -26,7 +27,7 @@ from omegaconf import OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS
 from orchestrator.results import latest_evaluation
-from tests.helpers import launch_json, run_tool, wait_chain
+from tests.helpers import FINISHED, chain_status, launch_json, run_tool, wait_chain
 from tests.hf_tiny import save_tiny
 from train.config import ConfigError
 from train.data import load_cuts
@@ -378,18 +379,36 @@ def test_a_chain_ends_with_its_evaluation(slurm_cluster, tmp_path, corpus):
         "--",
         f"data.corpus={corpus}",
         "data.max_duration=8",
-        "wandb.mode=offline",
+        "wandb.mode=disabled",
         "train.max_steps=4",
         "train.max_steps_per_run=2",
         cwd=REPO,
     )
-    final = wait_chain(summary["chain_id"], timeout=400)
+    written = run_dir / "eval" / "step_4" / "summary.json"
+    final = wait_for_file(summary["chain_id"], written, timeout=400)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
     assert [job["then"] for job in final["jobs"]] == [False, False, True]
-    result = json.loads((run_dir / "eval" / "step_4" / "summary.json").read_text())
+    result = json.loads(written.read_text())
     assert result["split"] == "test" and result["num_utterances"] > 0
     status = run_tool("orchestrator", "status", summary["chain_id"])
     assert f"WER {100 * result['wer']:.2f}% at step 4" in status.stdout, status.stdout
+
+
+def wait_for_file(chain: str, path: Path, timeout: float) -> dict:
+    """The chain's status once every job has finished. Until ``path`` is written this looks
+    for the file and asks for the chain's status only every 10 s, to stop waiting when a job
+    ended otherwise than COMPLETED: each ``orchestrator status`` runs squeue and sacct, work
+    that takes the cores the jobs run on."""
+    deadline = time.monotonic() + timeout
+    asked = time.monotonic()
+    while not path.exists() and time.monotonic() < deadline:
+        if time.monotonic() - asked > 10:
+            asked = time.monotonic()
+            states = {job["state"] for job in chain_status(chain)["jobs"]}
+            if states & (FINISHED - {"COMPLETED"}):
+                break
+        time.sleep(0.25)
+    return wait_chain(chain, timeout=max(deadline - time.monotonic(), 30))
 
 
 def exported(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -456,7 +475,14 @@ def test_a_preset_exports_as_a_llama(dense_run, dense_alone, tmp_path):
     assert evaluate(out, nproc=2)["rows"] == dense_alone["rows"]
 
 
-def test_an_export_that_cannot_be_done_is_one_line_and_writes_nothing(dense_run, moe_run, tmp_path):
+def test_an_export_that_cannot_be_done_is_one_line_and_writes_nothing(
+    dense_run, moe_run, tmp_path, capsys
+):
+    """Each refusal of ``python -m train.export``'s main (called here, in this process; the
+    command's exit status 2 from a refusal: tests/test_lora.py) is one ``error:`` line and
+    status 2, and nothing is written."""
+    from train.export import main
+
     existing = tmp_path / "taken"
     existing.mkdir()
     for run_dir, out, args, message in [
@@ -465,9 +491,10 @@ def test_an_export_that_cannot_be_done_is_one_line_and_writes_nothing(dense_run,
         (moe_run, tmp_path / "b", (), "an MoE LLM (4 experts) has no Hugging Face family"),
         (tmp_path / "nothing", tmp_path / "c", (), "no complete checkpoint"),
     ]:
-        done = exported(run_dir, out, *args)
-        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr
+        status = main([str(run_dir), "--out", str(out), *args])
+        stderr = capsys.readouterr().err
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert status == 2 and len(errors) == 1 and message in errors[0], stderr
     assert [p.name for p in tmp_path.iterdir()] == ["taken"] and not any(existing.iterdir())
 
 

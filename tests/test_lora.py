@@ -8,10 +8,12 @@ every projection carries an adapter, so each TP placement of A and B is exercise
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from lhotse import CutSet
 from safetensors.torch import load_file
 
 from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints
@@ -22,7 +24,14 @@ from train.models.hf_names import PROJECTIONS, hf_name
 from train.models.init import canonical_name
 from train.models.lora import is_adapter
 
-STEPS = 24
+STEPS = 8
+# The chain's corpus: 16 training utterances make an epoch of 6 batches at data.max_duration=6,
+# so the second of two jobs of STEPS / 2 steps resumes inside the first epoch and crosses into
+# the next; 4 test utterances make 2 decoding batches.
+TRAIN_CUTS, TEST_CUTS = 16, 4
+# What a decoding compares at each layout: the first tokens (the random LLM's adapters barely
+# trained, every hypothesis runs to the limit; 128 of them cost a minute at tp=2).
+DECODE = ("max_new_tokens=16",)
 TP2 = ("parallel.tp=2", "parallel.dp_shard=1")  # the trainer checks that TP peers read alike
 LORA = (
     "model.lora.rank=8",
@@ -34,6 +43,21 @@ LORA = (
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     return save_tiny("qwen2", tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory, corpus) -> Path:
+    """The session corpus's first TRAIN_CUTS training and TEST_CUTS test utterances, and its
+    dev split (its features are shared)."""
+    out = tmp_path_factory.mktemp("small") / "corpus"
+    out.mkdir()
+    for shared in ("feats", "wavs"):
+        (out / shared).symlink_to(corpus / shared)
+    for split, first in (("train", TRAIN_CUTS), ("dev", None), ("test", TEST_CUTS)):
+        cuts = list(CutSet.from_jsonl_lazy(corpus / f"cuts_{split}.jsonl.gz"))[:first]
+        assert first is None or len(cuts) == first
+        CutSet.from_cuts(cuts).to_file(out / f"cuts_{split}.jsonl.gz")
+    return out
 
 
 def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str, nproc: int = 1) -> str:
@@ -58,13 +82,19 @@ def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str, nproc:
 
 
 @pytest.fixture(scope="module")
-def chained(tmp_path_factory, corpus, pretrained) -> tuple[Path, list[str]]:
+def chained(tmp_path_factory, small_corpus, pretrained) -> tuple[Path, list[str]]:
     """Two jobs of STEPS / 2 steps each at tp=2, the second resuming the first from an
-    asynchronous save: the run dir and logs."""
+    asynchronous save inside the first epoch and ending in the second: the run dir and logs."""
     run_dir = tmp_path_factory.mktemp("lora_chain") / "run"
     per_run = (f"train.max_steps_per_run={STEPS // 2}", "checkpoint.async_save=true")
-    logs = [train(run_dir, corpus, pretrained, *per_run, nproc=2) for _ in range(2)]
+    logs = [train(run_dir, small_corpus, pretrained, *per_run, nproc=2) for _ in range(2)]
     return run_dir, logs
+
+
+def epoch_at(run_dir: Path, step: int) -> int:
+    """The epoch the data position of the run's checkpoint of ``step`` is in."""
+    state = json.loads((complete_checkpoints(run_dir)[step] / STATE_FILE).read_text())
+    return state["trainer_state"]["data_position"]["epoch"]
 
 
 def trained_model(run_dir: Path):
@@ -83,7 +113,7 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_lora_chain_trains_only_adapters_and_resumes_bitwise(
-    chained, corpus, pretrained, tmp_path
+    chained, small_corpus, pretrained, tmp_path
 ):
     """The chain's final weights are bitwise those of one job of all the steps at the same
     layout; the LLM's own weights are still the pretrained file's, bitwise; every adapter
@@ -91,8 +121,9 @@ def test_a_lora_chain_trains_only_adapters_and_resumes_bitwise(
     run_dir, (first, second) = chained
     assert "LLM weights loaded" in first and "resumed from" in second
     assert "(model.lora)" in first
+    assert epoch_at(run_dir, STEPS // 2) == 0 and epoch_at(run_dir, STEPS) == 1
     alone = tmp_path / "alone"
-    train(alone, corpus, pretrained, nproc=2)
+    train(alone, small_corpus, pretrained, nproc=2)
     chain_weights, one_job = final_model(run_dir), final_model(alone)
     assert chain_weights.keys() == one_job.keys()
     for name, weight in one_job.items():
@@ -152,16 +183,17 @@ def test_an_exported_lora_model_is_what_trained_merged_and_as_adapters(
     with torch.no_grad():
         got = adapted(tokens).logits[:, :, : expected.shape[-1]]
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), (got - expected).abs().max()
-    assert evaluate(apart, "parallel.tp=2", nproc=2)["rows"] == decoded
-    from_merged = evaluate(merged)
+    assert evaluate(apart, *DECODE, "parallel.tp=2", nproc=2)["rows"] == decoded
+    from_merged = evaluate(merged, *DECODE)
     assert from_merged["rows"] == decoded and from_merged["summary"]["split"] == "test"
 
 
 @pytest.fixture(scope="module")
 def decoded(chained) -> list[dict]:
-    """The chain's test-split hypotheses, decoded by one process from its checkpoint."""
+    """The chain's test-split hypotheses (their first tokens, DECODE), decoded by one process
+    from its checkpoint."""
     run_dir, _ = chained
-    rows = evaluate(run_dir)["rows"]
+    rows = evaluate(run_dir, *DECODE)["rows"]
     assert rows
     return rows
 
@@ -170,13 +202,12 @@ def test_a_lora_model_decodes_alike_at_tp2(chained, decoded):
     """train.evaluate rebuilds the adapters from the checkpoint's record: the same hypotheses
     from one process and from tp=2 (A whole and B split, or A split and B whole)."""
     run_dir, _ = chained
-    assert evaluate(run_dir, "parallel.tp=2", nproc=2)["rows"] == decoded
+    assert evaluate(run_dir, *DECODE, "parallel.tp=2", nproc=2)["rows"] == decoded
 
 
 def test_an_export_with_adapters_needs_a_lora_run(chained, tmp_path):
     """--adapters on a run without adapters: refused from the checkpoint's record, one line,
     exit 2, nothing written."""
-    import json
     import shutil
 
     run_dir, _ = chained
@@ -249,7 +280,9 @@ def test_bad_pretrained_settings_are_refused_before_anything_is_queued(
 def test_a_compiled_lora_run_validates_within_its_recompile_budget(tmp_path, corpus, pretrained):
     """peft's LoRA layers inside compiled blocks (fullgraph, selective AC) on the real data
     pipeline, batches of varying shape and validation passes: the run ends, every region
-    within its recompile limit."""
+    within its recompile limit. Dynamo's tracing and guards decide the graph count whatever
+    compiles the graphs: AOT autograd without inductor's code generation here, as in
+    tests/test_trainer_equivalence.py (inductor end to end: tests/test_gpu_check.py)."""
     log = train(
         tmp_path / "run",
         corpus,
@@ -258,6 +291,7 @@ def test_a_compiled_lora_run_validates_within_its_recompile_budget(tmp_path, cor
         "checkpoint.interval=6",
         "eval.interval=3",
         "compile=true",
+        "compile_backend=aot_eager",
         "activation_checkpointing=selective",
     )
     assert "validation at step 6" in log and "compiled graphs per region" in log
@@ -267,8 +301,6 @@ def test_the_plan_prices_adapters_and_a_frozen_llm(pretrained):
     """``orchestrator plan --lora-rank R``: the adapters count as parameters, and only they, the
     encoder and the projector train (what tests/test_planner_memory.py holds exact against the
     trainer's measurement at FSDP x TP)."""
-    import json
-
     from train.models.inventory import inventory
     from train.models.lora import with_lora
     from train.models.presets import model_shape
@@ -286,25 +318,37 @@ def test_the_plan_prices_adapters_and_a_frozen_llm(pretrained):
     assert refused.returncode == 2 and "'qkv' is not a projection" in refused.stderr
 
 
-def test_a_chain_keeps_its_adapters(chained, corpus, pretrained):
+def test_a_chain_keeps_its_adapters(chained, small_corpus, pretrained):
     """A job whose model.lora differs from the run dir's checkpoint (other rank, or none) is
-    refused before it starts: one line naming both, exit 2, the checkpoints untouched."""
+    refused before it starts: one line naming both, exit 2, the checkpoints untouched. Another
+    rank through ``python -m train``; none from the trainer's preflight (checked in this
+    process), whose one ConfigError line the command prints the same way."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from contract.configs import PACKAGED_CONFIGS, TRAIN_CONFIG
+    from train.config import ConfigError, register
+    from train.trainer import preflight
+
     run_dir, _ = chained
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    for overrides in (["model.lora.rank=4"], ["model.lora.rank=0"]):
-        result = run_module(
-            "train",
-            f"run_dir={run_dir}",
-            f"data.corpus={corpus}",
-            "wandb.mode=disabled",
-            f"train.max_steps={2 * STEPS}",
-            f"model.pretrained_llm={pretrained}",
-            *LORA[1:],
-            *overrides,
-        )
-        errors = [
-            line for line in result.stderr.splitlines() if "a chain keeps its adapters" in line
-        ]
-        assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
-        assert "rank 8 on q_proj" in errors[0]
+    job = (
+        f"run_dir={run_dir}",
+        f"data.corpus={small_corpus}",
+        "wandb.mode=disabled",
+        f"train.max_steps={2 * STEPS}",
+        f"model.pretrained_llm={pretrained}",
+        *LORA[1:],
+    )
+    result = run_module("train", *job, "model.lora.rank=4")
+    errors = [line for line in result.stderr.splitlines() if "a chain keeps its adapters" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert "rank 8 on q_proj" in errors[0] and "asks for rank 4 on q_proj" in errors[0]
+    register()
+    with initialize_config_module(PACKAGED_CONFIGS.removeprefix("pkg://"), version_base=None):
+        raw = compose(TRAIN_CONFIG, overrides=[*job, "model.lora.rank=0"])
+    with pytest.raises(ConfigError, match="a chain keeps its adapters") as refused:
+        preflight(OmegaConf.to_object(raw))
+    assert "\n" not in str(refused.value)
+    assert "rank 8 on q_proj" in str(refused.value) and "asks for none" in str(refused.value)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
