@@ -2,9 +2,9 @@
 
 Each case is one ``Trainer`` run (torchrun, gloo, fp32) of a few steps on the session corpus;
 the cases of one world size run one after another in one process group
-(tests/trainer_runs_worker.py), which pays torch's start-up on every rank once, not per case, and
-the compiled case is its own ``python -m train``. Each run goes through everything a user's job
-runs: the lhotse sampler with batches that change shape
+(tests/trainer_runs_worker.py), which pays torch's start-up on every rank once, not per case; the
+compiled case is the last of its group, after eager runs that leave dynamo untouched. Each run
+goes through everything a user's job runs: the lhotse sampler with batches that change shape
 every step, ``global_counts``, the step runners, fused AdamW with its ``found_inf`` on DTensors,
 weight decay, ``clip_grad_norm`` grouping gradients by mesh and summing over pipeline stages, a
 clip small enough that every step is clipped, warm-up then cosine decay, ``read_back``'s
@@ -41,8 +41,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.test_trainer import final_weights, metrics, train, train_together
+from tests.test_trainer import metrics, train_together
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +121,8 @@ CASES = {
     # autograd, on 2 ranks (FSDP's hooks run in eager around the compiled blocks: fsdp2_tp2
     # above). Dynamo's tracing and AOT autograd without inductor's code generation, which costs
     # two minutes on two cores (inductor's numbers on real batches: tests/test_gpu_check.py; MoE
-    # regions: tests/test_compiled_training.py).
+    # regions: tests/test_compiled_training.py). Last in CASES: its group trains it after every
+    # eager 2-rank case, so its graphs are the only ones dynamo holds in the process.
     "compiled_tp2_full_ac": Case(
         DENSE,
         2,
@@ -160,11 +163,24 @@ def read_trained(run_dir: Path, log: str) -> Trained:
     memory = [row["memory"] for row in _all_rows(run_dir) if "memory" in row]
     return Trained(
         steps,
-        final_weights(run_dir, STEPS, run_dir.parent),
+        final_weights(run_dir / "checkpoints" / f"step_{STEPS}"),
         validation,
         [rank["params_bytes"] for rank in memory[0]],
         log,
     )
+
+
+def final_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors in a DCP checkpoint, read straight into memory (no process group),
+    without the optimizer state that makes up most of its entries."""
+    reader = dcp.FileSystemReader(checkpoint)
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key.removeprefix("model."): value for key, value in state.items()}
 
 
 def _all_rows(run_dir: Path) -> list[dict]:
@@ -186,11 +202,6 @@ def train_cases(
         nproc,
     )
     return {name: read_trained(dirs[name], done.stderr) for name in runs}
-
-
-def alone(case: Case) -> bool:
-    """The compiled case runs as its own ``python -m train``: dynamo's state is per process."""
-    return "compile=true" in case.overrides
 
 
 @pytest.fixture(scope="module")
@@ -223,25 +234,10 @@ def layouts(tmp_path_factory, corpus):
         case = CASES[name]
         if name in runs:
             return runs[name]
+        same_world = {o: c for o, c in CASES.items() if c.nproc == case.nproc}
+        group = {other: (c.preset, c.overrides) for other, c in same_world.items()}
         where = tmp_path_factory.mktemp(f"layouts-{name}")
-        if alone(case):
-            run_dir = where / name
-            done = train(
-                run_dir,
-                corpus,
-                *COMMON,
-                f"model.preset={case.preset}",
-                *case.overrides,
-                nproc=case.nproc,
-            )
-            runs[name] = read_trained(run_dir, done.stderr)
-        else:
-            group = {
-                other: (c.preset, c.overrides)
-                for other, c in CASES.items()
-                if c.nproc == case.nproc and not alone(c)
-            }
-            runs.update(train_cases(where / "runs", corpus, case.nproc, group))
+        runs.update(train_cases(where / "runs", corpus, case.nproc, group))
         return runs[name]
 
     return get
