@@ -210,13 +210,13 @@ def test_seed_contract_from_batch_hashes(tmp_path, corpus):
     """dp_shard 2 x tp 2: equal within TP groups, different across DP ranks and across seeds."""
     seeds = {"a": 11, "a_again": 11, "b": 12}
     runs = {name: tmp_path / name for name in seeds}
-    common = ("train.max_steps=3", "debug.batch_hashes=true")
+    common = ("train.max_steps=2", "debug.batch_hashes=true")
     args = {runs[name]: (f"seed={seed}", *common) for name, seed in seeds.items()}
     train_together(args, corpus, nproc=4, config="tiny_tp")
     hashes = {name: read_hashes(run_dir) for name, run_dir in runs.items()}
     a = hashes["a"]
     assert sorted(a) == [0, 1, 2, 3]
-    for step in range(3):
+    for step in range(2):
         by_dp: dict[int, set[str]] = {}
         for rank in a:
             row = a[rank][step]
@@ -231,64 +231,84 @@ def test_seed_contract_from_batch_hashes(tmp_path, corpus):
     assert all(x != y for x, y in zip(digest["a"], digest["b"], strict=True))
 
 
+# The module's chains on the loopback cluster, by test: jobs, recipe and overrides.
+CHAINS = {
+    "test_pipeline_chain_across_two_nodes": (
+        2,
+        "recipes/train_tiny_pp_2node.yaml",
+        ("train.max_steps=4", "train.max_steps_per_run=2", "train.grad_accum=2"),
+    ),
+    "test_context_parallel_chain_resumes": (
+        2,
+        "recipes/train_tiny_long_cp.yaml",
+        ("train.max_steps=2", "train.max_steps_per_run=1"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def chains(
+    request: pytest.FixtureRequest, slurm_cluster, tmp_path_factory, corpus
+) -> dict[str, tuple[Path, str]]:
+    """The chains of the tests selected in this session (batch hashes on), all submitted at
+    once: the cluster runs them side by side (the pipeline's two nodes x 1 rank beside CP's
+    node x 2 ranks), so that their jobs' start-ups and SLURM's waits between jobs overlap.
+    Each test waits for its own: run dir and chain id by test name."""
+    selected = {
+        item.originalname for item in request.session.items if item.module is request.module
+    }
+    launched = {}
+    for name, (jobs, recipe, overrides) in CHAINS.items():
+        if name in selected:
+            run_dir = tmp_path_factory.mktemp(name) / "run"
+            summary = launch_training(
+                jobs, run_dir, recipe, corpus, *overrides, "debug.batch_hashes=true"
+            )
+            launched[name] = (run_dir, summary["chain_id"])
+    return launched
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_pipeline_chain_across_two_nodes(slurm_cluster, tmp_path, corpus):
-    """3 jobs of pp=2 over the loopback cluster's two nodes, 2 steps of 2 accumulated batches
-    each, resuming: the startup line names each stage's blocks, both stages read the same
-    batches (hashes with their pp coordinate), and the loss comes back from the last stage."""
-    run_dir = tmp_path / "run"
-    summary = launch_training(
-        3,
-        run_dir,
-        "recipes/train_tiny_pp_2node.yaml",
-        corpus,
-        "train.max_steps=6",
-        "train.max_steps_per_run=2",
-        "train.grad_accum=2",
-        "debug.batch_hashes=true",
-    )
-    final = wait_chain(summary["chain_id"], timeout=400)
-    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
+def test_pipeline_chain_across_two_nodes(chains):
+    """2 jobs of pp=2 over the loopback cluster's two nodes, 2 steps of 2 accumulated batches
+    each, the second resuming the first: the startup line names each stage's blocks, both stages
+    read the same batches (hashes with their pp coordinate), and the loss comes back from the
+    last stage."""
+    run_dir, chain = chains["test_pipeline_chain_across_two_nodes"]
+    final = wait_chain(chain, timeout=400)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 2, final
     assert final["jobs"][0]["nodes"] == "n[1-2]"
     rows = metrics(run_dir)
-    assert [row["step"] for row in rows] == list(range(1, 7))
-    assert [row["job_index"] for row in rows] == [0, 0, 1, 1, 2, 2]
+    assert [row["step"] for row in rows] == list(range(1, 5))
+    assert [row["job_index"] for row in rows] == [0, 0, 1, 1]
     assert all(math.isfinite(row["loss"]) and 0 < row["loss"] < 20 for row in rows)
     assert all(row["tokens_per_s"] > 0 for row in rows)
-    logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
+    logs = run_tool("orchestrator", "logs", chain).stdout
     assert "stage 0 on pp rank 0: encoder+projector+embeddings, blocks 0-0" in logs
     assert "stage 1 on pp rank 1: blocks 1-1, norm+head+loss" in logs
-    assert f"resumed from {run_dir}/checkpoints/step_4 at step 4" in logs
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in logs
     hashes = read_hashes(run_dir)
     assert [row["coords"]["pp"] for row in (hashes[0][0], hashes[1][0])] == [0, 1]
     assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
-    assert len({r["hash"] for r in hashes[0]}) == 6, "each step reads new batches"
+    assert len({r["hash"] for r in hashes[0]}) == 4, "each step reads new batches"
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_context_parallel_chain_resumes(slurm_cluster, tmp_path, corpus):
-    """2 jobs of the long-audio recipe's cp=2 layout (here on the short corpus, for time):
-    the second resumes the first; both CP ranks read the same batches, cut differently."""
-    run_dir = tmp_path / "run"
-    summary = launch_training(
-        2,
-        run_dir,
-        "recipes/train_tiny_long_cp.yaml",
-        corpus,
-        "train.max_steps=4",
-        "train.max_steps_per_run=2",
-        "debug.batch_hashes=true",
-    )
-    final = wait_chain(summary["chain_id"], timeout=400)
+def test_context_parallel_chain_resumes(chains):
+    """2 jobs of one step each in the long-audio recipe's cp=2 layout (here on the short corpus,
+    for time): the second resumes the first; both CP ranks read the same batches, cut
+    differently."""
+    run_dir, chain = chains["test_context_parallel_chain_resumes"]
+    final = wait_chain(chain, timeout=400)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 2, final
     rows = metrics(run_dir)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["step"] for row in rows] == [1, 2]
     assert all(math.isfinite(row["loss"]) for row in rows)
-    logs = run_tool("orchestrator", "logs", summary["chain_id"]).stdout
+    logs = run_tool("orchestrator", "logs", chain).stdout
     assert "cp=2" in logs
-    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in logs
+    assert f"resumed from {run_dir}/checkpoints/step_1 at step 1" in logs
     hashes = read_hashes(run_dir)
     assert [hashes[rank][0]["coords"]["cp"] for rank in (0, 1)] == [0, 1]
     assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
@@ -303,10 +323,10 @@ def metrics_or_empty(run_dir: Path) -> list[dict]:
 def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, corpus):
     """One process trains a plain module; two FSDP2 ranks continue from its checkpoint."""
     run_dir = tmp_path / "run"
-    train(run_dir, corpus, "seed=3", "train.max_steps=4", "train.max_steps_per_run=2")
-    resumed = train(run_dir, corpus, "seed=3", "train.max_steps=4", nproc=2)
-    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in resumed.stderr
-    assert [row["step"] for row in metrics(run_dir)] == [1, 2, 3, 4]
+    train(run_dir, corpus, "seed=3", "train.max_steps=2", "train.max_steps_per_run=1")
+    resumed = train(run_dir, corpus, "seed=3", "train.max_steps=2", nproc=2)
+    assert f"resumed from {run_dir}/checkpoints/step_1 at step 1" in resumed.stderr
+    assert [row["step"] for row in metrics(run_dir)] == [1, 2]
 
 
 @pytest.mark.slow
@@ -315,7 +335,7 @@ def test_nonfinite_steps_are_skipped_then_end_the_job(tmp_path, corpus):
     end the job with exit 3 and one error line, nothing non-finite is saved, and the next job
     resumes from the last checkpoint and finishes."""
     run_dir = tmp_path / "run"
-    common = ("train.max_steps=12", "checkpoint.interval=2", "checkpoint.keep=10")
+    common = ("train.max_steps=8", "checkpoint.interval=2", "checkpoint.keep=10")
     poisoned = "debug.inject_nonfinite_steps=[3,4,5,6,7]"
     first = train(run_dir, corpus, *common, poisoned, nproc=2, check=False)
     # Each rank exits 3; torchrun reports a failed worker as 1 and names the ranks' code.
@@ -336,5 +356,5 @@ def test_nonfinite_steps_are_skipped_then_end_the_job(tmp_path, corpus):
     second = train(run_dir, corpus, *common, nproc=2)
     assert "resumed from" in second.stderr and "step_6" in second.stderr
     rows = metrics(run_dir)
-    assert rows[-1]["step"] == 12 and math.isfinite(rows[-1]["loss"])
+    assert rows[-1]["step"] == 8 and math.isfinite(rows[-1]["loss"])
     assert rows[-1]["nonfinite_steps"] == 4  # steps 3-6, as saved at step 6; step 7 was redone
