@@ -1,7 +1,12 @@
 """A rank that stops mid-training (SIGSTOP: it cannot act, its peer waits in a collective) ends
 the job within ``train.hang_timeout_s`` with exit code 5, not at the job's time limit, whichever
 rank it is and whether it stops in a step, a checkpoint save or validation; a stop signal shortens
-the wait; and the chain's next job resumes from the last checkpoint."""
+the wait; and the chain's next job resumes from the last checkpoint.
+
+The hangs here (four of 2-rank torchrun, one chain on the loopback cluster) mostly wait: for a
+watchdog, a stop signal's patience, torchrun's removal of a stopped rank. ``hung_runs`` starts
+them together, each driven by a thread of its own, so that the module waits about as long as the
+longest of them; each test then checks its own run's outcome."""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -27,9 +34,21 @@ from train.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs a rank that its SIGTERM did not end after this long
 MARGIN_S = 30  # polling, teardown and a loaded 2-core machine
-HANG_TIMEOUT_S = 10  # 8x the slowest step, save or validation of the tiny model here (1.2 s)
+# 8x the slowest step, save or validation of the tiny model here (1.2 s); with this module's
+# hangs all running at once on a 2-core machine busy with other tests, steps took up to 4 s.
+HANG_TIMEOUT_S = 10
 HUNG_LINE = "error: rank 0: the job is hung"  # rank 1 stopped
 JOB_ID = "4242"  # a SLURM job id for the end-of-job record (contract/job_end.py) outside SLURM
+# The local hangs by test id: which rank is stopped after step 3, with what train.hang_timeout_s,
+# and whether the other rank then gets SIGUSR1 ...
+STOPPED_RANK = {"rank0-timeout": (0, HANG_TIMEOUT_S, False), "rank1-usr1": (1, 600, True)}
+# ... and which rank stops itself (debug.stop_in) in which phase at step 2, with what overrides.
+HUNG_PHASE = {
+    "rank1-save": ("save", 1, ("checkpoint.interval=2",)),
+    "rank0-validation": ("validation", 0, ("eval.interval=2",)),
+}
+CHAIN_TEST = "test_a_chain_goes_on_after_a_rank_hangs"
+CHAIN_STEPS, CHAIN_INTERVAL = 12, 4  # the chain's train.max_steps and checkpoint.interval
 
 
 def wait_for_step(run_dir: Path, step: int, still_running=lambda: True, timeout: float = 240):
@@ -105,28 +124,21 @@ def job_ranks(chain: str, job_index: int, rank: int) -> list[psutil.Process]:
     return found
 
 
-def test_a_negative_hang_timeout_is_refused():
-    with pytest.raises(ValueError, match=r"train\.hang_timeout_s must be 0 \(no watchdog\)"):
-        validate(TrainConfig(train=TrainLoopConfig(hang_timeout_s=-1)))
+@dataclass(frozen=True)
+class Ended:
+    """How a local hang ended: torchrun's exit code (None: still running), its stderr, and the
+    seconds from the rank's stop to the end that the test waited for."""
+
+    run_dir: Path
+    returncode: int | None
+    stderr: str
+    took: float
 
 
-def test_an_unknown_stop_phase_is_refused():
-    with pytest.raises(ValueError, match=r"debug\.stop_in=sleep: choose one of save, validation"):
-        validate(TrainConfig(debug=DebugConfig(stop_in="sleep")))
-
-
-@pytest.mark.parametrize(
-    ("stopped", "hang_timeout_s", "usr1"),
-    [(0, HANG_TIMEOUT_S, False), pytest.param(1, 600, True, marks=pytest.mark.slow)],
-    ids=["rank0-timeout", "rank1-usr1"],
-)
-def test_a_stopped_rank_ends_the_run(tmp_path, corpus, stopped, hang_timeout_s, usr1):
-    """A rank SIGSTOPped after step 3: the other rank's watchdog ends the run with one line and
-    exit 5, after hang_timeout_s (or, once USR1 came, after SIGNAL_PATIENCE_S in a step), and
-    torchrun removes the stopped rank. Without the watchdog gloo would wait 30 minutes. The rank
-    whose watchdog fired writes the end-of-job record (exit 5), rank 0 or not: the chain's hook
-    judges the job a failure a new job can fix (retried; the next job resumes)."""
-    run_dir, log = tmp_path / "run", tmp_path / "stderr.log"
+def stop_a_rank(tmp: Path, corpus: Path, stopped: int, hang_timeout_s: int, usr1: bool) -> Ended:
+    """2-rank training SIGSTOPs rank ``stopped`` after step 3 (and sends the other rank USR1):
+    wait for torchrun to end, or with USR1 for the watchdog's line, then kill the stopped rank."""
+    run_dir, log = tmp / "run", tmp / "stderr.log"
     overrides = ("checkpoint.interval=2", f"train.hang_timeout_s={hang_timeout_s}")
     with two_ranks(run_dir, corpus, log, *overrides) as torchrun:
         wait_for_step(run_dir, 3, lambda: torchrun.poll() is None)
@@ -145,33 +157,15 @@ def test_a_stopped_rank_ends_the_run(tmp_path, corpus, stopped, hang_timeout_s, 
             torchrun.wait(timeout=expected + TORCHRUN_KILL_S + MARGIN_S)
         took = time.monotonic() - paused
         returncode = torchrun.poll()
-    stderr = log.read_text()
-    assert returncode is not None, f"still running {took:.0f} s after the stop: {stderr[-3000:]}"
-    assert returncode != 0 and "exitcode  : 5" in stderr, stderr[-3000:]
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr[-3000:]
-    assert errors[0].startswith(f"error: rank {1 - stopped}: the job is hung"), errors[0]
-    assert f"train.hang_timeout_s={hang_timeout_s}" in errors[0]
-    assert ("SIGUSR1 came" in errors[0]) == usr1, errors[0]
-    assert took > expected - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
-    record = read_job_end(run_dir, "0", JOB_ID)
-    assert record is not None and record["exit_code"] == 5, record
-    ending = judge(record, returncode, "", True)
-    assert ending.outcome == "failed" and ending.retry, ending
+    return Ended(run_dir, returncode, log.read_text(), took)
 
 
-@pytest.mark.parametrize(
-    ("stop_in", "stopped", "overrides"),
-    [("save", 1, ("checkpoint.interval=2",)), ("validation", 0, ("eval.interval=2",))],
-    ids=["rank1-save", "rank0-validation"],
-)
-def test_a_rank_hung_in_a_save_or_validation_ends_the_run(
-    tmp_path, corpus, stop_in, stopped, overrides
-):
-    """A rank stops itself (debug.stop_in: SIGSTOP) as it begins its first save, or validation,
-    at step 2. The other rank waits for it inside that phase; its watchdog names the phase and
-    exits 5 after hang_timeout_s."""
-    run_dir, log = tmp_path / "run", tmp_path / "stderr.log"
+def hang_in_a_phase(
+    tmp: Path, corpus: Path, stop_in: str, stopped: int, overrides: tuple[str, ...]
+) -> Ended:
+    """2-rank training whose rank ``stopped`` stops itself as it begins its first ``stop_in``:
+    wait for the other rank's watchdog line, then kill the stopped rank."""
+    run_dir, log = tmp / "run", tmp / "stderr.log"
     faulty = (f"debug.stop_in={stop_in}", f"debug.stop_rank={stopped}")
     timeout = f"train.hang_timeout_s={HANG_TIMEOUT_S}"
     with two_ranks(run_dir, corpus, log, timeout, *faulty, *overrides) as torchrun:
@@ -189,52 +183,135 @@ def test_a_rank_hung_in_a_save_or_validation_ends_the_run(
         for rank in rank_stopped(torchrun.pid):  # sooner than torchrun would (tested above)
             rank.kill()
         returncode = torchrun.wait(timeout=MARGIN_S)
-    stderr = log.read_text()
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr[-3000:]
-    assert errors[0].startswith(f"error: rank {1 - stopped}: the job is hung: no progress for ")
-    assert f" s in {STOPPABLE[stop_in]} after step 2 ({timeout})" in errors[0], errors[0]
-    assert took > HANG_TIMEOUT_S - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
-    assert returncode != 0 and "exitcode  : 5" in stderr, stderr[-3000:]
+    return Ended(run_dir, returncode, log.read_text(), took)
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_a_chain_goes_on_after_a_rank_hangs(slurm_cluster, tmp_path, corpus):
-    """2 jobs of 2-rank training on the loopback cluster: a rank of job 0 stopped after step 6
-    ends job 0 within hang_timeout_s (its time limit is 10 minutes), FAILED with exit 5 named,
-    and job 1 resumes from the last checkpoint and finishes, losing at most one interval."""
-    run_dir, hang_timeout_s, interval = tmp_path / "run", HANG_TIMEOUT_S, 4
+def hang_a_chain(tmp: Path, corpus: Path) -> tuple[Path, str, dict]:
+    """A chain of 2 jobs whose job 0 has rank 1 SIGSTOPped after step 5, 7 steps before it
+    would end: wait for the watchdog's line, kill the stopped rank (sooner than torchrun would:
+    timed by test_a_stopped_rank_ends_the_run), then for the chain's end. Its run dir, chain id
+    and final status."""
+    run_dir = tmp / "run"
     summary = launch_training(
         2,
         run_dir,
         "recipes/train_tiny_fsdp2.yaml",
         corpus,
-        "train.max_steps=16",
-        f"checkpoint.interval={interval}",
-        f"train.hang_timeout_s={hang_timeout_s}",
+        f"train.max_steps={CHAIN_STEPS}",
+        f"checkpoint.interval={CHAIN_INTERVAL}",
+        f"train.hang_timeout_s={HANG_TIMEOUT_S}",
     )
     chain = summary["chain_id"]
-    wait_for_step(run_dir, 6)
+    wait_for_step(run_dir, 5)
     [stopped] = job_ranks(chain, job_index=0, rank=1)
     stopped.suspend()
     paused = time.monotonic()
     try:
         while not any(HUNG_LINE in log.read_text() for log in (run_dir / "logs").glob("*.out")):
-            assert time.monotonic() - paused < hang_timeout_s + 2 * MARGIN_S, (
+            assert time.monotonic() - paused < HANG_TIMEOUT_S + 2 * MARGIN_S, (
                 "no watchdog fired while a rank was stopped"
             )
             time.sleep(0.5)
-        stopped.kill()  # sooner than torchrun would (test_a_stopped_rank_ends_the_run)
+        stopped.kill()
         while chain_status(chain)["jobs"][0]["state"] not in FINISHED:
-            assert time.monotonic() - paused < hang_timeout_s + 3 * MARGIN_S, (
+            assert time.monotonic() - paused < HANG_TIMEOUT_S + 3 * MARGIN_S, (
                 "job 0 still runs after its watchdog fired"
             )
             time.sleep(1)
-        final = wait_chain(chain, timeout=400)
+        return run_dir, chain, wait_chain(chain, timeout=400)
     finally:
         with suppress(psutil.Error):
             stopped.kill()
+
+
+@pytest.fixture(scope="module")
+def hung_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus: Path
+) -> Iterator[dict[str, Future]]:
+    """The hangs of the tests selected in this session, by test id (the chain's by its test's
+    name), all started at once, each driven by a thread: their waits overlap. A failure inside
+    one is raised by its test. The loopback cluster is started only for the chain."""
+    selected = {
+        item.callspec.id if hasattr(item, "callspec") else item.originalname
+        for item in request.session.items
+        if item.module is request.module
+    }
+    runs = [
+        (CHAIN_TEST, hang_a_chain, ()),  # first: its jobs start slowest
+        *((case, stop_a_rank, args) for case, args in STOPPED_RANK.items()),
+        *((case, hang_in_a_phase, args) for case, args in HUNG_PHASE.items()),
+    ]
+    runs = [run for run in runs if run[0] in selected]
+    if CHAIN_TEST in selected:
+        request.getfixturevalue("slurm_cluster")
+    with ThreadPoolExecutor(max_workers=max(1, len(runs))) as pool:
+        yield {
+            case: pool.submit(scenario, tmp_path_factory.mktemp(case), corpus, *args)
+            for case, scenario, args in runs
+        }
+
+
+def test_a_negative_hang_timeout_is_refused():
+    with pytest.raises(ValueError, match=r"train\.hang_timeout_s must be 0 \(no watchdog\)"):
+        validate(TrainConfig(train=TrainLoopConfig(hang_timeout_s=-1)))
+
+
+def test_an_unknown_stop_phase_is_refused():
+    with pytest.raises(ValueError, match=r"debug\.stop_in=sleep: choose one of save, validation"):
+        validate(TrainConfig(debug=DebugConfig(stop_in="sleep")))
+
+
+@pytest.mark.parametrize(
+    "case", ["rank0-timeout", pytest.param("rank1-usr1", marks=pytest.mark.slow)]
+)
+def test_a_stopped_rank_ends_the_run(hung_runs, case):
+    """A rank SIGSTOPped after step 3: the other rank's watchdog ends the run with one line and
+    exit 5, after hang_timeout_s (or, once USR1 came, after SIGNAL_PATIENCE_S in a step), and
+    torchrun removes the stopped rank. Without the watchdog gloo would wait 30 minutes. The rank
+    whose watchdog fired writes the end-of-job record (exit 5), rank 0 or not: the chain's hook
+    judges the job a failure a new job can fix (retried; the next job resumes)."""
+    stopped, hang_timeout_s, usr1 = STOPPED_RANK[case]
+    expected = SIGNAL_PATIENCE_S if usr1 else hang_timeout_s
+    ended = hung_runs[case].result()
+    returncode, stderr, took = ended.returncode, ended.stderr, ended.took
+    assert returncode is not None, f"still running {took:.0f} s after the stop: {stderr[-3000:]}"
+    assert returncode != 0 and "exitcode  : 5" in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith(f"error: rank {1 - stopped}: the job is hung"), errors[0]
+    assert f"train.hang_timeout_s={hang_timeout_s}" in errors[0]
+    assert ("SIGUSR1 came" in errors[0]) == usr1, errors[0]
+    assert took > expected - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
+    record = read_job_end(ended.run_dir, "0", JOB_ID)
+    assert record is not None and record["exit_code"] == 5, record
+    ending = judge(record, returncode, "", True)
+    assert ending.outcome == "failed" and ending.retry, ending
+
+
+@pytest.mark.parametrize("case", HUNG_PHASE)
+def test_a_rank_hung_in_a_save_or_validation_ends_the_run(hung_runs, case):
+    """A rank stops itself (debug.stop_in: SIGSTOP) as it begins its first save, or validation,
+    at step 2. The other rank waits for it inside that phase; its watchdog names the phase and
+    exits 5 after hang_timeout_s."""
+    stop_in, stopped, _ = HUNG_PHASE[case]
+    ended = hung_runs[case].result()
+    stderr, timeout = ended.stderr, f"train.hang_timeout_s={HANG_TIMEOUT_S}"
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith(f"error: rank {1 - stopped}: the job is hung: no progress for ")
+    assert f" s in {STOPPABLE[stop_in]} after step 2 ({timeout})" in errors[0], errors[0]
+    took = ended.took
+    assert took > HANG_TIMEOUT_S - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
+    assert ended.returncode != 0 and "exitcode  : 5" in stderr, stderr[-3000:]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_chain_goes_on_after_a_rank_hangs(hung_runs):
+    """2 jobs of 2-rank training on the loopback cluster: a rank of job 0 stopped after step 5
+    ends job 0 within hang_timeout_s (its time limit is 10 minutes), FAILED with exit 5 named,
+    and job 1 resumes from the last checkpoint and finishes, losing at most one interval."""
+    run_dir, chain, final = hung_runs[CHAIN_TEST].result()
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
     logs = run_tool("orchestrator", "logs", chain).stdout
     assert HUNG_LINE in logs and "exitcode  : 5" in logs, logs[-3000:]
@@ -243,5 +320,5 @@ def test_a_chain_goes_on_after_a_rank_hangs(slurm_cluster, tmp_path, corpus):
     rows = [row for row in metrics(run_dir) if "loss" in row]
     steps = {index: [row["step"] for row in rows if row["job_index"] == index] for index in (0, 1)}
     saved = int(resumed.group(1))
-    assert steps[0][-1] - saved <= interval, (saved, steps)
-    assert steps[1] == list(range(saved + 1, 17)), (saved, steps)
+    assert steps[0][-1] - saved <= CHAIN_INTERVAL, (saved, steps)
+    assert steps[1] == list(range(saved + 1, CHAIN_STEPS + 1)), (saved, steps)
