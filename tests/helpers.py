@@ -146,6 +146,21 @@ def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
         time.sleep(0.5)
 
 
+def wait_chain_quietly(run_dir: Path, chain_id: str, timeout: float = 180) -> dict:
+    """``wait_chain`` without its poll of ``orchestrator status`` every second (a Python start
+    and accounting queries each, a share of a core beside the jobs it waits for): squeue (a C
+    client) every half second until no job of the chain's manifest is queued, replacements
+    and ``--then`` jobs included (a job's hook adds its replacement while the job still runs),
+    then the chain's status, polled as ``wait_chain`` does until accounting has every end."""
+    deadline = time.monotonic() + timeout
+    while set(queue_ids()) & {
+        job["job_id"] for job in json.loads((run_dir / "manifest.json").read_text())["jobs"]
+    }:
+        assert time.monotonic() < deadline, f"chain {chain_id} still queued after {timeout} s"
+        time.sleep(0.5)
+    return wait_chain(chain_id, timeout=max(30.0, deadline - time.monotonic()))
+
+
 def fill_disk(disk: Path, leave: int) -> Path:
     """A file that leaves about ``leave`` bytes of ``disk`` free."""
     filler = disk / "filler"

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jiwer
@@ -27,7 +26,7 @@ from omegaconf import OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS
 from orchestrator.results import latest_evaluation
-from tests.helpers import FINISHED, chain_status, launch_json, run_tool, wait_chain
+from tests.helpers import launch_json, run_tool, wait_chain_quietly
 from tests.hf_tiny import save_tiny
 from train.config import ConfigError
 from train.data import load_cuts
@@ -385,30 +384,13 @@ def test_a_chain_ends_with_its_evaluation(slurm_cluster, tmp_path, corpus):
         cwd=REPO,
     )
     written = run_dir / "eval" / "step_4" / "summary.json"
-    final = wait_for_file(summary["chain_id"], written, timeout=400)
+    final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=400)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 3, final
     assert [job["then"] for job in final["jobs"]] == [False, False, True]
     result = json.loads(written.read_text())
     assert result["split"] == "test" and result["num_utterances"] > 0
     status = run_tool("orchestrator", "status", summary["chain_id"])
     assert f"WER {100 * result['wer']:.2f}% at step 4" in status.stdout, status.stdout
-
-
-def wait_for_file(chain: str, path: Path, timeout: float) -> dict:
-    """The chain's status once every job has finished. Until ``path`` is written this looks
-    for the file and asks for the chain's status only every 10 s, to stop waiting when a job
-    ended otherwise than COMPLETED: each ``orchestrator status`` runs squeue and sacct, work
-    that takes the cores the jobs run on."""
-    deadline = time.monotonic() + timeout
-    asked = time.monotonic()
-    while not path.exists() and time.monotonic() < deadline:
-        if time.monotonic() - asked > 10:
-            asked = time.monotonic()
-            states = {job["state"] for job in chain_status(chain)["jobs"]}
-            if states & (FINISHED - {"COMPLETED"}):
-                break
-        time.sleep(0.25)
-    return wait_chain(chain, timeout=max(deadline - time.monotonic(), 30))
 
 
 def exported(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:

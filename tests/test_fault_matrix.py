@@ -35,9 +35,9 @@ from tests.helpers import (
     run_tool,
     tiny_training_chain,
     wait_chain,
+    wait_chain_quietly,
     wait_gone,
 )
-from tests.test_self_healing import wait_chain_quietly
 from tests.test_trainer import metrics
 from train.checkpoint import PAUSE_ENV, PAUSED_SUFFIX
 

@@ -26,10 +26,9 @@ from tests.conftest import cluster_cli
 from tests.helpers import (
     REPO,
     launch_json,
-    queue_ids,
     run_tool,
     tiny_training_chain,
-    wait_chain,
+    wait_chain_quietly,
     write_sub,
 )
 from tests.test_trainer import launch_training
@@ -81,19 +80,6 @@ NO_WANDB = "wandb.enabled=false"
 
 def manifest_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "manifest.json").read_text())
-
-
-def wait_chain_quietly(run_dir: Path, chain_id: str, timeout: float = 180) -> dict:
-    """``wait_chain`` without its poll of ``orchestrator status`` every second (a Python start
-    and accounting queries each, a share of a core beside the jobs it waits for): squeue (a C
-    client) every half second until no job of the chain's manifest is queued, replacements
-    queued meanwhile included (a job's hook adds its replacement while the job still runs),
-    then the chain's status, polled as ``wait_chain`` does until accounting has every end."""
-    deadline = time.monotonic() + timeout
-    while set(queue_ids()) & {job["job_id"] for job in manifest_of(run_dir)["jobs"]}:
-        assert time.monotonic() < deadline, f"chain {chain_id} still queued after {timeout} s"
-        time.sleep(0.5)
-    return wait_chain(chain_id, timeout=max(30.0, deadline - time.monotonic()))
 
 
 def sacct_run(job_id: str) -> str:
