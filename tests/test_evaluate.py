@@ -9,10 +9,7 @@ at another row's EOS, or a rank that stops early changes what is written.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jiwer
@@ -26,7 +23,15 @@ from omegaconf import OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS
 from orchestrator.results import latest_evaluation
-from tests.helpers import launch_json, run_tool, wait_chain_quietly
+from tests.helpers import (
+    evaluate,
+    exported,
+    launch_json,
+    run_module,
+    run_tool,
+    trained_llm_agrees,
+    wait_chain_quietly,
+)
 from tests.hf_tiny import save_tiny
 from train.config import ConfigError
 from train.data import load_cuts
@@ -37,33 +42,6 @@ REPO = Path(__file__).resolve().parents[1]
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones
 MEMORIZE_STEPS = 600
 BATCH = 2  # utterances per decoding batch: 5 batches, 3 and 2 on two data-parallel ranks
-
-
-def run_module(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return subprocess.run(
-        [*launcher, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
-
-
-def evaluate(run_dir: Path, *overrides: str, nproc: int = 1) -> dict:
-    result = run_module(
-        "train.evaluate", f"run_dir={run_dir}", f"batch_size={BATCH}", *overrides, nproc=nproc
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    [summary] = list((run_dir / "eval").glob("step_*/summary.json"))
-    hypotheses = summary.parent / "hypotheses.jsonl"
-    return {
-        "summary": json.loads(summary.read_text()),
-        "rows": [json.loads(line) for line in hypotheses.read_text().splitlines()],
-    }
 
 
 def trained(tmp_path_factory, corpus: Path, name: str, *overrides: str, nproc: int) -> Path:
@@ -391,31 +369,6 @@ def test_a_chain_ends_with_its_evaluation(slurm_cluster, tmp_path, corpus):
     assert result["split"] == "test" and result["num_utterances"] > 0
     status = run_tool("orchestrator", "status", summary["chain_id"])
     assert f"WER {100 * result['wer']:.2f}% at step 4" in status.stdout, status.stdout
-
-
-def exported(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_module("train.export", str(run_dir), "--out", str(out), *args)
-
-
-def trained_llm_agrees(run_dir: Path, folder: Path) -> None:
-    """``folder`` (an exported LLM) computes the logits the trained LLM computes, in fp32, and
-    is the checkpoint's step: what a user loading it with transformers gets is what trained."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from train.export import load_trained
-    from train.layout import model_of
-    from train.saved_run import find_checkpoint, saved_model, saved_state
-
-    checkpoint = find_checkpoint(run_dir, None, None)
-    shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))
-    ours = load_trained(run_dir, checkpoint, shape)
-    theirs = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype="float32")
-    tokens = torch.tensor([[1, 7, 42, 99, 3, 250, 17, 5, 64]])
-    with torch.no_grad():
-        expected, _ = ours.llm(ours.llm.embed(tokens), torch.ones_like(tokens, dtype=torch.bool))
-        got = theirs(tokens).logits[:, :, : shape.vocab_size]
-    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), (got - expected).abs().max()
 
 
 def test_an_exported_pretrained_llm_is_what_trained_with_its_tokenizer(chat_run, tmp_path):

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import exported, run_module
 from tests.hf_tiny import save_tiny
-from tests.test_evaluate import exported, run_module
 from train.exported import LLM_DIR
 
 

@@ -17,9 +17,18 @@ from lhotse import CutSet
 from safetensors.torch import load_file
 
 from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints
-from tests.helpers import REPO, queue_ids, run_tool
+from tests.helpers import (
+    REPO,
+    evaluate,
+    exported,
+    final_model,
+    queue_ids,
+    run_module,
+    run_tool,
+    trained_llm_agrees,
+    trained_model,
+)
 from tests.hf_tiny import save_tiny
-from tests.test_evaluate import evaluate, exported, run_module, trained_llm_agrees
 from train.models.hf_names import PROJECTIONS, hf_name
 from train.models.init import canonical_name
 from train.models.lora import is_adapter
@@ -95,21 +104,6 @@ def epoch_at(run_dir: Path, step: int) -> int:
     """The epoch the data position of the run's checkpoint of ``step`` is in."""
     state = json.loads((complete_checkpoints(run_dir)[step] / STATE_FILE).read_text())
     return state["trainer_state"]["data_position"]["epoch"]
-
-
-def trained_model(run_dir: Path):
-    """The run's newest checkpoint as one fp32 model on the CPU (adapters included)."""
-    from train.export import load_trained
-    from train.layout import model_of
-    from train.saved_run import find_checkpoint, saved_model, saved_state
-
-    checkpoint = find_checkpoint(run_dir, None, None)
-    shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))
-    return load_trained(run_dir, checkpoint, shape)
-
-
-def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in trained_model(run_dir).named_parameters()}
 
 
 def test_a_lora_chain_trains_only_adapters_and_resumes_bitwise(

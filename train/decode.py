@@ -1,12 +1,14 @@
-"""Greedy decoding of transcripts from audio with a KV cache, batched and padding-aware.
+"""Greedy decoding of transcripts from audio, or of answers to token prompts, with a KV cache,
+batched and padding-aware.
 
 Each sequence's prompt is its generation prompt's tokens around its projected audio frames (the
 byte tokenizer's: the audio then BOS; a pretrained LLM's: its chat template up to the answer,
-``train.prompt``), left-padded to the batch's longest (rounded up to the model's sequence
-multiple, which includes the TP degree); then one token per step for every sequence until all
-have produced an end token or ``max_new_tokens``. Sharded layers (FSDP, TP, EP) communicate in
-every forward, so the ranks decide together when to stop (``any_active``), and a rank whose
-batch is done keeps stepping with the others.
+``train.prompt``), or a text chat's generation prompt alone (``greedy_decode_text``),
+left-padded to the batch's longest (rounded up to the model's sequence multiple, which includes
+the TP degree); then one token per step for every sequence until all have produced an end token
+or ``max_new_tokens``: both kinds of prompt take the very same steps. Sharded layers (FSDP, TP,
+EP) communicate in every forward, so the ranks decide together when to stop (``any_active``),
+and a rank whose batch is done keeps stepping with the others.
 
 Under pipeline parallelism each rank holds one stage (``Stages``): the first embeds and runs its
 blocks, each stage sends its hidden states to the next, the last computes the logits and
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import count
 
 import torch
 import torch.distributed as dist
@@ -170,44 +173,160 @@ def greedy_decode(
     if extra:
         features = torch.cat([features, features[:1].expand(extra, -1, -1)])
         feature_lens = torch.cat([feature_lens, feature_lens[:1].expand(extra)])
-    batch, device = len(features), features.device
     length, starts = prompt_layout(model, feature_lens, prompt)
-    key_valid = torch.arange(length + max_new_tokens, device=device)[None, :] >= starts[:, None]
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    tokens = torch.full((batch, max_new_tokens), int(eos[0]), device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    generated = _Generated(len(features), max_new_tokens, eos_ids, any_active, features.device)
     with gathered_root(model):
         x = None
         if model.encoder is not None:
             x = prompt_embeddings(model, features, feature_lens, length, prompt)
-        if use_cache:
-            with kv_caches(model, key_valid):
-                logits = _run_stage(model, x, (batch, length), key_valid[:, :length], None, stages)
-                next_token = _chosen(logits, batch, stages, device)
-                for step in range(max_new_tokens):
-                    tokens[:, step] = torch.where(finished, eos[0], next_token)
-                    finished |= torch.isin(next_token, eos)
-                    if step + 1 == max_new_tokens or not any_active(not bool(finished.all())):
-                        break
-                    # One new position per sequence, laid out (1, B): the batch as sequence.
-                    new = model.llm.embed(next_token)[None] if x is not None else None
-                    positions = torch.full((batch,), length + step, device=device)
-                    ones = torch.ones((1, batch), dtype=torch.bool, device=device)
-                    logits = _run_stage(model, new, (1, batch), ones, positions, stages)
-                    next_token = _chosen(logits, batch, stages, device, step_layout=True)
-        else:
-            sequence = x
-            for step in range(max_new_tokens):
-                seen = length + step
-                with kv_caches(model, key_valid[:, :seen]):
-                    logits, _ = model.llm(sequence, key_valid[:, :seen])
-                next_token = logits[:, -1].argmax(-1)
-                tokens[:, step] = torch.where(finished, eos[0], next_token)
-                finished |= torch.isin(next_token, eos)
-                if step + 1 == max_new_tokens or not any_active(not bool(finished.all())):
-                    break
-                sequence = torch.cat([sequence, model.llm.embed(next_token)[:, None]], dim=1)
-    return [_until_eos(row, eos_ids) for row in tokens[:real].tolist()]
+        _decode_steps(model, x, length, starts, generated, use_cache, stages)
+    return generated.rows(real)
+
+
+@torch.no_grad()
+def greedy_decode_text(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    any_active: Callable[[bool], bool],
+    eos_ids: frozenset[int],
+    use_cache: bool = True,
+    batch_multiple: int = 1,
+    stages: Stages | None = None,
+) -> list[list[int]]:
+    """``greedy_decode`` after token prompts instead of audio (a text chat's generation prompt,
+    ``train.prompt.text_prompt``): the prompts, of any lengths, are left-padded to the longest
+    (rounded up to the model's sequence multiple). Every pipeline stage passes the same
+    ``prompts``: their lengths lay out the batch."""
+    _check_prompts(prompts, model.cfg.vocab_size)
+    real = len(prompts)
+    prompts = prompts + [prompts[0]] * (-real % batch_multiple)
+    device = next(model.parameters()).device
+    lens = torch.tensor([len(tokens) for tokens in prompts], device=device)
+    length = packed_length(max(len(tokens) for tokens in prompts), model.seq_multiple)
+    starts = length - lens
+    generated = _Generated(len(prompts), max_new_tokens, eos_ids, any_active, device)
+    with gathered_root(model):
+        x = None
+        if model.llm.embed is not None:
+            x = model.llm.embed(_left_padded(prompts, length, device))
+        _decode_steps(model, x, length, starts, generated, use_cache, stages)
+    return generated.rows(real)
+
+
+def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """One line on the first prompt that cannot be decoded after: an empty one has no position
+    to predict from, an id outside the vocabulary fails deep in the embedding (on a GPU, as an
+    asynchronous device assert)."""
+    if not prompts:
+        raise ValueError("greedy_decode_text: no prompts to decode")
+    for index, tokens in enumerate(prompts):
+        if not tokens:
+            raise ValueError(f"greedy_decode_text: prompt {index} is empty")
+        outside = [token for token in tokens if not 0 <= token < vocab_size]
+        if outside:
+            raise ValueError(
+                f"greedy_decode_text: prompt {index} has token id {outside[0]} outside the "
+                f"model's vocabulary (0 to {vocab_size - 1})"
+            )
+
+
+def _left_padded(prompts: list[list[int]], length: int, device: torch.device) -> torch.Tensor:
+    """The prompts as (B, length) ids, each right-aligned; the padding (id 0) is never seen."""
+    ids = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, tokens in enumerate(prompts):
+        ids[row, length - len(tokens) :] = torch.tensor(tokens)
+    return ids.to(device)
+
+
+class _Generated:
+    """The greedy tokens of a batch, step by step: after a sequence's end token, eos fills
+    its row; ``any_active`` decides with the other ranks when every sequence is done."""
+
+    def __init__(
+        self,
+        batch: int,
+        max_new_tokens: int,
+        eos_ids: frozenset[int],
+        any_active: Callable[[bool], bool],
+        device: torch.device,
+    ) -> None:
+        self.eos_ids = eos_ids
+        self.eos = torch.tensor(sorted(eos_ids), device=device)
+        self.tokens = torch.full((batch, max_new_tokens), int(self.eos[0]), device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.any_active = any_active
+
+    def record(self, step: int, next_token: torch.Tensor) -> bool:
+        """Keep the step's tokens; whether to take another step (on every rank alike)."""
+        self.tokens[:, step] = torch.where(self.finished, self.eos[0], next_token)
+        self.finished |= torch.isin(next_token, self.eos)
+        last = step + 1 == self.tokens.shape[1]
+        return not last and self.any_active(not bool(self.finished.all()))
+
+    def rows(self, real: int) -> list[list[int]]:
+        """The first ``real`` sequences' ids, each up to its first end token."""
+        return [_until_eos(row, self.eos_ids) for row in self.tokens[:real].tolist()]
+
+
+def _decode_steps(
+    model: nn.Module,
+    x: torch.Tensor | None,
+    length: int,
+    starts: torch.Tensor,
+    generated: _Generated,
+    use_cache: bool,
+    stages: Stages | None,
+) -> None:
+    """Greedy steps after the left-padded prompts ``x`` (B, length, d; None on a pipeline
+    stage that receives them), sequence b's first real position at ``starts[b]``: shared by
+    the audio and the text prompts."""
+    max_new_tokens = generated.tokens.shape[1]
+    positions = torch.arange(length + max_new_tokens, device=starts.device)
+    key_valid = positions[None, :] >= starts[:, None]
+    if use_cache:
+        _cached_steps(model, x, key_valid, length, generated, stages)
+    else:
+        _recomputed_steps(model, x, key_valid, length, generated)
+
+
+def _cached_steps(
+    model: nn.Module,
+    x: torch.Tensor | None,
+    key_valid: torch.Tensor,
+    length: int,
+    generated: _Generated,
+    stages: Stages | None,
+) -> None:
+    """One prefill of the prompts, then one new position per sequence and step, laid out
+    (1, B): the batch as the sequence."""
+    batch, device = len(key_valid), key_valid.device
+    with kv_caches(model, key_valid):
+        logits = _run_stage(model, x, (batch, length), key_valid[:, :length], None, stages)
+        next_token = _chosen(logits, batch, stages, device)
+        for step in count():
+            if not generated.record(step, next_token):
+                return
+            new = model.llm.embed(next_token)[None] if x is not None else None
+            positions = torch.full((batch,), length + step, device=device)
+            ones = torch.ones((1, batch), dtype=torch.bool, device=device)
+            logits = _run_stage(model, new, (1, batch), ones, positions, stages)
+            next_token = _chosen(logits, batch, stages, device, step_layout=True)
+
+
+def _recomputed_steps(
+    model: nn.Module, x: torch.Tensor, key_valid: torch.Tensor, length: int, generated: _Generated
+) -> None:
+    """Every step runs the whole sequence so far (whole models only)."""
+    sequence = x
+    for step in count():
+        seen = length + step
+        with kv_caches(model, key_valid[:, :seen]):
+            logits, _ = model.llm(sequence, key_valid[:, :seen])
+        next_token = logits[:, -1].argmax(-1)
+        if not generated.record(step, next_token):
+            return
+        sequence = torch.cat([sequence, model.llm.embed(next_token)[:, None]], dim=1)
 
 
 def _run_stage(

@@ -27,6 +27,9 @@ A tokenizer without a chat template gets a plain format::
     {bos}{system}\\n{prompt}\\n<|audio|>\\n{transcript}{eos}
 
 (``{bos}`` only if the tokenizer has one, ``{system}\\n`` only if a system text is given).
+
+A text chat without audio (``text_prompt``) is the same template rendered with the user's message
+up to the assistant's answer (``{bos}{system}\\n{message}\\n`` in the plain format).
 """
 
 from __future__ import annotations
@@ -104,6 +107,30 @@ def generation_config_eos(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     if eos is None:
         return set()
     return {int(eos)} if isinstance(eos, int) else {int(i) for i in eos}
+
+
+def text_prompt(
+    tokenizer: PreTrainedTokenizerBase, message: str, system: str | None = None
+) -> list[int]:
+    """The generation prompt of a text chat's one user turn (the template's default system
+    text unless ``system`` is given), tokenized as ``ChatPrompt`` tokenizes its pieces, so the
+    ids are those ``apply_chat_template(..., add_generation_prompt=True)`` returns. Texts with
+    a special token are refused: it would be read as the template's own (ending a turn)."""
+    for what, text in (("message", message), ("system text", system or "")):
+        for token in (AUDIO_TOKEN, *special_tokens(tokenizer)):
+            if token in text:
+                raise ValueError(f"the {what} {text[:80]!r} contains the special token {token}")
+    if tokenizer.chat_template is None:
+        head = f"{system}\n" if system is not None else ""
+        rendered = f"{tokenizer.bos_token or ''}{head}{message}\n"
+    else:
+        messages = [{"role": "user", "content": message}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 class ChatPrompt:

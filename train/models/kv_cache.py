@@ -51,7 +51,8 @@ class KVCache:
         self.length = prompt
         causal = torch.ones(prompt, prompt, dtype=torch.bool, device=q.device).tril()
         # A padding query may see itself, so that no row of the softmax is empty.
-        visible = self.key_valid[:, None, :prompt] | torch.eye(prompt, dtype=torch.bool)
+        itself = torch.eye(prompt, dtype=torch.bool, device=q.device)
+        visible = self.key_valid[:, None, :prompt] | itself
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
