@@ -22,8 +22,11 @@ digits ("Call 877-8" for "call eight seven seven eight") and punctuates: ``basic
 digits as errors, ``whisper_en`` turns numbers into digits on both sides. So each set's WER is
 also split between the utterances whose hypothesis holds a digit and the rest.
 
-Prints per set: utterances, decoding seconds and real-time factor, then per normalizer WER,
-CER and the word substitutions, deletions and insertions; and a few hypothesis/reference pairs.
+Prints per set: utterances, decoding seconds (audio loading and features included, as in
+train.evaluate) and real-time factor, then per normalizer WER, CER and the word substitutions,
+deletions and insertions; a few hypothesis/reference pairs, and the utterance with the most
+word edits (greedy decoding without Whisper's temperature fallback can loop until its 448-token
+limit: one such hypothesis adds ~220 insertions).
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ from lhotse.cut import Cut
 from transformers import WhisperForConditionalGeneration, WhisperTokenizerFast
 
 from train.features import AudioLimits, Featurizer, extractor_of
-from train.normalizers import DEFAULT_NORMALIZER, NORMALIZERS, normalizer
+from train.normalizers import DEFAULT_NORMALIZER, NORMALIZERS, Normalizer, normalizer
 from train.source_cuts import check_sources, load_source_cuts, transcript
 from train.sources import read_sources
-from train.wer import score_corpus
+from train.wer import score_corpus, score_pair
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = 4  # hypothesis/reference pairs printed per set
+SHOWN = 120  # characters of the worst hypothesis printed
 
 
 def say(line: str) -> None:
@@ -106,6 +110,23 @@ def scores(pairs: list[tuple[str, str]], name: str) -> dict[str, dict]:
     }
 
 
+def word_edits(row: dict, normalize: Normalizer) -> int:
+    counts = score_pair(row["reference"], row["hypothesis"], normalize)
+    return counts.word_substitutions + counts.word_deletions + counts.word_insertions
+
+
+def show_worst(rows: list[dict], normalize: Normalizer, total: int) -> None:
+    """The utterance with the most word edits (a repetition loop shows here), raw."""
+    worst = max(rows, key=lambda row: word_edits(row, normalize))
+    hypothesis = worst["hypothesis"]
+    shown = hypothesis[:SHOWN] + ("..." if len(hypothesis) > SHOWN else "")
+    print(
+        f"    most word edits: {word_edits(worst, normalize)} of the set's {total}, {worst['id']}"
+    )
+    print(f"    ref {worst['reference']!r}")
+    print(f"    hyp {shown!r}")
+
+
 def percent(figures: dict, key: str) -> str:
     return f"{100 * figures[key]:.1f}%" if figures else "-"
 
@@ -131,6 +152,8 @@ def report(name: str, result: dict, normalizers: list[str]) -> None:
     for row in result["rows"][:: max(1, len(result["rows"]) // EXAMPLES)][:EXAMPLES]:
         print(f"    ref {normalize(row['reference'])!r}")
         print(f"    hyp {normalize(row['hypothesis'])!r}  (raw {row['hypothesis']!r})")
+    total = first["substitutions"] + first["deletions"] + first["insertions"]
+    show_worst(result["rows"], normalize, total)
 
 
 def main() -> None:

@@ -26,7 +26,9 @@ from tests.helpers import (
     exported,
     final_model,
     pretrained_model,
+    queue_ids,
     run_module,
+    run_tool,
     trained_llm_agrees,
     trained_model,
 )
@@ -246,3 +248,32 @@ def test_an_unmoved_real_salm_exports_as_its_sources_at_tp3(corpus, tmp_path) ->
             assert_unmoved(tensor, want, f"{folder}: {name}")
         expected = {n for n in original if n.startswith(prefix)} - {"lm_head.weight"}
         assert {prefix + n for n in written} == expected, folder
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.pretrained_llm={missing}"], "make pretrained"),
+        (["model.pretrained_encoder={missing}"], "make pretrained"),
+        (["parallel.tp=2", "parallel.dp_shard=1"], "tp=2 must divide the 9 attention heads"),
+    ],
+    ids=["llm-missing", "encoder-missing", "tp2-with-3-kv-heads"],
+)
+def test_bad_settings_of_the_real_salm_queue_nothing(
+    empty_queue, corpus, tmp_path, overrides, message
+) -> None:
+    """Through auto_launch on the loopback cluster: one error line, exit 2, nothing queued and
+    no run dir."""
+    missing = tmp_path / "data" / "pretrained" / "smollm2-135m"
+    done = run_tool(
+        "auto_launch",
+        *("-n2", "--run-dir", str(tmp_path / "run"), "recipes/train_salm_pretrained.yaml", "--"),
+        f"data.corpus={corpus}",
+        *(override.format(missing=missing) for override in overrides),
+        cwd=REPO,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert message in errors[0], errors[0]
+    assert queue_ids() == [] and not (tmp_path / "run").exists()

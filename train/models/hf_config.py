@@ -20,7 +20,8 @@ CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 FETCH_HINT = (
     "the trainer never downloads: fetch the model beforehand "
-    "(hf download NAME --local-dir DIR) and give DIR"
+    "(hf download NAME --local-dir DIR; the example models of data/pretrained: make pretrained) "
+    "and give DIR"
 )
 # config.json's model_type -> whether its q/k/v projections always carry biases (Qwen2), and
 # whether each head of q and k is RMS-normalized before RoPE (Qwen3).
