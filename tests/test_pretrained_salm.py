@@ -213,10 +213,16 @@ def assert_unmoved(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
     assert bool((got[~nonzero].abs() <= 1e-29).all()), where
 
 
-def test_an_unmoved_real_salm_exports_as_its_sources_at_tp3(corpus, tmp_path) -> None:
-    """Trained at TP=3 (3 ranks: SmolLM2's 3 KV heads, the 49,152-row vocabulary split in
-    three, the tied head with it) with a learning rate too small to move an fp32 weight, every
-    tensor, nothing frozen, saved and exported is its converted source (``assert_unmoved``)."""
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [(1, []), (3, ["parallel.tp=3", "parallel.dp_shard=1"])],
+    ids=["one-process", "tp3"],
+)
+def test_an_unmoved_real_salm_exports_as_its_sources(corpus, tmp_path, nproc, layout) -> None:
+    """Trained by one process, or at TP=3 (3 ranks: SmolLM2's 3 KV heads, the 49,152-row
+    vocabulary split in three, the tied head with it), with a learning rate too small to move
+    an fp32 weight, every tensor, nothing frozen, saved and exported is its converted source
+    (``assert_unmoved``)."""
     run_dir = tmp_path / "run"
     train(
         run_dir,
@@ -225,9 +231,8 @@ def test_an_unmoved_real_salm_exports_as_its_sources_at_tp3(corpus, tmp_path) ->
         "optim.lr=1e-30",
         "model.lora.rank=0",
         "model.freeze=[]",
-        "parallel.tp=3",
-        "parallel.dp_shard=1",
-        nproc=3,
+        *layout,
+        nproc=nproc,
     )
     out = tmp_path / "out"
     done = exported(run_dir, out)
