@@ -125,6 +125,9 @@ class TrainLoopConfig:
     # seconds a rank may make no progress (a step, a save, a validation) before it ends the job
     # with exit 5 (train/watchdog.py); also sets the process groups' timeout; 0: off
     hang_timeout_s: float = 300.0
+    # MiB of device memory per rank for a frozen encoder's outputs, kept per utterance so that
+    # each is encoded once a job (train/models/encoder_cache.py); 0: encode every batch
+    encoder_cache_mb: int = 0
 
 
 @dataclass
@@ -260,6 +263,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("train.sync_every and train.nonfinite_limit must be at least 1")
     if cfg.train.grad_accum < 1:
         raise ValueError(f"train.grad_accum={cfg.train.grad_accum}: must be at least 1")
+    if cfg.train.encoder_cache_mb < 0:
+        raise ValueError("train.encoder_cache_mb must be 0 (no cache) or positive MiB")
     if cfg.train.hang_timeout_s < 0:
         raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
     if cfg.debug.stop_in not in ("", *STOPPABLE):

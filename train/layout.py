@@ -92,6 +92,30 @@ def frozen_of(cfg: TrainConfig) -> set[str]:
     return frozen | {tensor.name for tensor in tensors if not tensor.trainable}
 
 
+def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """``train.encoder_cache_mb`` keeps outputs that must never change: every encoder tensor
+    frozen. And no pipeline: its schedule passes the first stage tensors only, no keys."""
+    if not cfg.train.encoder_cache_mb:
+        return
+    if dims.pp_enabled:
+        raise ConfigError(
+            f"train.encoder_cache_mb={cfg.train.encoder_cache_mb}: the encoder cache is for "
+            "layouts without pipeline parallelism; set parallel.pp=1 or train.encoder_cache_mb=0"
+        )
+    frozen = frozen_of(cfg)
+    training = sorted(
+        tensor.name
+        for tensor in inventory(model_of(cfg.model))
+        if tensor.name.startswith("encoder.") and tensor.name not in frozen
+    )
+    if training:
+        raise ConfigError(
+            f"train.encoder_cache_mb={cfg.train.encoder_cache_mb} keeps the outputs of a frozen "
+            f"encoder, but {len(training)} encoder tensors train (e.g. {training[0]}): add "
+            "'encoder\\..*' to model.freeze, or set train.encoder_cache_mb=0"
+        )
+
+
 def check_adapters_kept(cfg: TrainConfig) -> None:
     """A chain keeps its LoRA adapters: a config whose adapters (rank, targets) differ from
     those of the run dir's newest checkpoint would not find its parameters there. One line
@@ -128,5 +152,6 @@ def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, Pi
         raise ConfigError(str(error)) from error
     dims = parallel_dims(cfg, world_size)
     frozen_of(cfg)
+    check_encoder_cache(cfg, dims)
     check_adapters_kept(cfg)
     return dims, pipeline_for(cfg, dims)

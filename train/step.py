@@ -15,7 +15,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from train.models.salm import SALM, audio_positions, loss_for_backward, packed_length
+from train.models.encoder_cache import encoder_keys
+from train.models.salm import (
+    SALM,
+    SALMOutput,
+    audio_positions,
+    loss_for_backward,
+    packed_length,
+)
 
 
 def host_seq_len(batch: tuple[torch.Tensor, ...], model: nn.Module) -> int:
@@ -62,9 +69,8 @@ class WholeModelRunner:
         sums = torch.zeros(2, device=self.device)
         for index, batch in enumerate(batches):
             set_gradient_sync(self.model, index == len(batches) - 1)
-            seq_len = host_seq_len(batch, self.model)
             with self.autocast():
-                out = self.model(*to_device(batch, self.device), seq_len=seq_len)
+                out = self.forward(batch)
             loss_for_backward(out, global_targets, global_sequences, gradient_ranks).backward()
             sums += torch.stack([out.nll_sum.detach().float(), out.aux_sum.detach().float()])
         return sums
@@ -72,10 +78,16 @@ class WholeModelRunner:
     @torch.no_grad()
     def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The next-token loss sum of one batch (CPU tensors), forward only (validation)."""
-        seq_len = host_seq_len(batch, self.model)
         with self.autocast():
-            out = self.model(*to_device(batch, self.device), seq_len=seq_len)
+            out = self.forward(batch)
         return out.nll_sum.float()
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> SALMOutput:
+        """The model's output for one CPU batch: its decoder length and, when the model keeps
+        its encoder's outputs, the batch's keys into them are read on the host first."""
+        seq_len = host_seq_len(batch, self.model)
+        keys = None if self.model.encoder_cache is None else encoder_keys(batch[0], batch[1])
+        return self.model(*to_device(batch, self.device), seq_len=seq_len, encoder_keys=keys)
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

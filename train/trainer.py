@@ -46,8 +46,9 @@ from train.layout import frozen_of, model_of, training_layout
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
 from train.metrics import MetricsLogger
-from train.models.build import build_model, build_pipeline, freeze_parameters
+from train.models.build import build_model, build_pipeline, encoder_replica, freeze_parameters
 from train.models.compiled import describe_graphs, graph_counts, recompiles
+from train.models.encoder_cache import MIB, EncoderCache
 from train.models.hf_weights import load_encoder_weights, load_llm_weights
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
@@ -286,6 +287,7 @@ class Trainer:
         self.tokens_seen = 0
         self.nonfinite_steps = 0
         self.state_memory: dict[str, int] | None = None  # measured at this job's first step
+        self.encoder_cache: EncoderCache | None = None  # train.encoder_cache_mb
         self.wandb_run_id: str | None = None
         self.data_position = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
         # Device-side tallies, read back only at sync steps (see `read_back`).
@@ -361,6 +363,20 @@ class Trainer:
             self.data_position = {**saved, **mine}
         say(f"resumed from {latest} at step {self.step}")
         return latest
+
+    def keep_encoder_outputs(self) -> None:
+        """With ``train.encoder_cache_mb``, give the model a cache of its frozen encoder's
+        outputs, on a replica of the loaded weights (collective: all ranks gather them)."""
+        megabytes = self.cfg.train.encoder_cache_mb
+        if not megabytes:
+            return
+        model = self.runner.model
+        bf16 = fsdp_mixed_precision(self.meshes, self.options)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        replica = encoder_replica(model, self.device, dtype)
+        self.encoder_cache = EncoderCache(replica, self.model_cfg, megabytes * MIB)
+        model.encoder_cache = self.encoder_cache
+        say(f"encoder outputs kept per utterance, up to {megabytes} MiB a rank")
 
     def diverged(self, error: NonFiniteState) -> TrainingDiverged:
         """A checkpoint refused for non-finite values, as it was saved (sync) or as its
@@ -626,6 +642,7 @@ class Trainer:
         cfg = self.cfg
         self.watchdog.beat(self.step, RESTORE)
         self.restore()
+        self.keep_encoder_outputs()
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
             return 0
@@ -678,6 +695,8 @@ class Trainer:
         metrics.close({"final_step": self.step, "stop_reason": reason})
         if cfg.compile:
             say(describe_graphs(graph_counts()))
+        if self.encoder_cache is not None:
+            say(self.encoder_cache.describe())
         say(f"{reason}; tokens seen {self.tokens_seen}")
         return 0
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from train.mesh import Meshes
 from train.models.init import canonical_name, init_weights
 from train.models.parallelize import ParallelizeOptions, parallelize
 from train.models.pipeline import PipelinePart, pipeline_parts
-from train.models.salm import SALM, SALMConfig
+from train.models.salm import SALM, SALMConfig, build_encoder
 from train.pipeline_plan import PipelinePlan
 
 
@@ -54,6 +55,21 @@ def build_pipeline(
         part.to_empty(device=device)
         init_weights(part, init_seed)
     return parts
+
+
+def encoder_replica(model: SALM, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A plain copy of ``model``'s encoder (which FSDP may shard) holding its full weights, on
+    ``device``, in eval mode and ``dtype``, for ``train.models.encoder_cache``. Collective when
+    sharded: every rank gathers every tensor, in one order."""
+    weights = {
+        canonical_name(name): value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in model.encoder.state_dict().items()
+    }
+    with torch.device("meta"):
+        replica = build_encoder(model.cfg)
+    replica.to_empty(device=device)
+    replica.load_state_dict(weights, strict=True)
+    return replica.to(dtype).eval().requires_grad_(False)
 
 
 def freeze_parameters(model: nn.Module, frozen: set[str]) -> list[nn.Parameter]:

@@ -13,8 +13,9 @@ whole batch computes in one process.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ from train.models.context import (
     local_positions,
     shard_sequence,
 )
+from train.models.encoder_cache import EncoderCache, EncoderKeys
 from train.models.lora import add_adapters
 from train.models.moe import MoE
 from train.models.shape import (
@@ -467,7 +469,7 @@ class Projector(nn.Sequential):
 
 
 def embed_inputs(
-    encoder: nn.Module,
+    encoder: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     projector: Projector,
     embed: nn.Embedding,
     batch: tuple[torch.Tensor, ...],
@@ -566,20 +568,33 @@ class SALM(nn.Module):
         self.projector: Projector | None = Projector(cfg.enc_dim, cfg.d_model, cfg.projector_stride)
         self.llm = Decoder(cfg)
         self.seq_multiple = BASE_SEQ_MULTIPLE  # parallelize sets the layout's (tp, cp)
+        # A frozen encoder's kept outputs (train.encoder_cache_mb): the trainer sets it.
+        self.encoder_cache: EncoderCache | None = None
 
     def forward(
-        self, features, feature_lens, tokens, token_lens, *prompt, seq_len: int | None = None
+        self,
+        features,
+        feature_lens,
+        tokens,
+        token_lens,
+        *prompt,
+        seq_len: int | None = None,
+        encoder_keys: EncoderKeys | None = None,
     ) -> SALMOutput:
         """``prompt``: the prefix lengths and answer starts of examples with a prompt before
         the audio (``sequence_layout``); none for the byte tokenizer's. ``seq_len``: the packed
         decoder length, ``packed_length`` of the batch's lengths while they are still on the
         host (the training step passes it, so that nothing is read back from the device); None
-        computes it here from the lengths given."""
+        computes it here from the lengths given. ``encoder_keys``: the batch's keys into
+        ``encoder_cache``, which then gives the encoder's frames."""
         if seq_len is None:
             longest = longest_example(audio_positions(self.cfg, feature_lens), token_lens)
             seq_len = packed_length(longest, self.seq_multiple)
         batch = (features, feature_lens, tokens, token_lens, *prompt)
-        x, layout = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
+        encoder = self.encoder
+        if self.encoder_cache is not None and encoder_keys is not None:
+            encoder = partial(self.encoder_cache.encode, encoder_keys)
+        x, layout = embed_inputs(encoder, self.projector, self.llm.embed, batch, seq_len)
         x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
         logits, aux = self.llm(x, token_mask)
         return SALMOutput(
