@@ -12,46 +12,24 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster, processes
+from orchestrator import cluster
 from tests import ledger
-from tests.helpers import tmpfs
-
-REPO = Path(__file__).resolve().parents[1]
-TINY_CORPUS = ("--num", "16", "--jobs", "2", "--shard-size", "4")  # 4-cut Shar shards
-# Inherited by the daemons of the session's clusters: names the pytest process that owns them.
-SESSION_ENV = "ORCH_TEST_SESSION_PID"
+from tests.harness.cluster import (
+    SESSION_ENV,
+    LoopbackCluster,
+    cluster_cli,
+    down_clusters_of_dead_sessions,
+)
+from tests.harness.corpora import LIBRISPEECH_UTTERANCES, TINY_CORPUS
+from tests.harness.disk import tmpfs
+from tests.harness.process import REPO
 
 # Two shared cores: every torch process the tests start stays on one thread.
 os.environ["OMP_NUM_THREADS"] = "1"
-
-
-@dataclass(frozen=True)
-class LoopbackCluster:
-    directory: Path
-    conf: Path
-    env: dict[str, str]  # os.environ plus SLURM_CONF, for subprocesses
-
-    def queue_job_ids(self) -> list[str]:
-        return cluster.queue_job_ids(self.conf)
-
-
-def cluster_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    """``orchestrator cluster ARGS`` run as a user would, from the repository root."""
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "cluster", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=timeout,
-    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -72,15 +50,6 @@ def orch_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ.pop("ORCH_HOME", None)
     else:
         os.environ["ORCH_HOME"] = previous
-
-
-def down_clusters_of_dead_sessions() -> None:
-    """A session killed before its teardown leaves its cluster running: stop those, and only
-    those (other sessions on the machine may be running their own)."""
-    for directory, environ in cluster.running_clusters().items():
-        owner = environ.get(SESSION_ENV, "")
-        if owner.isdigit() and not processes.alive(int(owner)):
-            cluster.down(directory)
 
 
 @pytest.fixture(scope="session")
@@ -143,9 +112,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=300,
     )
     return out
-
-
-LIBRISPEECH_UTTERANCES = 20  # 12 train-clean-100, 4 dev-clean, 4 test-clean
 
 
 @pytest.fixture(scope="session")

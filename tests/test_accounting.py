@@ -16,9 +16,10 @@ import pytest
 
 from orchestrator import cluster
 from orchestrator.manifest import JobRecord, Manifest, orch_home
-from tests.conftest import LoopbackCluster
-from tests.helpers import launch_json, run_tool, wait_chain, write_sub
-from tests.test_results import make_chain, train_row
+from tests.harness.chains import launch_json, wait_chain, write_sub
+from tests.harness.cluster import LoopbackCluster
+from tests.harness.process import run_tool
+from tests.harness.results import make_chain, train_row
 
 BODY = """
 sleep 1

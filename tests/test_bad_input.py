@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.manifest import orch_home
-from tests.helpers import queue_ids, run_tool, write_sub
+from tests.harness.chains import write_sub
+from tests.harness.cluster import queue_ids
+from tests.harness.process import run_tool
 
 pytestmark = pytest.mark.slurm
 

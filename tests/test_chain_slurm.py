@@ -11,16 +11,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.manifest import JOURNAL_NAME, MANIFEST_NAME, Manifest
-from tests.helpers import (
-    BIN,
-    launch_json,
-    queue_ids,
-    run_tool,
-    wait_chain,
-    wait_gone,
-    write_sub,
-)
-from tests.test_then import check_then_job_records, recipes
+from tests.harness.chains import launch_json, wait_chain, write_sub
+from tests.harness.cluster import queue_ids, wait_gone
+from tests.harness.process import BIN, run_tool
+from tests.harness.recorded_jobs import check_then_job_records, recipes
 
 pytestmark = pytest.mark.slurm
 

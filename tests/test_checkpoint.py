@@ -1,15 +1,16 @@
 """Checkpoints: resharding across layouts, atomic saves, torn directories, state round trips.
 
-The layout tests run tests/checkpoint_worker.py as gloo ranks on CPU (``_worker`` starts them
-as torchrun would): the tiny SALM trains 3 AdamW steps at FSDP2 x TP 2x2 and is saved, then
-loaded at 2x2, at FSDP2 4x1 and into one plain process. Loaded parameters must equal the saved
-ones bitwise. One more step from the loaded state must match one more step from the in-memory
-state: exactly enough at the same layout, and within the tolerance of
+The layout tests run tests/harness/workers/checkpoint_worker.py as gloo ranks on CPU
+(``_worker`` starts them as torchrun would): the tiny SALM trains 3 AdamW steps at FSDP2 x TP
+2x2 and is saved, then loaded at 2x2, at FSDP2 4x1 and into one plain process. Loaded parameters
+must equal the saved ones bitwise. One more step from the loaded state must match one more step
+from the in-memory state: exactly enough at the same layout, and within the tolerance of
 tests/test_trainer_equivalence.py elsewhere (the step's gradients are summed in another order).
 An optimizer state that failed to load would move parameters by ~lr. A load into one plain
 process runs the worker's own load in this process (``_load_here``: no process group, as
-``python tests/checkpoint_worker.py load`` runs it), which spares a torch start-up per load.
-The other tests run the manager in this process, with no process group and with a group of one.
+``python tests/harness/workers/checkpoint_worker.py load`` runs it), which spares a torch
+start-up per load. The other tests run the manager in this process, with no process group and
+with a group of one.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from contract.run_dir import MARKER
-from tests.helpers import fill_disk, tmpfs
-from tests.test_trainer import metrics, train, train_together
+from tests.harness.disk import fill_disk, tmpfs
+from tests.harness.process import REPO
+from tests.harness.training import metrics, train, train_together
 from train import checkpoint
 from train.checkpoint import (
     PAUSE_ENV,
@@ -52,8 +54,7 @@ from train.checkpoint import (
     NonFiniteState,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "checkpoint_worker.py"
+WORKER = REPO / "tests" / "harness" / "workers" / "checkpoint_worker.py"
 RTOL, ATOL = 1e-5, 1e-6
 NOT_RESTORED = "RNG states not restored"
 TRAINER_STATE = {
@@ -126,7 +127,7 @@ def _load_here(run_dir: Path) -> dict:
     """``checkpoint_worker.py load --run-dir RUN`` as one plain process, run in this one: the
     newest checkpoint that loads, loaded into a fresh model (leftovers removed first), and what
     the worker records of it."""
-    from tests import checkpoint_worker
+    from tests.harness.workers import checkpoint_worker
 
     args = argparse.Namespace(dp_shard=-1, tp=1, pp=1, cp=1, run_dir=run_dir, async_save=False)
     with _as_a_plain_worker():
@@ -860,8 +861,8 @@ def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpu
     in place: it must write the staged copy of step 2, not the live tensors.
 
     The synchronous run and the first async job (stopped after step 5) train one after the
-    other in one process group (tests/trainer_runs_worker.py), which starts torch on each rank
-    once for both; the resumed job is a ``python -m train`` of its own."""
+    other in one process group (tests/harness/workers/trainer_runs_worker.py), which starts torch
+    on each rank once for both; the resumed job is a ``python -m train`` of its own."""
     common = ("seed=5", "train.max_steps=6", "checkpoint.interval=2", "checkpoint.keep=10",
               "wandb.enabled=false")  # fmt: skip
     sync, async_ = tmp_path / "sync", tmp_path / "async"

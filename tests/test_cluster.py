@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cluster, processes
-from tests.conftest import (
+from tests.harness.cluster import (
     SESSION_ENV,
     LoopbackCluster,
     cluster_cli,

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from contract.slurm_states import END_STATES
 from orchestrator import cluster
-from tests.conftest import SESSION_ENV, cluster_cli
-from tests.helpers import FINISHED, run_tool, write_sub
+from tests.harness.chains import write_sub
+from tests.harness.cluster import SESSION_ENV, cluster_cli
+from tests.harness.process import run_tool
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -107,7 +109,7 @@ def wait_chain(env: dict[str, str], chain: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         status = status_json(env, chain)
-        if all(job["state"] in FINISHED for job in status["jobs"]):
+        if all(job["state"] in END_STATES for job in status["jobs"]):
             return status
         assert time.monotonic() < deadline, f"chain not finished after {timeout} s: {status}"
         time.sleep(1)

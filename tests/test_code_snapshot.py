@@ -27,7 +27,8 @@ from orchestrator.snapshot import (
     freeze,
     plan_code,
 )
-from tests.helpers import REPO, launch_json, run_tool, wait_chain, write_sub
+from tests.harness.chains import launch_json, wait_chain, write_sub
+from tests.harness.process import REPO, run_tool
 
 JOB = 'print("version 1")\n'
 # The job prints the version of the project's module it imports, reads data by a path relative

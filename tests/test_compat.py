@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.harness.process import REPO
 from train import compat
 from train.mesh import build_meshes
 from train.parallel_dims import ParallelDims
 
-REPO = Path(__file__).resolve().parents[1]
 SCANNED = [
     *(path for path in sorted((REPO / "train").rglob("*.py")) if path.name != "compat.py"),
     REPO / "bench" / "bench_fast_path.py",

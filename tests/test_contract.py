@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import io
+import os
+import subprocess
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -20,9 +22,9 @@ from orchestrator.errors import UsageError
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.recipe import parse_recipe
 from orchestrator.render import render_recipe
+from tests.harness.process import REPO
 from train.metrics import scrub_secrets
 
-REPO = Path(__file__).resolve().parents[1]
 # Which top-level packages each package of the project may import (besides third parties).
 ALLOWED = {
     "contract": {"contract"},
@@ -31,6 +33,18 @@ ALLOWED = {
     "hydra_plugins": {"contract", "train", "orchestrator", "hydra_plugins"},
 }
 PROJECT = set(ALLOWED) | {"recipes", "templates", "tests", "bench"}
+TESTS = REPO / "tests"
+# Imports each module named in argv in this one process; names those that fail, with why.
+IMPORT_EACH = """
+import importlib, sys, traceback
+failed = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failed.append(f"{name}: {traceback.format_exc(limit=-1)}")
+sys.exit("\\n".join(failed) or None)
+"""
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -57,6 +71,64 @@ def test_dependencies_run_one_way(package: str) -> None:
         if bad:
             wrong[str(path.relative_to(REPO))] = sorted(bad)
     assert wrong == {}, f"imports against the direction contract <- train <- orchestrator: {wrong}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The modules a file imports anywhere in it (inside functions too), by full name: ``from P
+    import N`` counts as P and as P.N (N may be a module); relative imports are resolved."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The test modules (``tests.test_*``) and ``tests.conftest`` that a file imports from."""
+    under_tests = {".".join(module.split(".")[:2]) for module in imported_modules(path)}
+    return {m for m in under_tests if m == "tests.conftest" or m.startswith("tests.test_")}
+
+
+def harness_modules() -> list[str]:
+    """Every module of tests/harness/ (workers and packages included), by full name."""
+    names = []
+    for path in sorted((TESTS / "harness").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_tests_share_code_only_through_the_harness() -> None:
+    """No file under tests/ (test modules, the conftest, the harness) imports a test module or
+    the conftest, lazy imports included: what tests share lives in tests/harness/, so a test
+    module can change without breaking another."""
+    wrong = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        if bad := imported_test_modules(path):
+            wrong[str(path.relative_to(REPO))] = sorted(bad)
+    assert wrong == {}, f"imports of a test module or tests.conftest (use tests/harness/): {wrong}"
+
+
+def test_every_harness_module_imports() -> None:
+    """Each module of tests/harness/ imports, in a fresh process as a worker starts: a helper
+    moved without its imports fails here, not in the one slow test that reaches it."""
+    modules = harness_modules()
+    assert {"tests.harness", "tests.harness.process", "tests.harness.workers"} <= set(modules)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, *modules],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 from lhotse import CutSet, RecordingSet
 
-from tests.helpers import run_script
+from tests.harness.process import REPO, run_script
 from train.data import load_cuts
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "make_corpus.py"
 TINY = ["--num", "16", "--jobs", "2", "--shard-size", "4"]
 SPLITS = ("train", "dev", "test")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_metrics import base_env, of_type, wandb_records
-from tests.test_trainer import final_weights, metrics, train
+from tests.harness.training import final_weights, metrics, train
+from tests.harness.wandb_runs import base_env, of_type, wandb_records
 from train.batch_hash import batch_hash
 from train.data import (
     DataPosition,
@@ -22,7 +22,6 @@ from train.data import (
 )
 from train.models.salm import ByteTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
 Loader = Callable[[int, DataPosition | None], object]
 
 

@@ -16,7 +16,6 @@ from train.data import batches_forever, build_dataloader, make_worker_init_fn
 from train.models.salm import ByteTokenizer
 from train.seeding import rank_data_seed, sampler_seed
 
-REPO = Path(__file__).resolve().parents[1]
 PAD_ID = 256
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_tiny import save_tiny
+from tests.harness.hf_tiny import save_tiny
 from train.config import ModelConfig
 from train.decode import greedy_decode
 from train.models.build import build_model

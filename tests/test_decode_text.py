@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from recipes.pretrained import SMOLLM2
-from tests.helpers import pretrained_model
-from tests.hf_tiny import save_tiny_tokenizer
+from tests.harness.hf_tiny import save_tiny_tokenizer
+from tests.harness.models import pretrained_model
 from train.decode import greedy_decode_text
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import load_llm_weights

@@ -23,22 +23,15 @@ from omegaconf import OmegaConf
 
 from contract.configs import PACKAGED_CONFIGS
 from orchestrator.results import latest_evaluation
-from tests.helpers import (
-    evaluate,
-    exported,
-    launch_json,
-    run_module,
-    run_tool,
-    trained_llm_agrees,
-    wait_chain_quietly,
-)
-from tests.hf_tiny import save_tiny
+from tests.harness.chains import launch_json, wait_chain_quietly
+from tests.harness.hf_tiny import save_tiny
+from tests.harness.models import evaluate, exported, trained_llm_agrees
+from tests.harness.process import REPO, run_module, run_tool
 from train.config import ConfigError
 from train.data import load_cuts
 from train.evaluate import preflight
 from train.normalizers import whisper_en
 
-REPO = Path(__file__).resolve().parents[1]
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones
 MEMORIZE_STEPS = 600
 BATCH = 2  # utterances per decoding batch: 5 batches, 3 and 2 on two data-parallel ranks

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import exported, run_module
-from tests.hf_tiny import save_tiny
+from tests.harness.hf_tiny import save_tiny
+from tests.harness.models import exported
+from tests.harness.process import run_module
 from train.exported import LLM_DIR
 
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.synthetic import synthetic_batch
+from tests.harness.synthetic import synthetic_batch
 from train.flops import PEAK_FLOPS_ENV, llm_weights_per_position, peak_flops, step_flops
 from train.models.build import build_model
 from train.models.init import canonical_name, init_weights, name_seed

@@ -30,15 +30,10 @@ import psutil
 import pytest
 
 from contract.run_dir import MARKER, scan_checkpoints
-from tests.helpers import (
-    queue_ids,
-    run_tool,
-    tiny_training_chain,
-    wait_chain,
-    wait_chain_quietly,
-    wait_gone,
-)
-from tests.test_trainer import metrics
+from tests.harness.chains import tiny_training_chain, wait_chain, wait_chain_quietly
+from tests.harness.cluster import queue_ids, wait_gone
+from tests.harness.process import run_tool
+from tests.harness.training import metrics
 from train.checkpoint import PAUSE_ENV, PAUSED_SUFFIX
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

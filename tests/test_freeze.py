@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from orchestrator.planner.cluster import GIB
 from orchestrator.planner.preflight import Capacity, compose_training_config, request_and_layout
-from tests.helpers import run_tool
-from tests.hf_tiny import save_tiny
-from tests.test_trainer import final_weights, train
+from tests.harness.hf_tiny import save_tiny
+from tests.harness.process import run_tool
+from tests.harness.training import final_weights, train
 from train.models.freeze import frozen_names
 from train.models.hf_names import hf_name
 from train.models.inventory import inventory

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from orchestrator.planner.measured import load
-from tests.helpers import REPO, run_tool
+from tests.harness.process import REPO, run_tool
 
 
 @pytest.mark.slow

@@ -26,9 +26,11 @@ import psutil
 import pytest
 
 from contract.job_end import read_job_end
+from contract.slurm_states import END_STATES
 from orchestrator.chain_hooks import judge
-from tests.helpers import FINISHED, REPO, chain_status, run_tool, wait_chain
-from tests.test_trainer import launch_training, metrics, metrics_or_empty
+from tests.harness.chains import chain_status, launch_training, wait_chain
+from tests.harness.process import REPO, run_tool
+from tests.harness.training import metrics, wait_for_step
 from train.config import DebugConfig, TrainConfig, TrainLoopConfig, validate
 from train.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
@@ -49,15 +51,6 @@ HUNG_PHASE = {
 }
 CHAIN_TEST = "test_a_chain_goes_on_after_a_rank_hangs"
 CHAIN_STEPS, CHAIN_INTERVAL = 12, 4  # the chain's train.max_steps and checkpoint.interval
-
-
-def wait_for_step(run_dir: Path, step: int, still_running=lambda: True, timeout: float = 240):
-    """Wait until rank 0 has logged ``step``."""
-    deadline = time.monotonic() + timeout
-    while not any(row.get("step", 0) >= step for row in metrics_or_empty(run_dir)):
-        assert still_running(), "the training ended before the rank could be stopped"
-        assert time.monotonic() < deadline, f"no step {step} after {timeout} s"
-        time.sleep(0.5)
 
 
 @contextmanager
@@ -213,7 +206,7 @@ def hang_a_chain(tmp: Path, corpus: Path) -> tuple[Path, str, dict]:
             )
             time.sleep(0.5)
         stopped.kill()
-        while chain_status(chain)["jobs"][0]["state"] not in FINISHED:
+        while chain_status(chain)["jobs"][0]["state"] not in END_STATES:
             assert time.monotonic() - paused < HANG_TIMEOUT_S + 3 * MARGIN_S, (
                 "job 0 still runs after its watchdog fired"
             )

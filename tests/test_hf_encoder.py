@@ -1,6 +1,6 @@
 """Pretrained Hugging Face speech encoders (Whisper, Parakeet) as the SALM's encoder: tiny random
 checkpoints that ``transformers`` builds and ``save_pretrained`` writes (nothing downloaded), in
-the four ways real ones hold the encoder (tests/hf_tiny.py), loaded by prefix and held to
+the four ways real ones hold the encoder (tests/harness/hf_tiny.py), loaded by prefix and held to
 ``transformers``' own outputs, to the length arithmetic, to the planner's inventory, under FSDP2
 and pipeline stages against one process, compiled against eager, and through an export."""
 
@@ -26,8 +26,9 @@ from transformers import (
     WhisperModel,
 )
 
-from tests.hf_encoder_worker import record, varied_batch
-from tests.hf_tiny import ENCODER_KINDS, save_tiny_encoder
+from tests.harness.hf_tiny import ENCODER_KINDS, save_tiny_encoder
+from tests.harness.process import REPO
+from tests.harness.workers.hf_encoder_worker import record, varied_batch
 from train.checkpoint import CheckpointManager
 from train.config import ModelConfig, TrainConfig
 from train.export import main as export_main
@@ -46,8 +47,7 @@ from train.models.shape import audio_positions, encoder_frames
 from train.parallel_dims import ParallelDims
 from train.step import WholeModelRunner
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "hf_encoder_worker.py"
+WORKER = REPO / "tests" / "harness" / "workers" / "hf_encoder_worker.py"
 CPU = torch.device("cpu")
 # Where each kind of checkpoint keeps the encoder's tensors.
 PREFIXES = {

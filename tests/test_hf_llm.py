@@ -19,8 +19,9 @@ from transformers import (
     GPT2Config,
 )
 
-from tests.hf_load_worker import record
-from tests.hf_tiny import FAMILIES, save_tiny
+from tests.harness.hf_tiny import FAMILIES, save_tiny
+from tests.harness.process import REPO
+from tests.harness.workers.hf_load_worker import record
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.inventory import inventory
@@ -28,8 +29,7 @@ from train.models.salm import SALM
 from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "hf_load_worker.py"
+WORKER = REPO / "tests" / "harness" / "workers" / "hf_load_worker.py"
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

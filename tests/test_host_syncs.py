@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO
-from tests.host_sync_worker import HostReads
+from tests.harness.process import REPO
+from tests.harness.workers.host_sync_worker import HostReads
 
-WORKER = REPO / "tests" / "host_sync_worker.py"
+WORKER = REPO / "tests" / "harness" / "workers" / "host_sync_worker.py"
 STEPS = 3
 
 

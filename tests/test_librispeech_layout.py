@@ -17,9 +17,8 @@ from lhotse import CutSet, RecordingSet, SupervisionSet
 
 from recipes.make_corpus import Utterance, is_test_text
 from recipes.make_librispeech import plan_librispeech
-from tests.conftest import LIBRISPEECH_UTTERANCES as UTTERANCES
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness.corpora import LIBRISPEECH_UTTERANCES as UTTERANCES
+from tests.harness.process import REPO
 
 PARTS = ("train-clean-100", "dev-clean", "test-clean")
 # lhotse's own file names, spelled out here so that a change in lhotse shows up as a failure.
@@ -186,6 +185,9 @@ def test_interrupted_run_leaves_nothing_behind(tmp_path):
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         start_new_session=True,
+        # As from a terminal: a suite started in the background (`make test &`) ignores SIGINT,
+        # and a Python started with it ignored never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     for line in process.stdout:
         if "/300 utterances" in line:  # the first chunk synthesized; most are still to come

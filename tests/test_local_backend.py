@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.helpers import launch_json, run_tool, write_sub
+from tests.harness.chains import launch_json, write_sub
+from tests.harness.process import run_tool
+from tests.harness.recorded_jobs import read_jsonl
 
 ENV_BODY = """
 python3 - "$@" <<'PY' >> "$ORCH_RUN_DIR/env.jsonl"
@@ -16,10 +17,6 @@ PY
 srun --ntasks=2 bash -c 'echo "task $SLURM_PROCID of $SLURM_NTASKS" >> "$ORCH_RUN_DIR/tasks.log"'
 if [ "$ORCH_JOB_INDEX" = "${FAIL_AT:-none}" ]; then exit 4; fi
 """
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_local_chain_keeps_the_contract(tmp_path):

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from lhotse import CutSet
 
-from tests.helpers import run_script
+from tests.harness.process import REPO, run_script
 from train.data import build_dataloader, load_cuts
 from train.models.salm import ByteTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "recipes" / "make_long_corpus.py"
 JOIN = 4
 SPLITS = ("train", "dev")

@@ -17,18 +17,10 @@ from lhotse import CutSet
 from safetensors.torch import load_file
 
 from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints
-from tests.helpers import (
-    REPO,
-    evaluate,
-    exported,
-    final_model,
-    queue_ids,
-    run_module,
-    run_tool,
-    trained_llm_agrees,
-    trained_model,
-)
-from tests.hf_tiny import save_tiny
+from tests.harness.cluster import queue_ids
+from tests.harness.hf_tiny import save_tiny
+from tests.harness.models import evaluate, exported, final_model, trained_llm_agrees, trained_model
+from tests.harness.process import REPO, run_module, run_tool
 from train.models.hf_names import PROJECTIONS, hf_name
 from train.models.init import canonical_name
 from train.models.lora import is_adapter

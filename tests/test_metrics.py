@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from contract.run_dir import METRICS_FILE
+from tests.harness.process import REPO
+from tests.harness.wandb_runs import base_env, of_type, wandb_records
 from train.metrics import (
     MetricsLogger,
     argv_holds_secret,
@@ -25,9 +27,6 @@ from train.metrics import (
     resolve_wandb_mode,
     scrub_secrets,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-WANDB = [sys.executable, "-m", "wandb"]
 
 # One job of a chain: argv = run_dir, run_id ("" for a new run), first step, last step, "wandb" or
 # "no-wandb", then overrides it ignores (they stand for Hydra's); the config comes as JSON in
@@ -68,18 +67,6 @@ print(logger.run_id)
 """
 
 CONFIG = {"lr": 0.1, "layout": "dp2 tp1", "model": {"dim": 64}}
-ORCH_KEYS = ("ORCH_CHAIN_ID", "ORCH_SWEEP_ID", "ORCH_JOB_INDEX", "ORCH_SEED", "SLURM_JOB_ID")
-
-
-def base_env(tmp: Path) -> dict[str, str]:
-    """The test's environment with every wandb directory under ``tmp`` and no W&B settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k not in ORCH_KEYS}
-    for name in ("DIR", "CACHE_DIR", "CONFIG_DIR", "DATA_DIR", "ARTIFACT_DIR"):
-        path = tmp / "wandb_home" / name.lower()
-        path.mkdir(parents=True, exist_ok=True)
-        env[f"WANDB_{name}"] = str(path)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def job_env(tmp: Path, index: int, seed: int, slurm_job_id: str) -> dict[str, str]:
@@ -116,23 +103,6 @@ def run_job(
     )
     assert done.returncode == 0, done.stderr
     return done
-
-
-def wandb_records(run_file: Path, tmp: Path) -> list[dict]:
-    """The records of one offline .wandb file, decoded by wandb's own reader."""
-    done = subprocess.run(
-        [*WANDB, "leet", "inspect", "--json", str(run_file)],
-        env={**base_env(tmp), "WANDB_MODE": "offline"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-
-
-def of_type(records: list[dict], kind: str) -> list[dict]:
-    return [r[kind] for r in records if r["type"] == kind]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -4,8 +4,9 @@ lhotse's own recipe, mixed 0.7/0.3 with the project's corpus through the shipped
 both test sets scored in one evaluation; and a bad source file refused before training.
 
 The 2-rank trainings of the mixture (the walk-through's three runs and the pretrained Whisper
-encoder's) are one process group's runs, one after another (tests/trainer_runs_worker.py): the
-ranks' start-up is paid once for the module, and each test reads its own run dirs."""
+encoder's) are one process group's runs, one after another
+(tests/harness/workers/trainer_runs_worker.py): the ranks' start-up is paid once for the module,
+and each test reads its own run dirs."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from pathlib import Path
 import pytest
 from transformers import WhisperFeatureExtractor
 
-from tests.hf_tiny import save_tiny_encoder
-from tests.test_trainer import metrics, run_ranks, train, train_overrides
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness.hf_tiny import save_tiny_encoder
+from tests.harness.process import REPO
+from tests.harness.training import metrics, run_ranks, train, train_overrides
 
 
 def make_data(root: Path, corpus: Path, librispeech: Path) -> Path:
@@ -94,7 +94,7 @@ def mix_runs(tmp_path_factory, corpus, librispeech) -> MixRuns:
     ]
     spec = root / "runs.json"
     spec.write_text(json.dumps({"config": "asr_mix", "runs": runs}))
-    done = run_ranks(["-m", "tests.trainer_runs_worker", str(spec)], 2)
+    done = run_ranks(["-m", "tests.harness.workers.trainer_runs_worker", str(spec)], 2)
     return MixRuns(data, whole, run_dir, cache, whisper, encoder, done.stderr)
 
 

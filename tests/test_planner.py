@@ -17,7 +17,7 @@ from contract.gpus import gpu_preset
 from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.search import LONG_SEQUENCE, NEAR_TIE, PlanRequest, plan
 from orchestrator.planner.shapes import model_preset
-from tests.helpers import run_tool
+from tests.harness.process import run_tool
 
 PLAN_256_GPUS = ("plan", "--model", "llama_70b", "--gpus", "256", "--global-batch", "512", "--json")
 

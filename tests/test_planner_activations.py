@@ -6,11 +6,12 @@ and small presets in every activation checkpointing mode.
 
 Per rank, under the layouts that split activations: TP=2 with sequence parallelism, CP=2 and a
 two-stage 1F1B pipeline of four microbatches (stage 0 holds two in flight, the last one), each
-one training step of the trainer's own ``Trainer`` on two gloo ranks (tests/planner_cases.py,
-shared with the state-bytes test), and one process for reference, on an LLM-heavy batch. The
-measurement is the most bytes live at once among the storages the step's forward and backward
-allocate, gradients excepted (tests/planner_worker.py); the prediction is the planner's
-``activation_bytes`` for that rank's stage, blocks, batch and layout.
+one training step of the trainer's own ``Trainer`` on two gloo ranks
+(tests/harness/planner_cases.py, shared with the state-bytes test), and one process for
+reference, on an LLM-heavy batch. The measurement is the most bytes live at once among the
+storages the step's forward and backward allocate, gradients excepted
+(tests/harness/workers/planner_worker.py); the prediction is the planner's ``activation_bytes``
+for that rank's stage, blocks, batch and layout.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import sys
 import pytest
 
 from orchestrator.planner.activations import ActivationLayout, Microbatch, activation_bytes
-from tests.helpers import REPO
-from tests.planner_cases import CASES, measured, pipeline
+from tests.harness.planner_cases import CASES, measured, pipeline
+from tests.harness.process import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from orchestrator.planner.measured import MEMORY_BOUND, PRICED, SPEED_BOUND, loa
 from orchestrator.planner.search import Layout, PlanRequest, plan, price
 from orchestrator.planner.shapes import model_preset
 from orchestrator.planner.speed import attention_share, matmul_share
-from tests.helpers import run_tool
+from tests.harness.process import run_tool
 
 ROWS = load()
 PRICED_ROWS = [row for row in ROWS if row.priced]

@@ -1,15 +1,16 @@
 """The planner's parameter, gradient and optimizer bytes are exactly what the trainer allocates.
 
-Each case is a layout of the tiny dense or MoE preset (tests/planner_cases.py), one training
-step through the trainer's own ``Trainer.train_step`` on real torchrun ranks (gloo, CPU), whose
-first-step measurement (``Trainer.state_memory``, train/memory.py: the ``memory`` record of
-metrics.jsonl) is compared with the planner's figure for the rank's pipeline stage. The planner
-prices the busiest rank of a stage, TP rank 0 and FSDP shard 0 (the largest ``torch.chunk``
-piece and a full padded shard): there, and on every data-parallel replica of it, the bytes must
-be equal; every other rank must hold no more.
+Each case is a layout of the tiny dense or MoE preset (tests/harness/planner_cases.py), one
+training step through the trainer's own ``Trainer.train_step`` on real torchrun ranks (gloo,
+CPU), whose first-step measurement (``Trainer.state_memory``, train/memory.py: the ``memory``
+record of metrics.jsonl) is compared with the planner's figure for the rank's pipeline stage.
+The planner prices the busiest rank of a stage, TP rank 0 and FSDP shard 0 (the largest
+``torch.chunk`` piece and a full padded shard): there, and on every data-parallel replica of it,
+the bytes must be equal; every other rank must hold no more.
 
 The bf16 case runs FSDP2's mixed precision (bf16 parameters in compute, fp32 shards, fp32
-gradient reduction), which the trainer applies on CUDA only, on CPU: see tests/planner_worker.py.
+gradient reduction), which the trainer applies on CUDA only, on CPU: see
+tests/harness/workers/planner_worker.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.planner.state import group, state_bytes
-from tests.planner_cases import CASES, measured, pipeline
+from tests.harness.planner_cases import CASES, measured, pipeline
 from train.memory import STATE_KINDS
 from train.models.inventory import inventory
 

@@ -18,7 +18,8 @@ from orchestrator.planner.preflight import (
 from orchestrator.planner.search import pipeline_for as search_pipeline
 from orchestrator.planner.search import priced_inventory
 from orchestrator.slurm.partitions import parse_partitions
-from tests.helpers import REPO, queue_ids, run_tool, wait_gone
+from tests.harness.cluster import queue_ids, wait_gone
+from tests.harness.process import REPO, run_tool
 from train.layout import parallel_dims, pipeline_for
 from train.parallel_dims import ParallelDims, sequence_multiple
 

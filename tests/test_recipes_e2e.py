@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, launch_json, run_tool, wait_chain
+from tests.harness.chains import launch_json, wait_chain
+from tests.harness.process import REPO, run_tool
 
 pytestmark = pytest.mark.slurm
 

@@ -40,8 +40,9 @@ from orchestrator.remote import (
     shell_path,
     strip_options,
 )
-from tests.conftest import LoopbackCluster
-from tests.helpers import BIN, launch_json, queue_ids, run_tool, wait_chain, write_sub
+from tests.harness.chains import launch_json, wait_chain, write_sub
+from tests.harness.cluster import LoopbackCluster, queue_ids
+from tests.harness.process import BIN, run_tool
 
 HOST = "orch-login"  # the test sshd, by the alias of the test's ssh config
 CLOSED = "orch-closed"  # 127.0.0.1 at a port nothing listens on

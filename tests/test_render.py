@@ -24,8 +24,8 @@ from orchestrator.scripts import prepare_script
 from orchestrator.slurm.directives import parse_sbatch_directives
 from orchestrator.slurm.resources import JobResources
 from orchestrator.slurm.time_limit import parse_time_minutes
+from tests.harness.process import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 

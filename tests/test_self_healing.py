@@ -22,16 +22,15 @@ from orchestrator.backends.run_dir import run_dir_status
 from orchestrator.chain_hooks import BLOCKED, ChainKeeper, judge, stalled_jobs
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.seeds import chain_seeds
-from tests.conftest import cluster_cli
-from tests.helpers import (
-    REPO,
+from tests.harness.chains import (
     launch_json,
-    run_tool,
+    launch_training,
     tiny_training_chain,
     wait_chain_quietly,
     write_sub,
 )
-from tests.test_trainer import launch_training
+from tests.harness.cluster import cluster_cli
+from tests.harness.process import REPO, run_tool
 
 # A hand-written .sub that follows the chain-hook contract (docs/contracts.md). Its work fails
 # while the run dir's counter is below FAILURES, or, for the job of index KILL_AT, the batch shell

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.scripts import prepare_script
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.harness.process import REPO
 
 
 def job_env(run_dir: Path, seed: int) -> dict[str, str]:

@@ -22,7 +22,8 @@ from orchestrator.backends.submitit_common import SubmititBackendBase
 from orchestrator.backends.submitit_local import SubmititLocalBackend
 from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
 from orchestrator.errors import SchedulerError, UsageError
-from tests.helpers import write_sub
+from tests.harness.chains import write_sub
+from tests.harness.recorded_jobs import read_jsonl
 
 # The jobs unpickle the callables below; by value, they need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -98,10 +99,6 @@ def wait_finished(
             return [statuses[job_id] for job_id in ids]
         assert time.monotonic() < deadline, f"jobs not finished after {timeout_s} s: {statuses}"
         time.sleep(0.5)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def assert_ran_in_order(lines: list[dict], indices: list[int], num_jobs: int, run_dir: Path):

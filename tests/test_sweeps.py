@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, queue_ids, run_tool, wait_chain, wait_gone
-from tests.test_then import read_jsonl, recording_recipe
+from tests.harness.chains import wait_chain
+from tests.harness.cluster import queue_ids, wait_gone
+from tests.harness.process import REPO, run_tool
+from tests.harness.recorded_jobs import read_jsonl, recording_recipe
 
 # Few, short steps: each member trains in seconds on one shared core. W&B is not what a sweep
 # checks here (tests/test_metrics.py does); its start would cost every member seconds of CPU.

@@ -23,8 +23,9 @@ import pytest
 import yaml
 
 from contract import job_env
-from tests.helpers import REPO, run_tool, wait_chain
-from tests.test_trainer import launch_training, metrics_or_empty, train
+from tests.harness.chains import launch_training, wait_chain
+from tests.harness.process import REPO, run_tool
+from tests.harness.training import metrics_or_empty, train
 from train.stop import StopRequest
 
 LIMIT_S = 60  # --time=1, the shortest limit SLURM takes

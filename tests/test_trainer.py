@@ -4,122 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from contract.job_end import read_job_end
 from orchestrator.planner.preflight import compose_training_config
-from tests.helpers import REPO, launch_json, run_tool, wait_chain
+from tests.harness.chains import launch_training, wait_chain
+from tests.harness.process import run_tool
+from tests.harness.training import final_weights, metrics, train, train_together
 from train.config import ConfigError
 from train.trainer import preflight
-
-
-def train(
-    run_dir: Path,
-    corpus: Path,
-    *overrides: str,
-    nproc: int = 1,
-    config: str = "tiny_fsdp2",
-    env: dict | None = None,
-    check: bool = True,
-) -> subprocess.CompletedProcess[str]:
-    args = ["-m", "train", "--config-name", config, *train_overrides(run_dir, corpus, *overrides)]
-    return run_ranks(args, nproc, env, check)
-
-
-def train_overrides(run_dir: Path, corpus: Path, *overrides: str) -> list[str]:
-    """The test corpus with short batches and W&B offline, then ``overrides``."""
-    return [
-        f"run_dir={run_dir}",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=offline",
-        "optim.warmup_steps=2",
-        *overrides,
-    ]
-
-
-def train_together(
-    runs: dict[Path, tuple[str, ...]], corpus: Path, nproc: int, config: str = "tiny_fsdp2"
-) -> subprocess.CompletedProcess[str]:
-    """Each run (its run dir: its overrides) trained by one process group of ``nproc`` ranks, one
-    after another (tests/trainer_runs_worker.py): the ranks' start-up is paid once, not per run.
-    The spec lands beside the first run dir."""
-    spec = {
-        "config": config,
-        "runs": [train_overrides(run_dir, corpus, *args) for run_dir, args in runs.items()],
-    }
-    path = next(iter(runs)).parent / f"{next(iter(runs)).name}.runs.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spec))
-    return run_ranks(["-m", "tests.trainer_runs_worker", str(path)], nproc)
-
-
-def run_ranks(
-    args: list[str], nproc: int, env: dict | None = None, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    """``python ARGS`` as ``nproc`` ranks under torchrun (one process: no torchrun)."""
-    if nproc > 1:
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *args,
-        ]
-    else:
-        argv = [sys.executable, *args]
-    completed = subprocess.run(
-        argv,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})},
-    )
-    if check:
-        causes = [line for line in completed.stderr.splitlines() if "Error" in line]
-        assert completed.returncode == 0, "\n".join(causes[:20]) or completed.stderr[-4000:]
-    return completed
-
-
-def launch_training(jobs: int, run_dir: Path, recipe: str, corpus: Path, *overrides: str) -> dict:
-    """Submit a chain of ``recipe`` on the test corpus (short batches, W&B offline)."""
-    return launch_json(
-        f"-n{jobs}",
-        "--run-dir",
-        str(run_dir),
-        recipe,
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=offline",
-        *overrides,
-        cwd=REPO,
-    )
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's training and validation rows (each job's ``memory`` row left out)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if "memory" not in row]
-
-
-def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"{run_dir.name}-{step}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step_{step}", out)
-    state = torch.load(out, weights_only=False)
-    model = state.get("model", state)
-    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize(
@@ -312,11 +210,6 @@ def test_context_parallel_chain_resumes(chains):
     hashes = read_hashes(run_dir)
     assert [hashes[rank][0]["coords"]["cp"] for rank in (0, 1)] == [0, 1]
     assert [r["hash"] for r in hashes[0]] == [r["hash"] for r in hashes[1]]
-
-
-def metrics_or_empty(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return metrics(run_dir) if path.exists() else []
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 Each case is one ``Trainer`` run (torchrun, gloo, fp32) of a few steps on the session corpus;
 the cases of one world size run one after another in one process group
-(tests/trainer_runs_worker.py), which pays torch's start-up on every rank once, not per case; the
-compiled case is the last of its group, after eager runs that leave dynamo untouched. Each run
+(tests/harness/workers/trainer_runs_worker.py), which pays torch's start-up on every rank once,
+not per case; the compiled case is the last of its group, after eager runs that leave dynamo
+untouched. Each run
 goes through everything a user's job runs: the lhotse sampler with batches that change shape
 every step, ``global_counts``, the step runners, fused AdamW with its ``found_inf`` on DTensors,
 weight decay, ``clip_grad_norm`` grouping gradients by mesh and summing over pipeline stages, a
@@ -44,7 +45,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.test_trainer import metrics, train_together
+from tests.harness.training import metrics, train_together
 
 pytestmark = pytest.mark.slow
 

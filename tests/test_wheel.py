@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, missing_capability
+from tests.harness.process import REPO, missing_capability
 
 pytestmark = pytest.mark.slow
 

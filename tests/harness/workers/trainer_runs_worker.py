@@ -6,8 +6,8 @@ process group per run, process start-up (torch's import on every rank) was most 
 time. Here the ranks start once per world size. What the command adds around the trainer (the
 launch variables, the end-of-job record, exit codes) is tested by tests/test_trainer.py.
 
-Usage: ``[torchrun --nproc-per-node=N] python -m tests.trainer_runs_worker SPEC.json``, where
-SPEC holds ``{"config": NAME, "runs": [[override, ...], ...]}``.
+Usage: ``[torchrun --nproc-per-node=N] python -m tests.harness.workers.trainer_runs_worker
+SPEC.json``, where SPEC holds ``{"config": NAME, "runs": [[override, ...], ...]}``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 tests/test_planner_activations.py: several layouts in one launch, each through the trainer's own
 ``Trainer`` (model build, parallelization, runner, fused AdamW, ``train_step``).
 
-    torchrun --standalone --nproc-per-node=2 tests/planner_worker.py OUT.json CASES.json
-    python tests/planner_worker.py OUT.json CASES.json           (one plain process)
+    torchrun --standalone --nproc-per-node=2 tests/harness/workers/planner_worker.py \
+        OUT.json CASES.json
+    python tests/harness/workers/planner_worker.py OUT.json CASES.json  (one plain process)
 
-Per case (``tests.planner_cases.Case``: the launch's layouts, in turn), each rank trains one
-step (three with ``activations``) on one synthetic batch and reports:
+Per case (``tests.harness.planner_cases.Case``: the launch's layouts, in turn), each rank trains
+one step (three with ``activations``) on one synthetic batch and reports:
 
 - its parameter, gradient and optimizer-state bytes as the trainer measures them at its first
   step (``Trainer.state_memory``, what the ``memory`` record of metrics.jsonl holds);
@@ -38,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tests.planner_cases import Case
+from tests.harness.planner_cases import Case
 from train import trainer as trainer_module
 from train.config import TrainConfig
 from train.data_plan import data_plan

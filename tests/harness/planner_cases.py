@@ -1,9 +1,9 @@
 """The layouts the planner's memory model is measured at, and the launches that measure them.
 
 tests/test_planner_memory.py (state bytes) and tests/test_planner_activations.py (activations
-under TP, CP and PP) read the same runs: one launch of tests/planner_worker.py per world size
-(1, 2 and 4 ranks, torchrun and gloo for more than one), each training every case of that size
-in turn, made once per test session. No torch here: the test process stays torch-free.
+under TP, CP and PP) read the same runs: one launch of tests/harness/workers/planner_worker.py
+per world size (1, 2 and 4 ranks, torchrun and gloo for more than one), each training every case
+of that size in turn, made once per test session. No torch here: the test process stays torch-free.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.harness.process import REPO
 from train.config import LoraConfig, ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.models.hf_names import PROJECTIONS
@@ -26,7 +26,7 @@ from train.models.shape import SALMConfig
 from train.parallel_dims import DENSE_DIMS, ParallelDims
 from train.pipeline_plan import PipelinePlan, plan_pipeline
 
-WORKER = REPO / "tests/planner_worker.py"
+WORKER = REPO / "tests/harness/workers/planner_worker.py"
 # An LLM-heavy batch (16 fbank frames, 508 tokens: 512 decoder positions): the blocks and the
 # head, which TP, CP and PP split, hold nearly all of it, so a wrong split shows.
 ACTIVATION_BATCH = (4, 16, 508)
@@ -40,7 +40,7 @@ class Case:
     preset: str
     parallel: dict[str, int] = field(default_factory=dict)  # the trainer's parallel.* keys
     strategy: str = "fsdp2"
-    bf16: bool = False  # FSDP2's mixed precision, on CPU (tests/planner_worker.py)
+    bf16: bool = False  # FSDP2's mixed precision, on CPU (tests/harness/workers/planner_worker.py)
     activations: bool = False
     batch: tuple[int, int, int] = (2, 16, 40)  # sequences, fbank frames, tokens per rank
     freeze: tuple[str, ...] = ()  # model.freeze and model.unfreeze

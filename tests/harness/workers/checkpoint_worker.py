@@ -1,20 +1,23 @@
 """Saves and loads tiny-SALM checkpoints under a parallel layout, for tests/test_checkpoint.py.
 
-    torchrun --standalone --nproc-per-node=4 tests/checkpoint_worker.py save \
+    torchrun --standalone --nproc-per-node=4 tests/harness/workers/checkpoint_worker.py save \
         --dp-shard 2 --tp 2 --run-dir RUN --out saved.pt
 trains a few AdamW steps, saves, records the full parameters, each rank's next random draws and
 one more step from the in-memory state; then reloads the checkpoint into a fresh model at the
 same layout and records the same things from the loaded state.
 
-    torchrun ... tests/checkpoint_worker.py load --dp-shard 4 --run-dir RUN --out loaded.pt
-    python tests/checkpoint_worker.py load --run-dir RUN --out loaded.pt   (one plain process)
+    torchrun ... tests/harness/workers/checkpoint_worker.py load --dp-shard 4 --run-dir RUN \
+        --out loaded.pt
+    python tests/harness/workers/checkpoint_worker.py load --run-dir RUN \
+        --out loaded.pt                                              (one plain process)
 load the newest checkpoint that loads (as a job starts: leftovers removed first) into a fresh
 model and record the same things, and which checkpoint each rank loaded. Rank 0 writes --out.
 
-    torchrun ... tests/checkpoint_worker.py save-two --run-dir RUN --out saved.pt
+    torchrun ... tests/harness/workers/checkpoint_worker.py save-two --run-dir RUN --out saved.pt
 saves step_1 and step_2, one training step apart, and records the parameters of each.
 
-    torchrun ... tests/checkpoint_worker.py save-then-hang --async-save --run-dir RUN --out X
+    torchrun ... tests/harness/workers/checkpoint_worker.py save-then-hang --async-save \
+        --run-dir RUN --out X
 saves step_1, then starts an asynchronous save of step_2 whose writer hangs once its files are
 written (each rank then touches RUN/rank<r>.written) while training goes on, polling: a test
 kills it there, in the middle of an asynchronous save.
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from tests.synthetic import full_params, synthetic_batch
+from tests.harness.synthetic import full_params, synthetic_batch
 from train.checkpoint import CheckpointManager
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline

@@ -1,8 +1,8 @@
 """Runs the trainer's own training steps on real corpus batches and counts the tensor values
 read back to the host while they run.
 
-    torchrun --standalone --nproc-per-node=2 tests/host_sync_worker.py --corpus DIR \
-        --preset tiny_moe --ep 2 --out result.json
+    torchrun --standalone --nproc-per-node=2 tests/harness/workers/host_sync_worker.py \
+        --corpus DIR --preset tiny_moe --ep 2 --out result.json
 
 After one warm-up step, ``--steps`` calls of ``Trainer.train_step`` (forward, backward, gradient
 clipping, the optimizer; no sync step) run under a dispatch mode that records every op that

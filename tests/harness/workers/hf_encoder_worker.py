@@ -1,8 +1,9 @@
 """Loads pretrained speech encoders into the tiny SALM under parallel layouts and trains one step,
 for tests/test_hf_encoder.py.
 
-    torchrun --standalone --nproc-per-node=2 tests/hf_encoder_worker.py --out out.pt DIR...
-    python tests/hf_encoder_worker.py --out out.pt DIR...               (one plain process)
+    torchrun --standalone --nproc-per-node=2 tests/harness/workers/hf_encoder_worker.py \
+        --out out.pt DIR...
+    python tests/harness/workers/hf_encoder_worker.py --out out.pt DIR...  (one plain process)
 
 For each encoder directory and layout (one process; under torchrun FSDP2 over both ranks, and
 two pipeline stages, the second without the encoder): build on the meta device, parallelize,
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.synthetic import built, full_params, save_and_end
+from tests.harness.synthetic import built, full_params, save_and_end
 from train.config import ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.mesh import build_meshes

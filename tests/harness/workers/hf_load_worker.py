@@ -1,8 +1,9 @@
 """Loads pretrained Hugging Face decoders into the tiny SALM under one parallel layout, for
 tests/test_hf_llm.py.
 
-    torchrun --standalone --nproc-per-node=2 tests/hf_load_worker.py --tp 2 --out out.pt DIR...
-    python tests/hf_load_worker.py --out out.pt DIR...                  (one plain process)
+    torchrun --standalone --nproc-per-node=2 tests/harness/workers/hf_load_worker.py --tp 2 \
+        --out out.pt DIR...
+    python tests/harness/workers/hf_load_worker.py --out out.pt DIR...     (one plain process)
 
 For each model directory: build on the meta device, parallelize, materialize, load the weights
 with DCP from the safetensors (each rank reading its shards), then record the full parameters,
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.synthetic import built, full_params, save_and_end, synthetic_batch
+from tests.harness.synthetic import built, full_params, save_and_end, synthetic_batch
 from train.config import LoraConfig, ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.mesh import build_meshes

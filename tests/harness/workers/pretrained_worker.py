@@ -1,7 +1,8 @@
 """The real pretrained parts (Whisper tiny.en's encoder, SmolLM2-135M) in the project's model
 under one parallel layout, for tests/test_pretrained_salm.py.
 
-    torchrun --standalone --nproc-per-node=3 -m tests.pretrained_worker --inputs IN --out OUT
+    torchrun --standalone --nproc-per-node=3 -m tests.harness.workers.pretrained_worker \
+        --inputs IN --out OUT
 
 For each layout of ``LAYOUTS`` over the ranks (TP over all of them, then FSDP2 over all of
 them), builds the SALM as the trainer does (meta device, parallelized, materialized, each rank
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from recipes.pretrained import SMOLLM2, WHISPER
-from tests.helpers import pretrained_model
-from tests.synthetic import built, save_and_end
+from tests.harness.models import pretrained_model
+from tests.harness.synthetic import built, save_and_end
 from train.config import ModelConfig
 from train.decode import gathered_root, initialize_sharding
 from train.layout import model_of

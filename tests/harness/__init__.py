@@ -1,0 +1,21 @@
+"""The test harness: everything the test modules share, and nothing else.
+
+Test modules and ``tests/conftest.py`` (which holds fixtures and hooks only) import shared code
+only from here, never from each other or from the conftest, so that a test module can change
+without breaking another; the harness imports no test module (tests/test_contract.py checks
+both). Its modules, none importing a later one of this list:
+
+- ``process``: the repository, its tools and modules run as a user runs them; a missing capability
+- ``cluster``: the loopback SLURM cluster's handle, command line and queue
+- ``chains``: chains launched as a user launches them, and the waits for their jobs
+- ``recorded_jobs``: recipes whose jobs record what they saw, and the checks of the records
+- ``disk``: small real file systems to fill up
+- ``training``: the trainer run on the test corpus, and its metrics rows and weights
+- ``models``: converted real models, and a trained run as a model, exported and evaluated
+- ``results``: results in the documented formats, in registered chains; status read back
+- ``wandb_runs``: W&B offline runs read back by wandb's own reader
+- ``corpora``: the sizes of the corpora the session's fixtures make
+- ``hf_tiny``, ``synthetic``, ``planner_cases``: tiny Hugging Face models, a synthetic batch,
+  the planner's measured layouts
+- ``workers/``: the scripts tests start as processes (plain, or ranks under torchrun)
+"""

@@ -1,0 +1,67 @@
+"""The session's loopback SLURM cluster: its handle, its command line, and its queue."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator import cluster, processes
+from tests.harness.process import REPO
+
+# Inherited by the daemons of the session's clusters: names the pytest process that owns them.
+SESSION_ENV = "ORCH_TEST_SESSION_PID"
+
+
+@dataclass(frozen=True)
+class LoopbackCluster:
+    directory: Path
+    conf: Path
+    env: dict[str, str]  # os.environ plus SLURM_CONF, for subprocesses
+
+    def queue_job_ids(self) -> list[str]:
+        return cluster.queue_job_ids(self.conf)
+
+
+def cluster_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``orchestrator cluster ARGS`` run as a user would, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "cluster", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def down_clusters_of_dead_sessions() -> None:
+    """A session killed before its teardown leaves its cluster running: stop those, and only
+    those (other sessions on the machine may be running their own)."""
+    for directory, environ in cluster.running_clusters().items():
+        owner = environ.get(SESSION_ENV, "")
+        if owner.isdigit() and not processes.alive(int(owner)):
+            cluster.down(directory)
+
+
+def queue_ids() -> list[str]:
+    completed = subprocess.run(
+        ["squeue", "--noheader", "--format=%i"], capture_output=True, text=True, timeout=30
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed.stdout.split()
+
+
+def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
+    """Wait until none of ``job_ids`` is still in the queue (cancelled jobs linger briefly)."""
+    deadline = time.monotonic() + timeout
+    while set(queue_ids()) & set(job_ids):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"jobs still queued after {timeout} s: {set(queue_ids()) & set(job_ids)}"
+            )
+        time.sleep(0.5)

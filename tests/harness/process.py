@@ -1,0 +1,69 @@
+"""The repository, its command-line tools and Python modules run as a user runs them, and what
+a test does on a machine that lacks something it needs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+
+
+def missing_capability(reason: str) -> NoReturn:
+    """End a test that this machine cannot run (no mount rights, a daemon or a binary missing).
+
+    Locally it is skipped, the reason in pytest's summary. Under CI (``CI=true``, set by
+    .ci/run) it fails: a skip there would pass without checking anything, and the Makefile's
+    setup targets are meant to provide everything the suite needs.
+    """
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (under CI=true a missing capability fails the test)", pytrace=False)
+    pytest.skip(reason)
+
+
+def run_tool(
+    tool: str, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / tool), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})},
+        timeout=timeout,
+    )
+
+
+def run_script(
+    script: Path, *args: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` from the repository root, as a user runs the repo's scripts."""
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=REPO,
+        timeout=timeout,
+    )
+
+
+def run_module(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` from the repository root, under torchrun with ``nproc`` > 1."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run(
+        [*launcher, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
