@@ -26,10 +26,12 @@ from tests.harness.cluster import (
 )
 from tests.harness.corpora import LIBRISPEECH_UTTERANCES, TINY_CORPUS
 from tests.harness.disk import tmpfs
-from tests.harness.process import REPO
+from tests.harness.process import REPO, checkout_paths
 
 # Two shared cores: every torch process the tests start stays on one thread.
 os.environ["OMP_NUM_THREADS"] = "1"
+# The checkout's paths as the session starts (the controller's, under pytest-xdist).
+CHECKOUT_BEFORE = pytest.StashKey[set[str]]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -37,6 +39,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     together instead of one running a long module alone at the end."""
     seconds = ledger.recorded()
     items.sort(key=lambda item: ledger.module_order(item.path.stem, seconds))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller, or a run without workers
+        session.config.stash[CHECKOUT_BEFORE] = checkout_paths()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Tests write only into their temporary folders: anything new in the checkout after the
+    session fails it, named (a fresh clone's run once left data/mix/features behind)."""
+    before = session.config.stash.get(CHECKOUT_BEFORE, None)
+    if before is None:
+        return
+    written = sorted(checkout_paths() - before)
+    if written:
+        shown = "\n  ".join(written[:20])
+        print(
+            f"\nerror: the tests wrote {len(written)} path(s) into the checkout instead of "
+            f"their temporary folders:\n  {shown}",
+            file=sys.stderr,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Every run ends with each module's seconds (setup, call and teardown, summed over the
+    workers), longest first and against the ledger: a CI log says where the minutes went."""
+    reports = [
+        report
+        for category in terminalreporter.stats.values()
+        for report in category
+        if isinstance(report, pytest.TestReport)
+    ]
+    if reports:
+        terminalreporter.write_sep("-", "seconds per test module (summed over workers)")
+        terminalreporter.write_line(ledger.module_table(ledger.report_seconds(reports)))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,7 +17,12 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _pytest.reports import TestReport
 
 LEDGER = Path(__file__).with_name("ledger.json")
 
@@ -29,6 +34,26 @@ def module_seconds(junit_xml: Path) -> dict[str, float]:
         module = case.get("classname", "").split(".")[-1]
         seconds[module] += float(case.get("time", 0))
     return {module: round(value, 1) for module, value in seconds.most_common()}
+
+
+def report_seconds(reports: Iterable[TestReport]) -> dict[str, float]:
+    """Seconds per test module in a run's reports (setup, call and teardown of each test)."""
+    seconds: Counter[str] = Counter()
+    for report in reports:
+        seconds[Path(report.nodeid.split("::")[0]).stem] += report.duration
+    return {module: round(value, 1) for module, value in seconds.most_common()}
+
+
+def module_table(seconds: dict[str, float]) -> str:
+    """The modules of a run with their seconds and the change against the ledger, as text."""
+    before = recorded()
+    lines = [f"{'module':32s} {'seconds':>8s} {'ledger':>8s}"]
+    for module, now in sorted(seconds.items(), key=lambda item: -item[1]):
+        then = before.get(module)
+        lines.append(f"{module:32s} {now:8.0f} {'new' if then is None else f'{then:.0f}':>8s}")
+    then = sum(before.get(module, 0.0) for module in seconds)
+    lines.append(f"{'total':32s} {sum(seconds.values()):8.0f} {then:8.0f}")
+    return "\n".join(lines)
 
 
 def recorded() -> dict[str, float]:

@@ -55,6 +55,9 @@ from train.checkpoint import (
 )
 
 WORKER = REPO / "tests" / "harness" / "workers" / "checkpoint_worker.py"
+# Seconds an async save's write is held while training goes on: steps 3 and 4 of the tiny model
+# took up to 4 s each on a 2-core machine loaded by other runs.
+WRITE_HOLD_S = 12
 RTOL, ATOL = 1e-5, 1e-6
 NOT_RESTORED = "RNG states not restored"
 TRAINER_STATE = {
@@ -857,8 +860,9 @@ def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpu
     """Two FSDP ranks: with checkpoint.async_save the losses, every checkpoint and the final
     weights are bitwise those of synchronous saves; a job resumed from a checkpoint written in
     the background while training went on (step_4) continues exactly to step 6. Step 2's write
-    is held for a few seconds (the test hook PAUSE_ENV) while steps 3 and 4 change every weight
-    in place: it must write the staged copy of step 2, not the live tensors.
+    is held (the test hook PAUSE_ENV) while steps 3 and 4 change every weight in place: it must
+    write the staged copy of step 2, not the live tensors. Its files must be younger than step
+    4's metrics row, or the hold did not cover those steps and tested nothing: the test says so.
 
     The synchronous run and the first async job (stopped after step 5) train one after the
     other in one process group (tests/harness/workers/trainer_runs_worker.py), which starts torch
@@ -869,7 +873,7 @@ def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpu
     pauses = tmp_path / "pauses"
     pauses.mkdir()
     held = pauses / f"{WRITE_PAUSE_PREFIX}step_2"
-    held.write_text("4\n")
+    held.write_text(f"{WRITE_HOLD_S}\n")
     # Only an async save's background write looks for this hook: the sync run passes it by.
     with monkeypatch.context() as patch:
         patch.setenv(PAUSE_ENV, str(pauses))
@@ -884,6 +888,12 @@ def test_async_checkpoints_train_and_resume_exactly_as_sync_ones(tmp_path, corpu
     assert "step_2: being written in the background" in first.stderr
     assert (
         "its staged copy not yet written" in held.with_name(held.name + PAUSED_SUFFIX).read_text()
+    )
+    step_4_done = next(row["time"] for row in metrics(async_) if row.get("step") == 4)
+    written = min(path.stat().st_mtime for path in (async_ / "checkpoints/step_2").glob("*.distcp"))
+    assert written > step_4_done, (
+        f"step_2's files were written {step_4_done - written:.1f} s before step 4 ended: the "
+        f"{WRITE_HOLD_S}-s hold did not cover steps 3 and 4 on this machine; raise WRITE_HOLD_S"
     )
     for step in (2, 4, 5):
         assert (async_ / "checkpoints" / f"step_{step}" / MARKER).is_file(), step

@@ -45,7 +45,10 @@ TORN_STEP, MAX_STEPS = 4, 6  # the tear test: the save torn, and where its chain
 # An armed pause: far past the loopback cluster's KillWait (2 s, orchestrator/cluster.py), so
 # after scancel's SIGTERM SLURM's SIGKILL comes first and the save cannot be finished.
 PAUSE_S = 60
-KILLED_RANK_ENDS_JOB_S = 10  # docs/faults.md: the job of a SIGKILLed rank ends within this
+# The job of a SIGKILLed rank ends within this (docs/faults.md): 3-7 s measured on a busy 2-core
+# machine, held here under torchrun's 30-s SIGKILL of a rank that ignores its SIGTERM (a rank
+# stuck in a collective would take that long), with room for a machine loaded by other runs.
+KILLED_RANK_ENDS_JOB_S = 20
 
 
 def launch(
@@ -75,7 +78,7 @@ def launch(
 
 def wait_until(condition, timeout: float, what: str):
     """Poll ``condition`` every 0.1 s until it holds: well under a training step and under the
-    10 s a killed rank's job has to end, without a busier loop's squeue calls and process scans
+    seconds a killed rank's job has to end, without a busier loop's squeue calls and process scans
     taking the cores from the training it waits for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from _pytest.reports import TestReport
+
 from tests import ledger
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" time="30.5">
@@ -18,6 +20,26 @@ def test_a_report_sums_each_module_and_gives_the_wall_time(tmp_path: Path) -> No
     report.write_text(REPORT)
     assert ledger.module_seconds(report) == {"test_b": 20.0, "test_a": 3.2}
     assert ledger.suite_wall_seconds(report) == 30.5
+
+
+def test_a_runs_reports_give_each_modules_seconds_beside_the_ledger() -> None:
+    """What the end of every run prints: setup, call and teardown summed per module."""
+
+    def report(nodeid: str, when: str, duration: float) -> TestReport:
+        return TestReport(nodeid, ("", 0, ""), {}, "passed", None, when, [], duration)
+
+    reports = [
+        report("tests/test_a.py::one", "setup", 0.5),
+        report("tests/test_a.py::one", "call", 2.0),
+        report("tests/test_b.py::two[x]", "call", 7.25),
+        report("tests/test_a.py::three", "teardown", 1.0),
+    ]
+    seconds = ledger.report_seconds(reports)
+    assert seconds == {"test_b": 7.2, "test_a": 3.5}
+    table = ledger.module_table({**seconds, "test_unrecorded_module": 1.0}).splitlines()
+    assert table[1].split()[:2] == ["test_b", "7"] and table[2].split()[:2] == ["test_a", "4"]
+    assert table[3].split() == ["test_unrecorded_module", "1", "new"]
+    assert table[-1].startswith("total")
 
 
 def test_modules_go_longest_first_and_unrecorded_ones_before_them() -> None:

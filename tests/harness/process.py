@@ -67,3 +67,23 @@ def run_module(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedP
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         timeout=300,
     )
+
+
+# What the checkout holds that is not a test's business: git's, the environment's, the caches.
+NOT_WRITTEN_BY_TESTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+
+def checkout_paths() -> set[str]:
+    """Every file and folder in the checkout (relative), less ``NOT_WRITTEN_BY_TESTS``: taken
+    before and after a session, the difference is what tests wrote outside their temporary
+    folders (``data/`` and ``runs/`` are ignored by git, so git cannot tell)."""
+    found = set()
+    for folder, folders, files in os.walk(REPO):
+        folders[:] = [
+            name
+            for name in folders
+            if name not in NOT_WRITTEN_BY_TESTS and not name.endswith(".egg-info")
+        ]
+        here = Path(folder).relative_to(REPO)
+        found.update(str(here / name) for name in (*folders, *files))
+    return found
