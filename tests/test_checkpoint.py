@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import random
 import re
@@ -694,8 +695,8 @@ def test_all_ranks_skip_checkpoints_that_fail_on_one(tmp_path, saved_twice):
 @pytest.mark.slow
 def test_a_kill_during_an_async_save_leaves_no_complete_checkpoint(tmp_path):
     """SIGKILL (both ranks and their launcher) while step_2 is being written in the
-    background, its files already there: no step_2, and the next start (one plain process,
-    run here) removes the torn save and loads step_1."""
+    background, its files already there: no step_2, and the next start (2 ranks, as the job
+    saved it) removes the torn save and loads step_1 on both ranks."""
     run_dir = tmp_path / "run"
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     command = [sys.executable, *launcher, str(WORKER), "save-then-hang", "--async-save",
@@ -723,7 +724,7 @@ def test_a_kill_during_an_async_save_leaves_no_complete_checkpoint(tmp_path):
     assert len(torn) == 1 and len(list(torn[0].glob("*.distcp"))) == 2, list(checkpoints.iterdir())
     assert not (torn[0] / MARKER).exists() and not (checkpoints / "step_2").exists()
 
-    assert _load_here(run_dir)["paths"] == [str(checkpoints / "step_1")]
+    assert _load(run_dir, [], 2, tmp_path)["paths"] == [str(checkpoints / "step_1")] * 2
     assert [p.name for p in checkpoints.iterdir()] == ["step_1"], "the torn save is removed"
 
 
@@ -928,14 +929,11 @@ def _errors(completed: subprocess.CompletedProcess[str]) -> list[str]:
 def test_a_disk_that_fills_up_ends_the_job_in_one_line(
     corpus, disk_for_one_checkpoint, async_save, tmp_path
 ):
-    """step_2 fits, step_4 does not: the job exits 4 with one line naming the disk, step_2
-    stays and loads; the next job on the still-full disk fails at once with such a line.
-
-    The next job runs after the sync case only: restoring and the room check at its start do
-    not depend on checkpoint.async_save; after the async case step_2 is read here instead. That
-    a job goes on once the disk has room again is
-    test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous (the room check passes,
-    a save lands)."""
+    """step_2 fits, step_4 does not: the job exits 4 with one line naming the disk and step_2
+    stays whole; once the disk has room again, the next job resumes from step_2 and trains to
+    its end, saving as it goes. After the sync case a job on the still-full disk comes first
+    and fails at once with such a line (the room check at a job's start is the same for
+    checkpoint.async_save)."""
     disk, run_dir = disk_for_one_checkpoint, disk_for_one_checkpoint / "run"
     common = ("train.max_steps=8", "checkpoint.interval=2", "wandb.enabled=false",
               f"checkpoint.async_save={async_save}")  # fmt: skip
@@ -950,10 +948,21 @@ def test_a_disk_that_fills_up_ends_the_job_in_one_line(
         errors[0],
     ), errors[0]
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_2"]
-    if async_save == "true":
-        _assert_kept_whole(run_dir, 2, tmp_path)
-        return
+    _assert_kept_whole(run_dir, 2, tmp_path)
+    if async_save == "false":
+        _a_job_on_the_full_disk_fails_at_once(run_dir, corpus, common, disk)
 
+    subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+    resumed = train(run_dir, corpus, *common, "checkpoint.keep=1")
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in resumed.stderr
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_8"]
+    assert (run_dir / "checkpoints" / "step_8" / MARKER).is_file()
+    assert [row["step"] for row in metrics(run_dir) if "loss" in row][-6:] == list(range(3, 9))
+
+
+def _a_job_on_the_full_disk_fails_at_once(
+    run_dir: Path, corpus: Path, common: tuple[str, ...], disk: Path
+) -> None:
     second = train(run_dir, corpus, *common, check=False)
     assert second.returncode == 4, second.stderr[-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in second.stderr
@@ -970,9 +979,9 @@ def test_non_finite_weights_are_never_saved(tmp_path, corpus, async_save):
     """A parameter made infinite on rank 0 after step 3 (as an overflowing update would):
     step_4 is not saved on any rank, the job ends as diverged (exit 3) in one line, and step_2
     is kept, complete, and reads back finite. An async save learns it from its background check
-    as the save is finalized (the next step) and ends the same way. (A job after a diverged one
-    resumes from its last checkpoint: tests/test_trainer.py's
-    test_nonfinite_steps_are_skipped_then_end_the_job.)"""
+    as the save is finalized (the next step) and ends the same way. After the sync case the
+    next job resumes from step_2, trains step 3 again to the same loss and goes on to step 6
+    (what follows the divergence does not depend on checkpoint.async_save)."""
     run_dir = tmp_path / "run"
     common = ("train.max_steps=6", "checkpoint.interval=2", "checkpoint.keep=1",
               "wandb.enabled=false", f"checkpoint.async_save={async_save}")  # fmt: skip
@@ -986,6 +995,17 @@ def test_non_finite_weights_are_never_saved(tmp_path, corpus, async_save):
     assert "non-finite values" in errors[0] and "step_2 is kept" in errors[0], errors
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_2"]
     _assert_kept_whole(run_dir, 2, tmp_path)
+    if async_save:
+        return
+    before = {row["step"]: row["loss"] for row in metrics(run_dir) if "loss" in row}
+
+    second = train(run_dir, corpus, *common, nproc=2)
+    assert f"resumed from {run_dir}/checkpoints/step_2 at step 2" in second.stderr
+    after = [(row["step"], row["loss"]) for row in metrics(run_dir) if "loss" in row][-4:]
+    assert [step for step, _ in after] == [3, 4, 5, 6]
+    assert after[0][1] == before[3], "step 3 again from step_2 gives its first loss"
+    assert all(math.isfinite(loss) for _, loss in after), after
+    _assert_kept_whole(run_dir, 6, tmp_path)
 
 
 def test_a_learning_rate_that_overflows_saves_nothing(tmp_path, corpus):

@@ -3,10 +3,11 @@ lhotse's own recipe, mixed 0.7/0.3 with the project's corpus through the shipped
 (recipes/mix/), trained on 2 ranks with features computed from audio, validated per set, and
 both test sets scored in one evaluation; and a bad source file refused before training.
 
-The 2-rank trainings of the mixture (the walk-through's three runs and the pretrained Whisper
-encoder's) are one process group's runs, one after another
+The 2-rank trainings of the mixture (the walk-through's first 3-step job and its 6-step job, and
+the pretrained Whisper encoder's run) are one process group's runs, one after another
 (tests/harness/workers/trainer_runs_worker.py): the ranks' start-up is paid once for the module,
-and each test reads its own run dirs."""
+and each test reads its own run dirs. The walk-through's second 3-step job is a ``python -m
+train`` of its own, as a chain's next job is: it resumes from the checkpoint alone."""
 
 from __future__ import annotations
 
@@ -59,17 +60,20 @@ class MixRuns:
 
     data: Path
     whole: Path  # the walk-through in one job of 6 steps
-    run: Path  # the same in two jobs of 3, validated
+    run: Path  # the same in two jobs of 3 (two processes), validated
     features: Path  # the walk-through's feature cache
     whisper: Path  # the pretrained Whisper encoder's run
     encoder: Path
-    stderr: str
+    stderr: str  # the process group's
+    resumed: str  # the second 3-step job's
 
 
 @pytest.fixture(scope="module")
 def mix_runs(tmp_path_factory, corpus, librispeech) -> MixRuns:
-    """The walk-through's three runs (one job of 6 steps; two of 3 from the same seed) and the
-    pretrained Whisper encoder's run, trained one after another by one group of 2 ranks."""
+    """The walk-through's runs (one job of 6 steps; two of 3 from the same seed) and the
+    pretrained Whisper encoder's run: the first job of 3 (first, as a chain's first job starts
+    in a fresh process), the job of 6 and Whisper's run one after another by one group of 2
+    ranks, then the second job of 3 by 2 ranks of its own."""
     root = tmp_path_factory.mktemp("mix_runs")
     data = make_data(root, corpus, librispeech)
     whole, run_dir, cache = root / "whole", root / "run", root / "features"
@@ -87,15 +91,15 @@ def mix_runs(tmp_path_factory, corpus, librispeech) -> MixRuns:
     encoder = save_tiny_encoder("whisper", root / "whisper_encoder")
     whisper = root / "whisper"
     runs = [
-        train_overrides(whole, corpus, *common, "eval.interval=0"),
         train_overrides(run_dir, corpus, *common, "eval.interval=3", "train.max_steps_per_run=3"),
-        train_overrides(run_dir, corpus, *common, "eval.interval=3"),
+        train_overrides(whole, corpus, *common, "eval.interval=0"),
         train_overrides(whisper, corpus, *pretrained_overrides(encoder, data)),
     ]
     spec = root / "runs.json"
     spec.write_text(json.dumps({"config": "asr_mix", "runs": runs}))
     done = run_ranks(["-m", "tests.harness.workers.trainer_runs_worker", str(spec)], 2)
-    return MixRuns(data, whole, run_dir, cache, whisper, encoder, done.stderr)
+    second = train(run_dir, corpus, *common, "eval.interval=3", nproc=2, config="asr_mix")
+    return MixRuns(data, whole, run_dir, cache, whisper, encoder, done.stderr, second.stderr)
 
 
 def pretrained_overrides(encoder: Path, data: Path) -> tuple[str, ...]:
@@ -104,6 +108,7 @@ def pretrained_overrides(encoder: Path, data: Path) -> tuple[str, ...]:
         f"model.pretrained_encoder={encoder}",
         "model.projector_stride=2",
         f"data.input_cfg={data / 'mix' / 'input_cfg.yaml'}",
+        f"data.feature_cache={data / 'features'}",  # not the recipe's, under the checkout
         f"eval.sets={data / 'mix' / 'eval_sets.yaml'}",
         "data.max_duration=6",
         "train.max_steps=4",
@@ -118,11 +123,12 @@ def pretrained_overrides(encoder: Path, data: Path) -> tuple[str, ...]:
 def test_a_librispeech_layout_mixed_with_the_corpus_trains_resumes_validates_and_evaluates(
     mix_runs,
 ):
-    """The walk-through on 2 ranks: one job of 6 steps equals two jobs of 3 (same seed) in
-    every loss, although LibriSpeech's features are computed from its audio in the workers (and
-    cached); each row counts the cuts per source, validation is logged per set, and one
-    evaluation scores both test sets."""
+    """The walk-through on 2 ranks: one job of 6 steps equals two jobs of 3 in two processes
+    (same seed) in every loss, although LibriSpeech's features are computed from its audio in
+    the workers (and cached); each row counts the cuts per source, validation is logged per
+    set, and one evaluation scores both test sets."""
     data, whole, run_dir, cache = mix_runs.data, mix_runs.whole, mix_runs.run, mix_runs.features
+    assert f"resumed from {run_dir}/checkpoints/step_3 at step 3" in mix_runs.resumed
     losses = [(row["step"], row["loss"]) for row in metrics(whole) if "loss" in row]
     rows = metrics(run_dir)
     trained = [row for row in rows if "loss" in row]

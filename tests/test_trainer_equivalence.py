@@ -3,16 +3,14 @@
 Each case is one ``Trainer`` run (torchrun, gloo, fp32) of a few steps on the session corpus;
 the cases of one world size run one after another in one process group
 (tests/harness/workers/trainer_runs_worker.py), which pays torch's start-up on every rank once,
-not per case; the compiled case is the last of its group, after eager runs that leave dynamo
-untouched. Each run
-goes through everything a user's job runs: the lhotse sampler with batches that change shape
-every step, ``global_counts``, the step runners, fused AdamW with its ``found_inf`` on DTensors,
-weight decay, ``clip_grad_norm`` grouping gradients by mesh and summing over pipeline stages, a
-clip small enough that every step is clipped, warm-up then cosine decay, ``read_back``'s
-reductions, and the final DCP checkpoint. Losses, gradient norms (before clipping) and tokens
-per step, the final weights and the validation loss of the dev split (each rank's share of its
-batches, reduced over data-parallel, context-parallel and pipeline ranks), must match a
-single-process run.
+not per case, and resets dynamo before each. Each run goes through everything a user's job
+runs: the lhotse sampler with batches that change shape every step, ``global_counts``, the step
+runners, fused AdamW with its ``found_inf`` on DTensors, weight decay, ``clip_grad_norm``
+grouping gradients by mesh and summing over pipeline stages, a clip small enough that every step
+is clipped, warm-up then cosine decay, ``read_back``'s reductions, and the final DCP
+checkpoint. Losses, gradient norms (before clipping) and tokens per step, the final weights and
+the validation loss of the dev split (each rank's share of its batches, reduced over
+data-parallel, context-parallel and pipeline ranks), must match a single-process run.
 
 Which single process: data-parallel ranks read every ``dp``-th batch of one shuffled order
 (lhotse's ``rank``/``world_size``), so a step of ``dp`` ranks with ``grad_accum`` batches each
@@ -30,8 +28,9 @@ weight (pp3 interleaved: a projector element whose gradient is near zero, where 
 by the gradient's RMS magnifies summation noise), 7-8x inside the bounds. A gradient left
 partial or a norm not summed over the pipeline moves the norm by far more than 1e-5 (the pipeline
 sum skipped: 1.6e-3 on the loss at step 4) and weights by up to ~lr; a wrong loss scale, which
-AdamW's update would hide, shows in the norm. The compiled case (dynamo and AOT autograd, full
-activation checkpointing) holds to the same bounds.
+AdamW's update would hide, shows in the norm. The compiled cases (dynamo and AOT autograd with
+full activation checkpointing under TP; inductor's code with selective checkpointing at FSDP2
+and at two pipeline stages) hold to the same bounds.
 """
 
 from __future__ import annotations
@@ -122,8 +121,7 @@ CASES = {
     # autograd, on 2 ranks (FSDP's hooks run in eager around the compiled blocks: fsdp2_tp2
     # above). Dynamo's tracing and AOT autograd without inductor's code generation, which costs
     # two minutes on two cores (inductor's numbers on real batches: tests/test_gpu_check.py; MoE
-    # regions: tests/test_compiled_training.py). Last in CASES: its group trains it after every
-    # eager 2-rank case, so its graphs are the only ones dynamo holds in the process.
+    # regions: tests/test_compiled_training.py).
     "compiled_tp2_full_ac": Case(
         DENSE,
         2,
@@ -137,6 +135,33 @@ CASES = {
         ),
         shard_fraction=0.8,
     ),
+    # The GPU recipe's compiled blocks (selective AC) as inductor's generated code, at FSDP2
+    # (FSDP's hooks unshard the parameters around each compiled block and reduce-scatter its
+    # gradients) and at two pipeline stages (each stage's blocks run the schedule's
+    # microbatches forward and backward).
+    "compiled_fsdp2_selective_ac": Case(
+        DENSE,
+        2,
+        2,
+        (
+            "parallel.dp_shard=2",
+            "compile=true",
+            "compile_backend=inductor",
+            "activation_checkpointing=selective",
+        ),
+    ),
+    "compiled_pp2_selective_ac": Case(
+        DENSE,
+        2,
+        1,
+        (
+            "parallel.pp=2",
+            "compile=true",
+            "compile_backend=inductor",
+            "activation_checkpointing=selective",
+        ),
+        shard_fraction=0.7,
+    ),
 }
 
 
@@ -146,7 +171,7 @@ class Trained:
     weights: dict[str, torch.Tensor]
     validation: dict  # val_loss and val_tokens of the final weights over the dev split
     params_bytes: list[int]  # per rank
-    log: str  # rank 0's stderr
+    log: str  # what the run wrote to the process group's stderr
 
 
 def read_trained(run_dir: Path, log: str) -> Trained:
@@ -202,7 +227,15 @@ def train_cases(
         corpus,
         nproc,
     )
-    return {name: read_trained(dirs[name], done.stderr) for name in runs}
+    return {name: read_trained(dirs[name], run_log(done.stderr, dirs[name])) for name in runs}
+
+
+def run_log(log: str, run_dir: Path) -> str:
+    """The part of a process group's ``log`` from ``run_dir``'s start to the next run's."""
+    fresh = "[train] no checkpoint in "
+    start = log.index(f"{fresh}{run_dir / 'checkpoints'}: starting fresh")
+    end = log.find(fresh, start + len(fresh))
+    return log[start : end if end >= 0 else len(log)]
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +306,7 @@ def test_layout_trains_like_one_process(name, reference, layouts):
             atol=WEIGHT_ATOL,
             msg=lambda m, param=param: f"{param}: {m}",
         )
-    if "compile=true" in case.overrides:  # compiled, with no graph break (fullgraph)
-        assert "compiled graphs per region: decoder_block" in got.log, got.log[-2000:]
+    compiled = "compile=true" in case.overrides  # then with no graph break (fullgraph)
+    assert ("compiled graphs per region: decoder_block" in got.log) == compiled, got.log[-2000:]
     assert len(got.params_bytes) == case.nproc
     assert max(got.params_bytes) <= case.shard_fraction * want.params_bytes[0]

@@ -3,8 +3,10 @@ the packaged config and its overrides and run to its end, as ``python -m train``
 
 ``tests/test_trainer_equivalence.py`` trains ~20 layouts for a few steps each; started one
 process group per run, process start-up (torch's import on every rank) was most of each case's
-time. Here the ranks start once per world size. What the command adds around the trainer (the
-launch variables, the end-of-job record, exit codes) is tested by tests/test_trainer.py.
+time. Here the ranks start once per world size. Dynamo's caches are reset before each run, so
+a compiled run compiles as in a process of its own (and no run spends another's recompile
+budget). What the command adds around the trainer (the launch variables, the end-of-job record,
+exit codes) is tested by tests/test_trainer.py.
 
 Usage: ``[torchrun --nproc-per-node=N] python -m tests.harness.workers.trainer_runs_worker
 SPEC.json``, where SPEC holds ``{"config": NAME, "runs": [[override, ...], ...]}``.
@@ -16,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch._dynamo
 import torch.distributed as dist
 
 from orchestrator.planner.preflight import compose_training_config
@@ -27,6 +30,7 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     device = init_distributed()
     for overrides in spec["runs"]:
+        torch._dynamo.reset()
         cfg = compose_training_config(["--config-name", spec["config"], *overrides])
         prepared = preflight(cfg)
         stop = StopRequest(cfg.train.max_time_per_run)
