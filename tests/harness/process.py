@@ -74,9 +74,10 @@ NOT_WRITTEN_BY_TESTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_
 
 
 def checkout_paths() -> set[str]:
-    """Every file and folder in the checkout (relative), less ``NOT_WRITTEN_BY_TESTS``: taken
-    before and after a session, the difference is what tests wrote outside their temporary
-    folders (``data/`` and ``runs/`` are ignored by git, so git cannot tell)."""
+    """Every file in the checkout (relative), less ``NOT_WRITTEN_BY_TESTS``: taken before and
+    after a session, the difference is what tests wrote outside their temporary folders
+    (``data/`` and ``runs/`` are ignored by git, so git cannot tell). Files only: an empty
+    folder (a default ``runs/local`` made on the way) holds nothing a later run could read."""
     found = set()
     for folder, folders, files in os.walk(REPO):
         folders[:] = [
@@ -85,5 +86,5 @@ def checkout_paths() -> set[str]:
             if name not in NOT_WRITTEN_BY_TESTS and not name.endswith(".egg-info")
         ]
         here = Path(folder).relative_to(REPO)
-        found.update(str(here / name) for name in (*folders, *files))
+        found.update(str(here / name) for name in files)
     return found
