@@ -92,9 +92,10 @@ def frozen_of(cfg: TrainConfig) -> set[str]:
     return frozen | {tensor.name for tensor in tensors if not tensor.trainable}
 
 
-def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims) -> None:
+def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims, frozen: set[str]) -> None:
     """``train.encoder_cache_mb`` keeps outputs that must never change: every encoder tensor
-    frozen. And no pipeline: its schedule passes the first stage tensors only, no keys."""
+    frozen (``frozen``: ``frozen_of(cfg)``). And no pipeline: its schedule passes the first
+    stage tensors only, no keys."""
     if not cfg.train.encoder_cache_mb:
         return
     if dims.pp_enabled:
@@ -102,7 +103,6 @@ def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"train.encoder_cache_mb={cfg.train.encoder_cache_mb}: the encoder cache is for "
             "layouts without pipeline parallelism; set parallel.pp=1 or train.encoder_cache_mb=0"
         )
-    frozen = frozen_of(cfg)
     training = sorted(
         tensor.name
         for tensor in inventory(model_of(cfg.model))
@@ -151,7 +151,6 @@ def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, Pi
     except ValueError as error:
         raise ConfigError(str(error)) from error
     dims = parallel_dims(cfg, world_size)
-    frozen_of(cfg)
-    check_encoder_cache(cfg, dims)
+    check_encoder_cache(cfg, dims, frozen_of(cfg))
     check_adapters_kept(cfg)
     return dims, pipeline_for(cfg, dims)

@@ -642,10 +642,10 @@ class Trainer:
         cfg = self.cfg
         self.watchdog.beat(self.step, RESTORE)
         self.restore()
-        self.keep_encoder_outputs()
         if self.step >= cfg.train.max_steps:
             say(f"training already finished at step {self.step} (max_steps {cfg.train.max_steps})")
             return 0
+        self.keep_encoder_outputs()
         try:
             self.checkpoints.check_room()  # a full disk fails now, not at the first save
         except CheckpointSaveError as error:
