@@ -76,8 +76,10 @@ NOT_WRITTEN_BY_TESTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_
 def checkout_paths() -> set[str]:
     """Every file in the checkout (relative), less ``NOT_WRITTEN_BY_TESTS``: taken before and
     after a session, the difference is what tests wrote outside their temporary folders
-    (``data/`` and ``runs/`` are ignored by git, so git cannot tell). Files only: an empty
-    folder (a default ``runs/local`` made on the way) holds nothing a later run could read."""
+    (``data/`` and ``runs/`` are ignored by git, so git cannot tell). Files only: Hydra makes its
+    output folder (``hydra.run.dir``, ``runs/local``) for every ``python -m train`` started in
+    the checkout, even with ``run_dir=`` elsewhere, and that empty folder holds nothing a later
+    run could read."""
     found = set()
     for folder, folders, files in os.walk(REPO):
         folders[:] = [
