@@ -3,12 +3,21 @@ run that learns on CPU (recipes/train_asr_hf.yaml).
 
     python recipes/make_hf_llm.py --corpus data/corpus_asr --out data/hf/qwen2_asr
 
-The decoder is Qwen2-shaped (q/k/v biases, GQA, tied embeddings; ``--hidden``, ``--layers``,
-...), initialized by ``transformers`` and written with ``save_pretrained``: the same files a
-downloaded model has, so ``model.pretrained_llm`` takes it as it takes a real one. The tokenizer
-is a byte-level BPE trained offline with ``tokenizers`` on the corpus's training transcripts
-(every byte is a token, so any text encodes), with Qwen2's special tokens and ChatML chat
-template. Nothing is downloaded.
+The decoder is Qwen2-shaped by default (q/k/v biases, GQA, tied embeddings; ``--hidden``,
+``--layers``, ...) and written with ``save_pretrained``: the same files a downloaded model has,
+so ``model.pretrained_llm`` takes it as it takes a real one. The tokenizer is a byte-level BPE
+trained offline with ``tokenizers`` on the corpus's training transcripts (every byte is a token,
+so any text encodes), with Qwen2's special tokens and ChatML chat template. Nothing is
+downloaded.
+
+Every choice that sets it apart from the project's byte-level preset decoder is an option, so
+that each can be tried alone (docs/performance.md, issue 36): ``--family llama`` (no q/k/v
+biases), ``--untied`` (an output head of its own), ``--tokenizer bytes`` (UTF-8 bytes at ids
+0-255, as the preset's), ``--template none`` (the plain format of ``train.prompt``, with the
+preset's pad, bos and eos ids), ``--init preset`` (the project's own rules by parameter name,
+``train.models.init``, instead of transformers' normal(0, std)). With all five and the preset's
+shape (``--hidden 64 --ffn 128``) the directory is the preset's decoder, its initial weights
+included (the same ``--seed`` as ``model.init_seed``).
 
 The directory is written beside --out and renamed into place: it exists whole or not at all; an
 existing --out is left as it is.
@@ -37,7 +46,14 @@ CHATML_TEMPLATE = (
 )
 QWEN2_SPECIALS = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 QWEN2_EXTRA = ["<|im_start|>"]
-VOCAB_MULTIPLE = 64  # the embedding's rows, rounded up as real models round them
+# The plain format's specials, in the order that puts them at the preset's ids (ByteTokenizer:
+# pad 256, bos 257, eos 258) after the 256 bytes.
+PLAIN_SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+# The families written here -> whether their q/k/v projections carry biases.
+FAMILIES = {"qwen2": True, "llama": False}
+INITS = ("hf", "preset")  # transformers' normal(0, std), or train.models.init's rules by name
+TOKENIZERS = ("bpe", "bytes")
+TEMPLATES = ("chatml", "none")
 
 
 def byte_level_bpe(texts: Iterable[str], vocab_size: int):
@@ -57,16 +73,36 @@ def byte_level_bpe(texts: Iterable[str], vocab_size: int):
     return tokenizer
 
 
-def chatml_tokenizer(texts: Iterable[str], vocab_size: int):
-    """A Qwen2-style tokenizer (its specials and ChatML) over a BPE learnt from ``texts``."""
+def bytes_only():
+    """A byte-level tokenizer with no merges: byte b is token b, as in the preset's
+    ByteTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def make_tokenizer(texts: Iterable[str], kind: str, template: str, vocab_size: int):
+    """A tokenizer over a BPE learnt from ``texts`` (or bytes alone), with Qwen2's specials and
+    ChatML, or the plain format's specials and no chat template."""
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
+    model = byte_level_bpe(texts, vocab_size) if kind == "bpe" else bytes_only()
+    if template == "chatml":
+        specials, extra = QWEN2_SPECIALS, QWEN2_EXTRA
+    else:
+        specials, extra = PLAIN_SPECIALS, []
+    model.add_special_tokens([AddedToken(t, special=True) for t in [*specials.values(), *extra]])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_bpe(texts, vocab_size),
-        **QWEN2_SPECIALS,
-        extra_special_tokens=QWEN2_EXTRA,
+        tokenizer_object=model, **specials, extra_special_tokens=extra
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    if template == "chatml":
+        tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
 
@@ -78,15 +114,48 @@ def transcripts(corpus: Path) -> list[str]:
     return [s.text for cut in cuts for s in cut.supervisions if s.text]
 
 
+def preset_init(model, shape_fields: dict, seed: int) -> None:
+    """Overwrite ``model``'s weights with the project's own initial values for the same
+    decoder (train.models.init: embedding N(0, 1), projections uniform(+-1/sqrt(fan_in)),
+    norms one), drawn by parameter name from ``seed`` as ``model.init_seed`` draws them."""
+    import torch
+
+    from train.models.build import build_model
+    from train.models.hf_weights import llm_state
+    from train.models.shape import SALMConfig
+
+    ours = build_model(SALMConfig(**shape_fields), torch.device("cpu"), seed)
+    state = {name: tensor.detach() for name, tensor in llm_state(ours).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied_head = ["lm_head.weight"] if shape_fields["tie_embeddings"] else []
+    if sorted(missing) != tied_head or unexpected:
+        raise RuntimeError(f"preset init: missing {missing}, unexpected {unexpected}")
+
+
 def write(args: argparse.Namespace) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    tokenizer = chatml_tokenizer(transcripts(args.corpus), args.bpe_vocab)
+    tokenizer = make_tokenizer(
+        transcripts(args.corpus), args.tokenizer, args.template, args.bpe_vocab
+    )
     # <|audio|> needs no row of its own (audio frames take its place), so the tokenizer's size
     # rounded up is the vocabulary.
-    rows = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = Qwen2Config(
+    rows = -(-len(tokenizer) // args.vocab_multiple) * args.vocab_multiple
+    tied = not args.untied
+    shape = {
+        "d_model": args.hidden,
+        "ffn_hidden": args.ffn,
+        "n_layers": args.layers,
+        "n_heads": args.heads,
+        "n_kv_heads": args.kv_heads,
+        "vocab_size": rows,
+        "qkv_bias": FAMILIES[args.family],
+        "tie_embeddings": tied,
+        "norm_eps": args.norm_eps,
+    }
+    config_class = Qwen2Config if args.family == "qwen2" else LlamaConfig
+    config = config_class(
         vocab_size=rows,
         hidden_size=args.hidden,
         intermediate_size=args.ffn,
@@ -94,15 +163,17 @@ def write(args: argparse.Namespace) -> Path:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        rms_norm_eps=shape["norm_eps"],
+        tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
         initializer_range=args.init_std or args.hidden**-0.5,
     )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.init == "preset":
+        preset_init(model, shape, args.seed)
     staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.tmp-", dir=args.out.parent))
     try:
         model.save_pretrained(staging)
@@ -114,8 +185,10 @@ def write(args: argparse.Namespace) -> Path:
         raise
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"wrote {args.out}: Qwen2-shaped decoder, {params / 1e6:.2f}M parameters "
-        f"({args.layers} layers, hidden {args.hidden}), tokenizer of {len(tokenizer)} tokens",
+        f"wrote {args.out}: {args.family} decoder, {params / 1e6:.2f}M parameters "
+        f"({args.layers} layers, hidden {args.hidden}, {'tied' if tied else 'untied'} head, "
+        f"{args.init} init), {args.tokenizer} tokenizer of {len(tokenizer)} tokens, "
+        f"template {args.template}",
         file=sys.stderr,
     )
     return args.out
@@ -131,7 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--bpe-vocab", type=int, default=512, help="bytes plus merges")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="--init preset: model.init_seed")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2")
+    parser.add_argument("--untied", action="store_true", help="an output head of its own")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="bpe")
+    parser.add_argument("--template", choices=TEMPLATES, default="chatml")
+    parser.add_argument("--init", choices=INITS, default="hf")
+    parser.add_argument(
+        "--vocab-multiple",
+        type=int,
+        default=64,
+        help="the embedding's rows: the tokenizer's size rounded up to this, as real models do",
+    )
+    parser.add_argument("--norm-eps", type=float, default=1e-6, help="RMSNorm's epsilon")
     parser.add_argument(
         "--init-std",
         type=float,

@@ -256,3 +256,33 @@ def test_the_recipe_writes_a_decoder_the_trainer_takes(corpus, tmp_path) -> None
     stamp = (out / "config.json").stat().st_mtime_ns
     assert main(args) == 0 and (out / "config.json").stat().st_mtime_ns == stamp
     assert main(["--corpus", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_the_recipe_can_write_the_presets_own_decoder(corpus, tmp_path) -> None:
+    """make_hf_llm.py with every factor set to the preset's (Llama, untied, bytes, plain format,
+    preset init, shape, eps, no rounding) writes the preset's decoder: the trainer reads the
+    tiny preset's shape back, and its weights equal a preset model's at the same init seed, so
+    bench/bench_hf_factors.py's comparison starts from one model. Its tokenizer's ids are the
+    ByteTokenizer's, and the plain format puts a transcript after the audio as bytes and eos."""
+    from recipes.make_hf_llm import main
+    from train.models.build import build_model
+    from train.models.presets import get_preset, model_shape
+    from train.models.salm import ByteTokenizer
+    from train.prompt import ChatPrompt, load_tokenizer
+
+    out = tmp_path / "preset_as_hf"
+    args = ["--family=llama", "--untied", "--tokenizer=bytes", "--template=none", "--init=preset"]
+    exact = ["--hidden=64", "--ffn=128", "--vocab-multiple=1", "--norm-eps=1e-5", "--seed=7"]
+    assert main(["--corpus", str(corpus), "--out", str(out), *args, *exact]) == 0
+    shape = model_shape("tiny", str(out))
+    assert shape == get_preset("tiny")
+    preset = build_model(shape, torch.device("cpu"), init_seed=7)
+    loaded = build_model(shape, torch.device("cpu"), init_seed=8)
+    load_llm_weights(loaded, out)
+    mine, theirs = llm_state(preset), llm_state(loaded)
+    assert mine.keys() == theirs.keys() and "lm_head.weight" in mine
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), name
+    text = "dix-sept, héllo"
+    encoded = ChatPrompt(load_tokenizer(out), ".", None).example(text)
+    assert encoded.tokens[encoded.answer_start :] == ByteTokenizer().encode(text)[1:]
