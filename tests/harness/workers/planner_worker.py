@@ -7,11 +7,11 @@ tests/test_planner_activations.py: several layouts in one launch, each through t
     python tests/harness/workers/planner_worker.py OUT.json CASES.json  (one plain process)
 
 Per case (``tests.harness.planner_cases.Case``: the launch's layouts, in turn), each rank trains
-one step (three with ``activations``) on one synthetic batch and reports:
+one step (four with ``activations``) on one synthetic batch and reports:
 
 - its parameter, gradient and optimizer-state bytes as the trainer measures them at its first
   step (``Trainer.state_memory``, what the ``memory`` record of metrics.jsonl holds);
-- with ``activations``, the activation bytes of the second and third steps, the lesser: the most
+- with ``activations``, the activation bytes of the next three steps, the least: the most
   bytes held at once by the storages the step's forward and backward allocate, gradients
   excepted (``Allocations``).
 
@@ -163,10 +163,12 @@ def measure(name: str, case: Case, device: torch.device, run_dir: str) -> dict:
         trainer.train_step([batch])  # measures state_memory, as a job's first step does
         row = {"case": name, "rank": dist.get_rank(), **trainer.state_memory}
         if case.activations:
-            # The least of two steps: a storage that a late garbage collection or a slower
-            # peer's collective keeps a moment longer (seen once, on a loaded machine: +14% on
-            # one TP rank) is not what the step needs.
-            row["activation_bytes"] = min(activation_peak(trainer, batch) for _ in range(2))
+            # The least of three steps: gloo's worker thread drops its last reference to a
+            # collective's tensors only after the waiting thread has gone on, so on a loaded
+            # machine a storage can outlive its use by some allocations (+14% on one TP rank,
+            # seen twice in a full suite's run: 2 steps were not enough); that is not what the
+            # step needs.
+            row["activation_bytes"] = min(activation_peak(trainer, batch) for _ in range(3))
     del trainer
     gc.collect()
     return row
