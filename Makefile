@@ -89,8 +89,9 @@ librispeech: setup setup-system
 mix: corpus-asr librispeech
 	mkdir -p data/mix && cp recipes/mix/*.yaml data/mix/
 
-# A small random-init Hugging Face decoder (Qwen2-shaped) with a BPE tokenizer learnt from the
-# corpus-asr transcripts, for recipes/train_asr_hf.yaml (model.pretrained_llm=data/hf/qwen2_asr).
+# A small random-init Hugging Face decoder (Qwen2-shaped) with a byte-level tokenizer and ChatML,
+# for recipes/train_asr_hf.yaml (model.pretrained_llm=data/hf/qwen2_asr). One made by an older
+# maker or with other options is refused with the command that removes it.
 hf-llm: corpus-asr
 	$(PY) recipes/make_hf_llm.py --corpus $(CORPUS)_asr --out data/hf/qwen2_asr
 

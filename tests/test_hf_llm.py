@@ -235,27 +235,38 @@ def test_lora_trains_its_adapters_alone_and_alike_under_fsdp_and_tp(
 
 
 def test_the_recipe_writes_a_decoder_the_trainer_takes(corpus, tmp_path) -> None:
-    """recipes/make_hf_llm.py (make hf-llm): a Qwen2 directory with a BPE learnt from the
-    corpus's training transcripts and ChatML; the trainer's reader takes it, transformers loads
-    it, and a transcript tokenizes into fewer tokens than bytes. A rerun leaves it as it is."""
-    from recipes.make_hf_llm import main
+    """recipes/make_hf_llm.py (make hf-llm): a Qwen2 directory with tied embeddings, UTF-8
+    bytes for tokens and ChatML (the recipe's choices, docs/performance.md issue 36), or a BPE
+    learnt from the corpus's training transcripts; the trainer's reader takes both, transformers
+    loads them. A rerun with the same options leaves the directory as it is; with other options,
+    or over a directory an older maker wrote, it is refused (exit 2), not silently kept."""
+    from recipes.make_hf_llm import OPTIONS_FILE, main
     from train.prompt import ChatPrompt, load_tokenizer
 
     out = tmp_path / "hf" / "qwen2"
-    args = ["--corpus", str(corpus), "--out", str(out), "--hidden", "32", "--ffn", "64"]
+    args = ["--corpus", str(corpus), "--out", str(out)]
     assert main(args) == 0
     fields = decoder_fields(out)
-    assert fields["qkv_bias"] and fields["tie_embeddings"] and fields["d_model"] == 32
+    assert fields["qkv_bias"] and fields["tie_embeddings"] and fields["d_model"] == 64
     tokenizer = load_tokenizer(out)
     assert len(tokenizer) <= fields["vocab_size"] + 1  # <|audio|> needs no row
     text = "seven hundred and twelve"
-    assert len(tokenizer.encode(text, add_special_tokens=False)) < len(text) // 2
+    assert tokenizer.encode(text, add_special_tokens=False) == list(text.encode())
     prompt = ChatPrompt(tokenizer, "Transcribe the audio.", None).generation_prompt()
     assert tokenizer.decode(prompt.tokens).endswith("<|im_start|>assistant\n")
     assert AutoModelForCausalLM.from_pretrained(out, local_files_only=True).num_parameters() > 0
     stamp = (out / "config.json").stat().st_mtime_ns
     assert main(args) == 0 and (out / "config.json").stat().st_mtime_ns == stamp
+    assert main([*args, "--tokenizer=bpe"]) == 2
+    (out / OPTIONS_FILE).unlink()
+    assert main(args) == 2 and (out / "config.json").stat().st_mtime_ns == stamp
     assert main(["--corpus", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+
+    bpe = tmp_path / "hf" / "bpe"
+    assert main(["--corpus", str(corpus), "--out", str(bpe), "--tokenizer=bpe"]) == 0
+    tokenizer = load_tokenizer(bpe)
+    assert len(tokenizer.encode(text, add_special_tokens=False)) < len(text) // 2
+    assert len(tokenizer) <= decoder_fields(bpe)["vocab_size"] + 1
 
 
 def test_the_recipe_can_write_the_presets_own_decoder(corpus, tmp_path) -> None:
