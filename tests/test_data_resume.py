@@ -18,8 +18,8 @@ from train.data import (
     SpeechDataset,
     batches_from,
     build_dataloader,
-    num_streams,
 )
+from train.data_layout import num_streams
 from train.models.salm import ByteTokenizer
 
 Loader = Callable[[int, DataPosition | None], object]

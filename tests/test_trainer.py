@@ -214,11 +214,15 @@ def test_context_parallel_chain_resumes(chains):
 
 @pytest.mark.slow
 def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path, corpus):
-    """One process trains a plain module; two FSDP2 ranks continue from its checkpoint."""
+    """One process trains a plain module; two FSDP2 ranks continue from its checkpoint. The
+    data-parallel size changed under the same seed, so the data restarts at the next epoch, as
+    the job asks (a position of one rank means nothing to two)."""
     run_dir = tmp_path / "run"
     train(run_dir, corpus, "seed=3", "train.max_steps=2", "train.max_steps_per_run=1")
-    resumed = train(run_dir, corpus, "seed=3", "train.max_steps=2", nproc=2)
+    restart = "data.on_layout_change=restart_epoch"
+    resumed = train(run_dir, corpus, "seed=3", "train.max_steps=2", restart, nproc=2)
     assert f"resumed from {run_dir}/checkpoints/step_1 at step 1" in resumed.stderr
+    assert "(data-parallel size 1 -> 2): starting data epoch 1" in resumed.stderr
     assert [row["step"] for row in metrics(run_dir)] == [1, 2]
 
 

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 register()
 
+REFUSAL_GRACE_S = 30.0  # how long a refusing rank other than 0 leaves rank 0 to say why
+
 
 def record_job_end(
     cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int, replace: bool = True
@@ -88,6 +90,11 @@ def main(raw: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
             record_job_end(cfg, None, stop, EXIT_CONFIG)
+        else:
+            # Rank 0 says why. A peer that exited first would have the launcher stop rank 0
+            # before its line (seen at 4 ranks on 2 cores: rank 0 still importing); so wait for
+            # the launcher's signal, which rank 0's own exit brings.
+            stop.wait_for_signal(REFUSAL_GRACE_S)
         sys.exit(EXIT_CONFIG)
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer: Trainer | None = None

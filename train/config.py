@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from contract.job_env import SEED_LIMIT
+from train.data_layout import ON_LAYOUT_CHANGE, REFUSE
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from train.parallel_dims import STRATEGIES
 from train.watchdog import STOPPABLE
@@ -93,13 +94,18 @@ class DataConfig:
     max_duration: float = 20.0  # seconds of audio per batch per data-parallel rank
     buckets: int = 4
     num_workers: int = 1
-    # A YAML list of training sources (train/sources.py): lhotse cut manifests, Shar
-    # directories or recordings + supervisions pairs, with weights, names and tags, nested in
-    # groups. When set it replaces corpus/split/shar as the training data.
-    input_cfg: str | None = None
+    # Training sources (train/sources.py): a YAML file of them or an inline list; lhotse cut
+    # manifests, Shar directories or recordings + supervisions pairs, with weights, names and
+    # tags, nested in groups; or NeMo's input_cfg entries as they are (train/nemo_input_cfg.py).
+    # When set it replaces corpus/split/shar as the training data.
+    input_cfg: Any = None
     # A directory where features computed from audio are kept (train/features.py), so that
     # later epochs and jobs read them instead of computing them again; None: compute each time.
     feature_cache: str | None = None
+    # A job resumed with the same seed whose data layout (data-parallel size, sources, weights,
+    # max_duration, buckets, Shar workers) differs from its checkpoint's: refuse, restart_epoch
+    # or continue (train/data_layout.py).
+    on_layout_change: str = REFUSE
 
 
 @dataclass
@@ -255,6 +261,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("checkpoint.interval and checkpoint.keep must be at least 1")
     if cfg.data.max_duration <= 0:
         raise ValueError(f"data.max_duration={cfg.data.max_duration}: must be positive")
+    if cfg.data.on_layout_change not in ON_LAYOUT_CHANGE:
+        raise ValueError(
+            f"data.on_layout_change={cfg.data.on_layout_change}: choose one of "
+            f"{', '.join(ON_LAYOUT_CHANGE)}"
+        )
     if cfg.optim.lr <= 0:
         raise ValueError(f"optim.lr={cfg.optim.lr}: must be positive")
     if cfg.train.max_time_per_run < 0:

@@ -38,8 +38,9 @@ fixed cycle and torch's loader asks worker 0 first, so on resuming the workers b
 whose turn it was yield an empty placeholder first, which lines the turns up again.
 
 Limits: the position is exact for the same data layout (corpus, ``max_duration``, buckets,
-data-parallel size, and for Shar ``num_workers``); under another layout the counts are applied
-as they are, which continues some stream but not the one an uninterrupted run would have read.
+data-parallel size, and for Shar ``num_workers``); a job resumed under another layout is refused,
+or starts the next epoch, or applies the counts as they are, as ``data.on_layout_change`` says
+(``train.data_layout``).
 A checkpoint without per-stream counts (written before they existed) resumes a single stream by
 its batch count, and Shar with several workers by reading and dropping that many batches.
 """
@@ -119,11 +120,6 @@ class DataPosition:
             "streams": list(self.streams),
             "next_stream": self.next_stream,
         }
-
-
-def num_streams(shar: bool, num_workers: int) -> int:
-    """How many samplers feed one rank: one per worker for Shar, else one."""
-    return num_workers if shar and num_workers > 0 else 1
 
 
 class TextCodec(Protocol):

@@ -73,7 +73,7 @@ def validation_sets(
         source = Source(cfg.eval.split, "cuts", (validation_path(cfg),))
         return [ValidationCuts(cfg.eval.split, list(load_source_cuts(source)))]
     sets = cfg.eval.sets
-    sources = read_sources(sets if isinstance(sets, str) else list(sets), "eval.sets")
+    sources = read_sources(sets if isinstance(sets, str | dict) else list(sets), "eval.sets")
     check_prompt_tags(sources, cfg.model.pretrained_llm, "eval.sets")
     return [
         ValidationCuts(

@@ -21,6 +21,7 @@ from train.config import (
     model_from_record,
     validate,
 )
+from train.data_layout import DATA_LAYOUT, REFUSE, data_layout, layout_changes, refusal
 from train.models.freeze import frozen_names
 from train.models.inventory import inventory
 from train.models.lora import freeze_rules, with_lora
@@ -116,21 +117,28 @@ def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims, frozen: set[str]) 
         )
 
 
-def check_adapters_kept(cfg: TrainConfig) -> None:
+def newest_trainer_state(cfg: TrainConfig) -> tuple[Path, dict] | None:
+    """The run dir's newest complete checkpoint and its trainer state (None: none, or one the
+    loader will skip with its own warning)."""
+    complete = complete_checkpoints(Path(cfg.run_dir))
+    if not complete:
+        return None
+    newest = complete[max(complete)]
+    try:
+        state = json.loads((newest / STATE_FILE).read_text())["trainer_state"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (newest, state) if isinstance(state, dict) else None
+
+
+def check_adapters_kept(cfg: TrainConfig, newest: tuple[Path, dict] | None) -> None:
     """A chain keeps its LoRA adapters: a config whose adapters (rank, targets) differ from
     those of the run dir's newest checkpoint would not find its parameters there. One line
     naming both, and what to do, before anything starts."""
-    complete = complete_checkpoints(Path(cfg.run_dir))
-    if not complete:
+    if newest is None or newest[1].get("model") is None:
         return
-    newest = complete[max(complete)]
-    try:
-        model = json.loads((newest / STATE_FILE).read_text())["trainer_state"].get("model")
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # an unreadable checkpoint is the loader's to skip, with its own warning
-    if model is None:
-        return
-    saved = model_from_record(model).lora
+    checkpoint, state = newest
+    saved = model_from_record(state["model"]).lora
     now = cfg.model.lora
 
     def adapters(lora: LoraConfig) -> str:
@@ -138,10 +146,30 @@ def check_adapters_kept(cfg: TrainConfig) -> None:
 
     if adapters(saved) != adapters(now):
         raise ConfigError(
-            f"model.lora: {newest} trained with adapters {adapters(saved)}, this config asks "
+            f"model.lora: {checkpoint} trained with adapters {adapters(saved)}, this config asks "
             f"for {adapters(now)}; a chain keeps its adapters: resume with the same model.lora, "
             "or export the run (python -m train.export) and start a new run_dir from it"
         )
+
+
+def check_data_layout_kept(
+    cfg: TrainConfig, dims: ParallelDims, newest: tuple[Path, dict] | None
+) -> None:
+    """A job resumed with the same seed reads on from its checkpoint's data position, which
+    holds only under the data layout it was saved with (train/data_layout.py): another one is
+    refused in one line naming the changes, unless data.on_layout_change chooses otherwise."""
+    if newest is None or cfg.data.on_layout_change != REFUSE:
+        return
+    checkpoint, state = newest
+    saved = state.get(DATA_LAYOUT)
+    if saved is None or (state.get("data_position") or {}).get("data_seed") != cfg.seed:
+        return  # recorded before layouts were, or a new seed: a new order in any case
+    try:
+        changes = layout_changes(saved, data_layout(cfg, dims.dp))
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if changes:
+        raise ConfigError(refusal(str(checkpoint), changes))
 
 
 def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, PipelinePlan | None]:
@@ -152,5 +180,7 @@ def training_layout(cfg: TrainConfig, world_size: int) -> tuple[ParallelDims, Pi
         raise ConfigError(str(error)) from error
     dims = parallel_dims(cfg, world_size)
     check_encoder_cache(cfg, dims, frozen_of(cfg))
-    check_adapters_kept(cfg)
+    newest = newest_trainer_state(cfg)
+    check_adapters_kept(cfg, newest)
+    check_data_layout_kept(cfg, dims, newest)
     return dims, pipeline_for(cfg, dims)

@@ -32,15 +32,18 @@ from lhotse.lazy import LazyIteratorMultiplexer
 from lhotse.utils import streaming_shuffle
 
 from train.features import AudioLimits
+from train.nemo_input_cfg import NEMO_KIND, NEMO_TARRED_KIND
+from train.nemo_manifest import NemoManifestCuts, NemoTarredCuts
 from train.sources import Source, SourceError
 
 SHUFFLE_BUFFER = 10_000  # cuts held by each source's streaming shuffle
 TAGS_KEY, SOURCE_KEY = "tags", "source"  # where a cut carries its source's tags and name
 
 
-def load_source_cuts(source: Source) -> CutSet:
+def load_source_cuts(source: Source, metadata_only: bool = False) -> CutSet:
     """The cuts of one source, lazily where lhotse can, each carrying its source's name and tags
-    (``cut.custom``). A cut manifest's relative paths resolve against its own directory."""
+    (``cut.custom``). A cut manifest's relative paths resolve against its own directory.
+    ``metadata_only``: a tarred NeMo source's cuts from its manifests, its tars unread."""
     if source.kind == "cuts":
         cuts = CutSet.from_jsonl_lazy(source.paths[0]) if len(source.paths) == 1 else None
         if cuts is None:
@@ -49,6 +52,10 @@ def load_source_cuts(source: Source) -> CutSet:
         cuts = cuts.with_features_path_prefix(parent).with_recording_path_prefix(parent)
     elif source.kind == "shar":
         cuts = CutSet.from_shar(in_dir=source.paths[0])
+    elif source.kind == NEMO_KIND:
+        cuts = CutSet(NemoManifestCuts(source.paths, **source.reader))
+    elif source.kind == NEMO_TARRED_KIND:
+        cuts = CutSet(NemoTarredCuts(source.paths, **source.reader, metadata_only=metadata_only))
     else:
         recordings = RecordingSet.from_file(source.paths[0])
         supervisions = SupervisionSet.from_file(source.paths[1])
@@ -133,7 +140,7 @@ def check_sources(
     for source in sources:
         check = SourceCheck(source)
         try:
-            cuts = load_source_cuts(source)
+            cuts = load_source_cuts(source, metadata_only=True)
             for cut in cuts:
                 reason = problem(cut, max_duration, limits)
                 if reason is None:

@@ -8,6 +8,10 @@ A source file is a YAML list; each entry is one of
       supervisions: PATH          #   (e.g. ``lhotse prepare librispeech``)
     - sources: [...]              # a group of entries, nested to any depth
 
+or NeMo's ``input_cfg`` entries, as NeMo writes them (those with a ``type:`` key,
+``train.nemo_input_cfg``: ``lhotse``, ``lhotse_shar``, ``nemo`` manifests, ``group``), read as NeMo
+reads them,
+
 with ``weight:`` (default 1), ``name:`` (default: the file's stem, or ``group<i>``) and ``tags:``
 (a mapping; ``prompt`` and ``system`` shape a pretrained LLM's chat prompt, where ``{key}``
 is replaced by the tag of that name, e.g. ``Transcribe the {language} audio``; every tag is
@@ -32,9 +36,20 @@ from typing import Any
 
 import yaml
 
-KINDS = ("cuts", "shar", "recordings")  # an entry's kind is the first of these keys it has
+from train.nemo_input_cfg import (
+    NEMO_KIND,
+    NEMO_TARRED_KIND,
+    NemoConfigError,
+    is_nemo_entry,
+    translate,
+    validation_sets,
+)
+
+# An entry's kind is the first of these keys it has (NeMo manifests only from a NeMo entry).
+KINDS = ("cuts", "shar", "recordings", NEMO_KIND, NEMO_TARRED_KIND)
 GROUP = "sources"
-KNOWN_KEYS = {*KINDS, "supervisions", GROUP, "weight", "name", "tags"}
+READER = "reader"  # how a kind's files are read (a NeMo manifest's text and language fields)
+KNOWN_KEYS = {*KINDS, "supervisions", GROUP, "weight", "name", "tags", READER}
 PROMPT_TAGS = ("prompt", "system")
 
 
@@ -47,6 +62,7 @@ class Source:
     paths: tuple[Path, ...]  # cut manifests, one Shar dir, or (recordings, supervisions)
     weight: float = 1.0  # the probability of drawing from it (the product down the groups)
     tags: Mapping[str, Any] = field(default_factory=dict)
+    reader: Mapping[str, str] = field(default_factory=dict)  # READER: how its files are read
 
     def describe(self) -> str:
         return f"{self.name} ({self.kind}: {', '.join(str(p) for p in self.paths)})"
@@ -56,7 +72,7 @@ class SourceError(ValueError):
     """A source file or entry that cannot be used; the message names it and the fix."""
 
 
-def read_sources(spec: str | Path | list, where: str) -> list[Source]:
+def read_sources(spec: str | Path | list | Mapping, where: str) -> list[Source]:
     """The leaf sources of a source file (``spec`` a path) or of an inline list; ``where`` names
     the setting in errors (``data.input_cfg``, ``eval.sets``)."""
     if isinstance(spec, (str, Path)):
@@ -70,6 +86,13 @@ def read_sources(spec: str | Path | list, where: str) -> list[Source]:
         base, label = path.resolve().parent, f"{where}={spec}"
     else:
         entries, base, label = spec, Path.cwd(), where
+    try:
+        if isinstance(entries, Mapping):  # NeMo's validation_ds: {datasets: {name: ...}}
+            entries = validation_sets(entries, label, Path.cwd())
+        elif isinstance(entries, list) and any(is_nemo_entry(entry) for entry in entries):
+            entries = translate(entries, label, Path.cwd())
+    except NemoConfigError as error:
+        raise SourceError(str(error)) from None
     if not isinstance(entries, list) or not entries:
         raise SourceError(f"{label}: expected a non-empty YAML list of sources")
     leaves = _entries(entries, base, label, 1.0, {}, "")
@@ -104,7 +127,8 @@ def _entries(
             continue
         kind, paths = _locate(entry, base, where)
         name = str(entry.get("name") or _default_name(paths[0]))
-        leaves.append(Source(name, kind, paths, share * weight / total, merged))
+        reader = dict(entry.get(READER) or {})
+        leaves.append(Source(name, kind, paths, share * weight / total, merged, reader))
     return leaves
 
 
@@ -137,6 +161,8 @@ def _locate(entry: dict, base: Path, where: str) -> tuple[str, tuple[Path, ...]]
         given = entry["cuts"] if isinstance(entry["cuts"], list) else [entry["cuts"]]
     elif kind == "shar":
         given = [entry["shar"]]
+    elif kind in (NEMO_KIND, NEMO_TARRED_KIND):
+        given = list(entry[kind])
     else:
         if "supervisions" not in entry:
             raise SourceError(f"{where}: recordings: needs its supervisions: manifest beside it")

@@ -58,6 +58,13 @@ class StopRequest:
     def _handle(self, signum: int, _frame: object) -> None:
         self.signal_name = signal.Signals(signum).name
 
+    def wait_for_signal(self, seconds: float) -> None:
+        """Sleep until a stop signal arrives or ``seconds`` pass (signals are handled, so a
+        plain sleep would outlast a launcher's SIGTERM)."""
+        deadline = time.monotonic() + seconds
+        while self.signal_name is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def over_budget(self) -> bool:
         budget = self.max_time_per_run
         return budget > 0 and time.monotonic() - self.started >= budget

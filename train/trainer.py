@@ -33,11 +33,15 @@ from train.config import (
     TrainConfig,
     data_path,
 )
-from train.data import (
-    DataPosition,
-    batches_from,
-    build_dataloader,
+from train.data import DataPosition, batches_from, build_dataloader
+from train.data_layout import (
+    CONTINUE,
+    DATA_LAYOUT,
+    RESTART_EPOCH,
+    data_layout,
+    layout_changes,
     num_streams,
+    refusal,
 )
 from train.data_plan import DataPlan, data_plan
 from train.features import Featurizer
@@ -290,6 +294,8 @@ class Trainer:
         self.encoder_cache: EncoderCache | None = None  # train.encoder_cache_mb
         self.wandb_run_id: str | None = None
         self.data_position = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
+        self.data_layout = data_layout(cfg, self.dp_size)  # what the position depends on
+        self.data_restart: dict | None = None  # a changed layout's new epoch, for metrics.jsonl
         # Device-side tallies, read back only at sync steps (see `read_back`).
         self.since_sync = torch.zeros(len(COUNTS), dtype=torch.float64, device=device)
         self.nonfinite_run = torch.zeros((), device=device)  # consecutive skipped steps
@@ -326,6 +332,7 @@ class Trainer:
             "wandb_run_id": self.wandb_run_id,
             "data_position": dict(self.data_position),
             "data_positions": self.data_positions(),
+            DATA_LAYOUT: self.data_layout,
             # What train.evaluate needs to rebuild the model, its prompt and find the corpus's
             # test split.
             "model": {
@@ -361,8 +368,37 @@ class Trainer:
             per_rank = state.get("data_positions") or []
             mine = per_rank[self.dp_rank] if self.dp_rank < len(per_rank) else {}
             self.data_position = {**saved, **mine}
+            self.resume_data_layout(state.get(DATA_LAYOUT), latest)
         say(f"resumed from {latest} at step {self.step}")
         return latest
+
+    def resume_data_layout(self, saved: dict | None, checkpoint: Path) -> None:
+        """The saved position under a changed data layout, as data.on_layout_change says
+        (train/data_layout.py); the preflight has refused it already unless it says otherwise."""
+        if saved is None:
+            return  # saved before layouts were recorded
+        changes = layout_changes(saved, self.data_layout)
+        if not changes:
+            return
+        policy = self.cfg.data.on_layout_change
+        what = "; ".join(changes)
+        if policy == CONTINUE:
+            say(
+                f"warning: the data layout changed since {checkpoint.name} ({what}); its batch "
+                f"counts are applied as they are (data.on_layout_change={CONTINUE}): data may "
+                "be skipped or read twice"
+            )
+        elif policy == RESTART_EPOCH:
+            epoch = int(self.data_position.get("epoch", 0)) + 1
+            self.data_position = {"epoch": epoch, "batch_in_epoch": 0, "data_seed": self.cfg.seed}
+            self.data_restart = {"data_layout_change": RESTART_EPOCH, "data_epoch": epoch}
+            say(
+                f"the data layout changed since {checkpoint.name} ({what}): starting data epoch "
+                f"{epoch} from its beginning (data.on_layout_change={RESTART_EPOCH}); the rest "
+                f"of epoch {epoch - 1} is not read"
+            )
+        else:
+            raise ConfigError(refusal(str(checkpoint), changes))
 
     def keep_encoder_outputs(self) -> None:
         """With ``train.encoder_cache_mb``, give the model a cache of its frozen encoder's
@@ -665,6 +701,8 @@ class Trainer:
             wandb_mode=cfg.wandb.mode,
         )
         self.wandb_run_id = metrics.run_id
+        if self.data_restart is not None:
+            metrics.write(self.step, self.data_restart)
         say(
             f"job {os.environ.get(job_env.JOB_INDEX, '-')} seed {cfg.seed}: training steps "
             f"{self.step + 1}..{cfg.train.max_steps}, layout {self.dims.describe()}"

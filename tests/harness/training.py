@@ -86,10 +86,15 @@ def run_ranks(
     return completed
 
 
+# metrics.jsonl's rows that are records, not history: each job's memory row, and the row of a
+# job that restarted the data epoch on a changed data layout (train/data_layout.py).
+RECORD_KEYS = ("memory", "data_layout_change")
+
+
 def metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's training and validation rows (each job's ``memory`` row left out)."""
+    """metrics.jsonl's training and validation rows (the RECORD_KEYS rows left out)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if "memory" not in row]
+    return [row for row in rows if not any(key in row for key in RECORD_KEYS)]
 
 
 def metrics_or_empty(run_dir: Path) -> list[dict]:
