@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from train.sources import read_sources
+from train.sources import Source, read_sources
 
 if TYPE_CHECKING:
     from train.config import TrainConfig
@@ -42,10 +42,14 @@ def num_streams(shar: bool, num_workers: int) -> int:
     return num_workers if shar and num_workers > 0 else 1
 
 
-def data_layout(cfg: TrainConfig, dp_size: int) -> dict[str, Any]:
-    """The layout a data position of ``cfg``'s training data depends on (JSON)."""
+def data_layout(cfg: TrainConfig, dp_size: int, read: list[Source] | None = None) -> dict[str, Any]:
+    """The layout a data position of ``cfg``'s training data depends on (JSON); ``read``: the
+    sources of data.input_cfg where the caller has them already (reading a NeMo list again
+    would count its manifests' lines again)."""
     data = cfg.data
     if data.input_cfg is not None:
+        if read is None:
+            read = read_sources(data.input_cfg, "data.input_cfg")
         sources = [
             {
                 "name": source.name,
@@ -53,7 +57,7 @@ def data_layout(cfg: TrainConfig, dp_size: int) -> dict[str, Any]:
                 "paths": [str(path) for path in source.paths],
                 "weight": round(source.weight, 12),
             }
-            for source in read_sources(data.input_cfg, "data.input_cfg")
+            for source in read
         ]
         streams = 1  # a mixture is drawn in the training process
     else:

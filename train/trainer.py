@@ -294,7 +294,8 @@ class Trainer:
         self.encoder_cache: EncoderCache | None = None  # train.encoder_cache_mb
         self.wandb_run_id: str | None = None
         self.data_position = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
-        self.data_layout = data_layout(cfg, self.dp_size)  # what the position depends on
+        read = [check.source for check in self.data.training] if self.data.training else None
+        self.data_layout = data_layout(cfg, self.dp_size, read)  # what the position depends on
         self.data_restart: dict | None = None  # a changed layout's new epoch, for metrics.jsonl
         # Device-side tallies, read back only at sync steps (see `read_back`).
         self.since_sync = torch.zeros(len(COUNTS), dtype=torch.float64, device=device)
