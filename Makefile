@@ -5,6 +5,10 @@ VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 WHEELHOUSE = $(VENV)/wheelhouse
 TORCH_VERSION ?= 2.13.0
+# bench/bench_torchtitan.py's reference (Python 3.11+), installed without the dependencies its
+# metadata asks for (datasets, torchdata, tensorboard, ...): its llama3 needs only spmd_types
+# and tyro, which the dev extra pins.
+TORCHTITAN_VERSION ?= 0.3.0
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge slurmdbd mariadb-server espeak-ng sox openssh-server
 PYTEST_ARGS ?=
 # make test runs the test modules on this many workers (pytest-xdist), a module per worker at a
@@ -30,6 +34,8 @@ setup-torch:
 $(VENV)/.installed: pyproject.toml
 	$(MAKE) --no-print-directory setup-torch
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
+	  $(PY) -m pip install -q --no-deps torchtitan==$(TORCHTITAN_VERSION); fi
 	touch $@
 
 # Every package of the environment but torch and the project, as wheels: the local index that

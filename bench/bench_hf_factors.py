@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from launcher import torchrun
+
 REPO = Path(__file__).resolve().parents[1]
 MAKER = REPO / "recipes" / "make_hf_llm.py"
 INIT_SEED = 1234  # model.init_seed's default: the preset's initial weights
@@ -67,16 +69,6 @@ def run(args: list[str], log: Path) -> None:
         done = subprocess.run(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         sys.exit(f"failed ({done.returncode}): {' '.join(args)}\n{log.read_text()[-3000:]}")
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-    ]
 
 
 def utterances(corpus: Path, split: str) -> int:

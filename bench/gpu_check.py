@@ -1,28 +1,30 @@
-"""The GPU check: what a person with one GPU runs, with no network, to see the fast path work.
+"""The GPU check: what users run, on one GPU with no network, in about 5 minutes.
 
-    bash bench/gpu_check.sh bench     # part 1 (<10 min on an H100): fast path, grouped GEMM, stall
-    bash bench/gpu_check.sh train     # part 2 (<10 min): the real entrypoint, bf16 against fp32
-    bash bench/gpu_check.sh --cpu     # both parts reduced (tiny preset, few steps): what CI runs
+    python bench/gpu_pack.py          # here, once: .gpu/ (wheels, Whisper tiny.en's encoder)
+    bash bench/gpu_check.sh           # there: flows, then speed (carry .gpu)
+    bash bench/gpu_check.sh flows     # or one part: flows | speed | extra
+    bash bench/gpu_check.sh --cpu     # every part reduced, on the CPU (what CI runs)
 
-Part 1 makes nothing but measures: ``bench/bench_fast_path.py`` for ``llm_1b`` (eager and
-compiled, each activation checkpointing mode: tokens/s, MFU against the datasheet peak and
-against the bf16 matmul ceiling measured on this GPU, peak memory), the experts' grouped GEMM
-with aligned groups against per-expert matmuls (bf16 on CUDA), and the async checkpoint stall
-(``bench/bench_async_checkpoint.py``). Part 2 makes a synthetic corpus itself (tones, no
-espeak-ng: ``recipes/make_corpus.py --tones``), trains ``llm_1b`` through ``python -m train``
-with compile, selective activation checkpointing and validation (recompiles, tokens/s, MFU),
-then the same steps eager in fp32, and compares the losses and validation losses. The reduced
-CPU form trains the tiny preset on 2 gloo ranks, on a corpus whose first batches hold a single
-utterance and whose validation batches hold one or two: it is the compiled path's end-to-end
-test in CI (``tests/test_gpu_check.py``: no recompile-limit failure, 4 graphs per region, losses
-equal to eager).
+``flows`` (bench/gpu_flows.py) runs the toolkit's entrypoints as a user does: a compiled bf16
+``python -m train`` with validation and asynchronous checkpoints, as one job and as a chain of
+two whose second resumes bitwise; the same eager in fp32; the real Whisper tiny.en encoder with
+the preset decoder's LoRA adapters compiled by inductor; ``train.evaluate`` with the KV cache on
+the GPU against the CPU; ``train.export`` reloaded by ``transformers``. Every training step after
+the second runs under CUDA's sync debug mode (``--host-syncs``, default error: a host sync fails
+the check; warn lists each site instead).
 
-Each part prints one markdown table and writes ``OUT/gpu_check_<part>.json``; measured step
-times also go to ``OUT/measurements.csv``, one row per configuration, in the columns of the
-planner's table of published measurements (``orchestrator/planner/measured.py``): a row from an
-H100 joins that table as it is, and ``orchestrator plan --measured OUT/measurements.csv`` prices
-each row. Part 1 also runs ``bench/bench_kernels.py``: what this GPU's matmuls, attention and
-memory reach, the figures the planner's step-time terms are calibrated with.
+``speed`` measures: ``bench/bench_fast_path.py`` for ``llm_1b`` at each activation
+checkpointing mode, eager and compiled, on an audio-heavy and a text-heavy batch (tokens/s, MFU
+against the datasheet peak and against the bf16 matmul ceiling measured on this GPU, peak
+memory), the experts' aligned grouped GEMM against per-expert matmuls, and
+``bench/bench_torchtitan.py``: our decoder and torchtitan's Llama at the same shape, each with
+its own parallelize path, side by side. ``extra`` (not in the default run): the kernel bench
+(``bench/bench_kernels.py``, the planner's calibration) and the async checkpoint stall.
+
+Each part prints one markdown table and writes ``OUT/gpu_check_<part>.json``; the fast path's
+measured steps also go to ``OUT/measurements.csv``, in the columns of the planner's table of
+published measurements (``orchestrator/planner/measured.py``): a row from an H100 joins that
+table as it is, and ``orchestrator plan --measured OUT/measurements.csv`` prices each row.
 """
 
 from __future__ import annotations
@@ -38,56 +40,59 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_fast_path import run_spec  # noqa: E402
+from gpu_flows import part_flows  # noqa: E402
+from gpu_pack import PACK, WHISPER, unpack_whisper  # noqa: E402
 
 from contract.gpus import gpu_of_device  # noqa: E402
 from orchestrator.planner.measured import PRICED, append  # noqa: E402
+from train.config import AC_MODES  # noqa: E402
+from train.host_syncs import HOST_SYNC_MODES  # noqa: E402
 
 # Fast-path batches: (utterances, audio seconds, transcript tokens) per step.
 BATCHES = {"audio": (8, 20.0, 128), "text": (4, 0.5, 2048)}
 STALL = re.compile(r"stall / synchronous save: ([0-9.]+)%")
-GRAPHS = re.compile(r"compiled graphs per region: (.+) \(limit")
+PARTS = ("flows", "speed", "extra")
 
 
 def settings(cpu: bool) -> dict:
-    """Sizes for a GPU (llm_1b) or for the reduced CPU form (tiny)."""
+    """Sizes for a GPU or for the reduced CPU form."""
     if cpu:
         return {
             "device": "cpu",
             "preset": "tiny",
-            # compiled on the CPU: the entrypoint's run (a second inductor build costs ~30 s)
+            "fast_preset": "tiny",
             "fast_path": [(False, "none", "audio")],
             "batches": {"audio": (2, 2.0, 16)},
             "bench_steps": ["--steps", "2", "--warmup", "1"],
             "corpus": 64,
-            "nproc": 2,  # FSDP2 over 2 gloo ranks, as the compiled-path test in CI asks
-            "config": "tiny_fsdp2",
+            "nproc": 2,  # FSDP2 over 2 gloo ranks
+            # First training batches of a single utterance, validation batches of one and two:
+            # the compiled shapes' budget (4 graphs per region) is checked on real batches.
             "train": ["data.max_duration=5", "eval.max_duration=3.5", "data.num_workers=0"],
             "steps": 6,
-            "eval_every": 3,
-            "log_every": 2,
+            "host_syncs": "off",
             "checkpoint_models": ["small"],
         }
     return {
         "device": "cuda",
-        "preset": "llm_1b",
+        "preset": "small",
+        "fast_preset": "llm_1b",
         "fast_path": [
-            *((c, ac, "audio") for c in (False, True) for ac in ("none", "selective", "full")),
-            *((c, "selective", "text") for c in (False, True)),
+            (compile_, ac, batch)
+            for batch in BATCHES
+            for compile_ in (False, True)
+            for ac in AC_MODES
         ],
         "batches": BATCHES,
-        "bench_steps": ["--steps", "10", "--warmup", "3"],
-        "corpus": 2000,
+        "bench_steps": ["--steps", "6", "--warmup", "3"],
+        "corpus": 400,
         "nproc": 1,
-        "config": "gpu_llm_1b",
-        "train": [
-            "parallel.tp=1",
-            "data.max_duration=160",
-            "eval.max_duration=160",
-            "data.num_workers=4",
-        ],
-        "steps": 60,
-        "eval_every": 30,
-        "log_every": 10,
+        "train": ["data.max_duration=60", "eval.max_duration=60", "data.num_workers=2"],
+        "steps": 12,
+        "host_syncs": "error",
         "checkpoint_models": ["small", "wide"],
     }
 
@@ -102,15 +107,15 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
 
 
 def fast_path(s: dict) -> list[dict]:
+    """Every fast-path configuration in one process (each model built afresh)."""
+    specs = [run_spec(c, ac, s["batches"][batch]) for c, ac, batch in s["fast_path"]]
+    command = [sys.executable, str(REPO / "bench/bench_fast_path.py"), "--runs", ",".join(specs)]
+    command += ["--preset", s["fast_preset"], "--device", s["device"], *s["bench_steps"]]
+    command += ["--host-syncs", s["host_syncs"]]
+    lines = run(command).stdout.strip().splitlines()
     rows = []
-    for compile_, ac, batch in s["fast_path"]:
-        utterances, seconds, tokens = s["batches"][batch]
-        command = [sys.executable, str(REPO / "bench/bench_fast_path.py"), "--ac", ac]
-        command += ["--preset", s["preset"], "--device", s["device"], "--batch", str(utterances)]
-        command += ["--audio-seconds", str(seconds), "--text-tokens", str(tokens)]
-        command += [*s["bench_steps"], *(["--compile"] if compile_ else [])]
-        result = json.loads(run(command).stdout.strip().splitlines()[-1])
-        rows.append({"compile": compile_, "ac": ac, "batch": batch, **result})
+    for (_, _, batch), line in zip(s["fast_path"], lines[-len(specs) :], strict=True):
+        rows.append({**json.loads(line), "batch": batch})
         print(f"gpu_check: fast path {json.dumps(rows[-1])}", flush=True)
     return rows
 
@@ -121,11 +126,11 @@ def fast_path_run(text: str, s: dict) -> tuple[bool, str, str]:
     if (
         len(parts) != 3
         or parts[0] not in ("eager", "compiled")
-        or parts[1] not in ("none", "selective", "full")
+        or parts[1] not in AC_MODES
         or parts[2] not in s["batches"]
     ):
         raise ValueError(
-            f"{text!r} is not eager|compiled:none|selective|full:{'|'.join(s['batches'])}"
+            f"{text!r} is not eager|compiled:{'|'.join(AC_MODES)}:{'|'.join(s['batches'])}"
         )
     return parts[0] == "compiled", parts[1], parts[2]
 
@@ -133,14 +138,8 @@ def fast_path_run(text: str, s: dict) -> tuple[bool, str, str]:
 def kernels(s: dict, out: Path) -> dict:
     """bench/bench_kernels.py's figures (reduced on the CPU)."""
     command = [sys.executable, str(REPO / "bench/bench_kernels.py"), "--device", s["device"]]
-    run(
-        [
-            *command,
-            "--out",
-            str(out / "kernels.json"),
-            *(["--quick"] if s["device"] == "cpu" else []),
-        ]
-    )
+    command += ["--out", str(out / "kernels.json")]
+    run([*command, *(["--quick"] if s["device"] == "cpu" else [])])
     return json.loads((out / "kernels.json").read_text())
 
 
@@ -177,140 +176,144 @@ def checkpoint_stall(s: dict) -> dict[str, float]:
     )
 
 
-def train(s: dict, out: Path, corpus: Path, name: str, *overrides: str) -> list[dict]:
-    run_dir = out / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={s['nproc']}"]
-    command += ["-m", "train", "--config-name", s["config"], f"run_dir={run_dir}"]
-    command += [f"data.corpus={corpus}", f"model.preset={s['preset']}", "wandb.enabled=false"]
-    command += [f"train.max_steps={s['steps']}", f"train.log_every={s['log_every']}"]
-    command += [f"eval.interval={s['eval_every']}", "checkpoint.interval=100000", "seed=5"]
-    done = run([*command, *s["train"], *overrides], timeout=900)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    graphs = GRAPHS.search(done.stderr)
-    return [*rows, {"graphs": graphs.group(1) if graphs else None}]
+def torchtitan(s: dict, out: Path) -> dict:
+    """bench/bench_torchtitan.py's rows: ours and torchtitan's at the same shapes."""
+    command = [sys.executable, str(REPO / "bench/bench_torchtitan.py"), "--out"]
+    command += [str(out / "torchtitan.json"), *(["--cpu"] if s["device"] == "cpu" else [])]
+    run(command, timeout=900)
+    return json.loads((out / "torchtitan.json").read_text())
 
 
-def part_bench(s: dict, out: Path) -> dict:
+def part_speed(s: dict, out: Path) -> dict:
     return {
         "fast_path": fast_path(s),
-        "kernels": kernels(s, out),
         "grouped_gemm_rel_error": grouped_gemm_error(s["device"]),
-        "checkpoint_stall": checkpoint_stall(s),
+        "torchtitan": torchtitan(s, out),
     }
 
 
-def max_rel_diff(got: list[float], want: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+def part_extra(s: dict, out: Path) -> dict:
+    return {"kernels": kernels(s, out), "checkpoint_stall": checkpoint_stall(s)}
 
 
-def part_train(s: dict, out: Path) -> dict:
-    corpus = out / "corpus"
-    command = [sys.executable, str(REPO / "recipes/make_corpus.py"), "--out", str(corpus)]
-    run([*command, "--num", str(s["corpus"]), "--tones", "--jobs", str(min(8, os.cpu_count()))])
-    fast = train(s, out, corpus, "compiled", "compile=true", "activation_checkpointing=selective")
-    fp32 = train(s, out, corpus, "eager_fp32", "compile=false", "mixed_precision=false")
-    losses = [[row["loss"] for row in rows if "loss" in row] for rows in (fast, fp32)]
-    val_losses = [[row["val_loss"] for row in rows if "val_loss" in row] for rows in (fast, fp32)]
-    logged = [row for row in fast if "tokens_per_s" in row]
-    steady = logged[1:] or logged  # the first interval holds the compilation
-    return {
-        "steps": s["steps"],
-        "recompiles": logged[-1].get("recompiles"),
-        "graphs": fast[-1]["graphs"],
-        "val_losses": val_losses[0],
-        "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
-        "step_time_s": sum(r["step_time_s"] for r in steady) / len(steady),
-        "mfu": (sum(r["mfu"] for r in steady) / len(steady)) if "mfu" in steady[0] else None,
-        "loss_rel_diff_vs_fp32": max_rel_diff(*losses),
-        "val_loss_rel_diff_vs_fp32": max_rel_diff(*val_losses),
-    }
+def whisper_dir(given: Path | None, out: Path) -> Path:
+    """The Whisper tiny.en directory the flows train with: ``given``, else ``.gpu``'s packed
+    encoder (widened to fp32 into ``out``), else ``make pretrained``'s."""
+    packed = given or PACK / WHISPER
+    if (packed / "packed.json").is_file():
+        return unpack_whisper(packed, out / WHISPER)
+    if given is not None:
+        return given
+    return REPO / "data" / "pretrained" / WHISPER
+
+
+def fast_path_lines(result: dict) -> list[str]:
+    lines = []
+    for r in result["fast_path"]:
+        what = f"fast path ({r['batch']}), compile={r['compile']}, ac={r['ac']}"
+        if "error" in r:
+            lines.append(f"| {what} | failed: {r['error']} |")
+            continue
+        figure = f"{r['tokens_per_s']:.0f} tokens/s, {r['step_time_s']:.3f} s/step"
+        if "mfu_datasheet" in r:
+            figure += (
+                f", MFU {r['mfu_datasheet'] or 0:.1%} (datasheet) /"
+                f" {r['mfu_measured_ceiling']:.1%} (measured matmul ceiling"
+                f" {r['matmul_ceiling_tflops']:.0f} TFLOP/s), {r['peak_memory_gib']:.1f} GiB"
+            )
+        lines.append(f"| {what} | {figure} |")
+    return lines
+
+
+def torchtitan_lines(result: dict) -> list[str]:
+    """Per shape: both tokens/s and peak allocated memory, and ours / torchtitan."""
+    lines = []
+    for r in result["ratios"]:
+        ours, theirs = (
+            next(row for row in result["rows"] if (row["shape"], row["impl"]) == (r["shape"], impl))
+            for impl in ("ours", "torchtitan")
+        )
+        figure = f"{ours['tokens_per_s']:.0f} / {theirs['tokens_per_s']:.0f} tokens/s "
+        figure += f"(x{r['tokens_per_s']:.2f})"
+        if r["peak_allocated_gib"] is not None:
+            figure += f", peak allocated x{r['peak_allocated_gib']:.2f}"
+        lines.append(f"| {r['shape']}: ours / torchtitan | {figure} |")
+    return lines
 
 
 def table(part: str, result: dict) -> str:
     lines = ["| what | figure |", "| --- | --- |"]
-    if part == "bench":
-        for r in result["fast_path"]:
-            figure = f"{r['tokens_per_s']:.0f} tokens/s, {r['step_time_s']:.3f} s/step"
-            if "mfu_datasheet" in r:
-                figure += (
-                    f", MFU {r['mfu_datasheet'] or 0:.1%} (datasheet) /"
-                    f" {r['mfu_measured_ceiling']:.1%} (measured matmul ceiling"
-                    f" {r['matmul_ceiling_tflops']:.0f} TFLOP/s), {r['peak_memory_gib']:.1f} GiB"
-                )
-            what = f"fast path ({r['batch']}), compile={r['compile']}, ac={r['ac']}"
-            lines.append(f"| {what} | {figure} |")
+    if part == "flows":
+        lora = result["whisper_lora"]
+        lines += [
+            f"| chain of 2 jobs vs one, {result['resumed_steps']} resumed steps, bitwise | "
+            f"{', '.join(f'{k} {v}' for k, v in result['bitwise'].items())} |",
+            f"| compiled bf16 vs eager fp32, max rel. diff | {result['loss_rel_diff_vs_fp32']:.2e}"
+            f" (validation {result['val_loss_rel_diff_vs_fp32']:.2e}) |",
+            f"| recompiles (graphs per region) | {result['recompiles']} ({result['graphs']}) |",
+            f"| host syncs named by CUDA | {', '.join(result['host_syncs']) or 'none'} |",
+            f"| ops without a deterministic kernel | "
+            f"{', '.join(result['nondeterministic_ops']) or 'none'} |",
+            f"| evaluate, KV cache: device vs CPU | {result['decoded']} decoded, "
+            f"{len(result['decode_differences'])} different |",
+            f"| export reloaded by transformers, max rel. logit diff | "
+            f"{result['export_rel_diff']:.2e} |",
+            f"| Whisper tiny.en + LoRA, compiled | loss {lora['first_loss']:.3f} -> "
+            f"{lora['last_loss']:.3f}, {lora['decoded']} decoded, graphs {lora['graphs']} |",
+        ]
+    elif part == "speed":
+        lines += fast_path_lines(result)
         lines.append(f"| grouped GEMM, max rel. error | {result['grouped_gemm_rel_error']:.2e} |")
+        lines += torchtitan_lines(result["torchtitan"])
+    else:
         for model, stall in result["checkpoint_stall"].items():
             lines.append(f"| async checkpoint stall, {model} | {stall:.1%} of a sync save |")
-    else:
-        mfu = "n/a" if result["mfu"] is None else f"{result['mfu']:.1%}"
-        lines += [
-            f"| entrypoint, {result['steps']} steps, compile + selective AC | "
-            f"{result['tokens_per_s']:.0f} tokens/s, {result['step_time_s']:.3f} s/step, "
-            f"MFU {mfu} |",
-            f"| recompiles (graphs per region) | {result['recompiles']} ({result['graphs']}) |",
-            f"| validation losses | {', '.join(f'{v:.4f}' for v in result['val_losses'])} |",
-            f"| loss, compiled (bf16 on GPU) vs eager fp32, max rel. diff | "
-            f"{result['loss_rel_diff_vs_fp32']:.2e} (validation "
-            f"{result['val_loss_rel_diff_vs_fp32']:.2e}) |",
-        ]
     return "\n".join(lines)
 
 
-def measurements(part: str, result: dict, s: dict) -> list[dict]:
-    """Our measured rows in the planner's table format (``orchestrator.planner.measured``): the
-    fast path's fixed batches are priced; the entrypoint's run, whose batches vary with the
-    corpus, is recorded but not priced."""
+def measurements(result: dict, s: dict) -> list[dict]:
+    """The fast path's measured rows in the planner's table format
+    (``orchestrator.planner.measured``): its fixed batches are priced."""
     date = datetime.date.today().isoformat()
     rows = []
-    if part == "bench":
-        for r in result["fast_path"]:
-            utterances, seconds, tokens = s["batches"][r["batch"]]
-            gpu = gpu_of_device(r.get("gpu", ""))
-            plan = f"--model {s['preset']} --seconds {seconds:g} --tokens {tokens}"
-            plan += f" --global-batch {utterances} --gpus 1 --gpu {gpu.key if gpu else 'h100'}"
-            plan += "" if r["compile"] else " --eager"
-            on_gpu = gpu is not None
-            rows.append(
-                {
-                    "source": "bench/gpu_check.py (bench_fast_path)",
-                    "date": date,
-                    "hardware": r.get("gpu", s["device"]),
-                    "plan": plan,
-                    "layout": f"dp_shard=1 microbatches=1 ac={r['ac']}",
-                    "tokens_per_s_per_gpu": f"{r['tokens_per_s']:.1f}",
-                    "peak_memory_gib": f"{r['peak_reserved_gib']:.2f}" if on_gpu else "",
-                    "scope": PRICED if on_gpu else "out: measured on a CPU",
-                }
-            )
-        return rows
-    return [
-        {
-            "source": "bench/gpu_check.py (python -m train)",
-            "date": date,
-            "hardware": result.get("gpu", s["device"]),
-            "plan": f"--model {s['preset']} --gpus {s['nproc']}",
-            "layout": f"dp_shard={s['nproc']} microbatches=1 ac=selective",
-            "tokens_per_s_per_gpu": f"{result['tokens_per_s'] / s['nproc']:.1f}",
-            "peak_memory_gib": "",
-            "scope": "out: batches of a real corpus vary in shape",
-        }
-    ]
+    for r in result["fast_path"]:
+        if "error" in r:
+            continue
+        utterances, seconds, tokens = s["batches"][r["batch"]]
+        gpu = gpu_of_device(r.get("gpu", ""))
+        plan = f"--model {s['fast_preset']} --seconds {seconds:g} --tokens {tokens}"
+        plan += f" --global-batch {utterances} --gpus 1 --gpu {gpu.key if gpu else 'h100'}"
+        plan += "" if r["compile"] else " --eager"
+        on_gpu = gpu is not None
+        rows.append(
+            {
+                "source": "bench/gpu_check.py (bench_fast_path)",
+                "date": date,
+                "hardware": r.get("gpu", s["device"]),
+                "plan": plan,
+                "layout": f"dp_shard=1 microbatches=1 ac={r['ac']}",
+                "tokens_per_s_per_gpu": f"{r['tokens_per_s']:.1f}",
+                "peak_memory_gib": f"{r['peak_reserved_gib']:.2f}" if on_gpu else "",
+                "scope": PRICED if on_gpu else "out: measured on a CPU",
+            }
+        )
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", nargs="?", choices=("bench", "train", "all"), default="all")
+    parser.add_argument("part", nargs="?", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--cpu", action="store_true", help="the reduced form, on the CPU")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_check")
     parser.add_argument(
         "--fast-path",
         metavar="RUNS",
         help="the fast-path runs, e.g. compiled:selective:audio,eager:full:text (default: all "
-        f"of eager|compiled x none|selective|full x {'|'.join(BATCHES)} the part lists)",
+        f"of eager|compiled x {'|'.join(AC_MODES)} x {'|'.join(BATCHES)})",
     )
-    parser.add_argument("--train-steps", type=int, help="steps of the entrypoint's runs")
+    parser.add_argument("--train-steps", type=int, help="steps of the flows' trainings (even)")
+    parser.add_argument("--host-syncs", choices=HOST_SYNC_MODES, help="default: error on a GPU")
+    parser.add_argument("--whisper", type=Path, help="a Whisper tiny.en directory (packed or not)")
     args = parser.parse_args()
     s = settings(args.cpu)
     if args.fast_path:
@@ -321,7 +324,8 @@ def main() -> int:
             return 2
     if args.train_steps:
         s["steps"] = args.train_steps
-        s["eval_every"] = max(1, args.train_steps // 2)
+    if args.host_syncs:
+        s["host_syncs"] = args.host_syncs
     if not args.cpu:
         import torch
 
@@ -331,12 +335,22 @@ def main() -> int:
             )
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    parts = ("bench", "train") if args.part == "all" else (args.part,)
+    # On a GPU the default leaves the planner's calibration out (minutes); CI runs every part.
+    default = PARTS if args.cpu else ("flows", "speed")
+    parts = default if args.part == "all" else (args.part,)
     for part in parts:
-        print(f"gpu_check: {part} on {s['device']} ({s['preset']}) ...", flush=True)
-        result = part_bench(s, args.out) if part == "bench" else part_train(s, args.out)
+        print(f"gpu_check: {part} on {s['device']} ...", flush=True)
+        if part == "flows":
+            corpus = [sys.executable, str(REPO / "recipes/make_corpus.py")]
+            corpus += ["--out", str(args.out / "corpus"), "--num", str(s["corpus"]), "--tones"]
+            run([*corpus, "--jobs", str(min(8, os.cpu_count() or 1))])
+            result = part_flows(s, args.out, whisper_dir(args.whisper, args.out))
+        elif part == "speed":
+            result = part_speed(s, args.out)
+            append(args.out / "measurements.csv", measurements(result, s))
+        else:
+            result = part_extra(s, args.out)
         (args.out / f"gpu_check_{part}.json").write_text(json.dumps(result, indent=1))
-        append(args.out / "measurements.csv", measurements(part, result, s))
         print(table(part, result), flush=True)
     print(f"gpu_check: results in {args.out}", flush=True)
     return 0

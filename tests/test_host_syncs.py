@@ -1,7 +1,9 @@
 """No host syncs in a training step: the forward, backward, clipping and optimizer of the
-trainer's own step, on real corpus batches, read no tensor value back (on a GPU each read
-stalls the CPU until the device catches up). Expert parallelism's split sizes are the one
-exemption (``train.models.moe.host_split_sizes``), counted here."""
+trainer's own step, on real corpus batches, on every rank, read no tensor value back and wait
+for no copy (on a GPU each stalls the CPU until the device catches up). Expert parallelism's
+split sizes are the one exemption (``train.models.moe.host_split_sizes``), counted apart.
+What the recorder sees on a CPU, and what it cannot: tests/harness/workers/host_sync_worker.py.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +16,49 @@ import pytest
 import torch
 
 from tests.harness.process import REPO
-from tests.harness.workers.host_sync_worker import HostReads
+from tests.harness.workers.host_sync_worker import HostReads, mark_host
 
 WORKER = REPO / "tests" / "harness" / "workers" / "host_sync_worker.py"
 STEPS = 3
+RANKS = 2
 
 
 def test_the_recorder_sees_every_kind_of_read():
     t = torch.tensor([1.5, 2.0])
+    mask = torch.tensor([True, False])
+    lens = torch.tensor([3, 4])  # the batch's lengths: on the host by design
+    mark_host(lens)
     with HostReads() as recorder:
-        int(t[0]), t.sum().item(), bool(t[1] > 1)
-        t.mul(2).sum()  # no read
-    assert len(recorder.reads) == 3, recorder.reads
+        t.sum().item(), int(t[0]), bool(t[1] > 1), t.tolist(), t.cpu(), t.numpy()
+        t.nonzero(), t[mask], t.masked_select(mask), torch.unique(lens.mul(t.long()))
+        torch.repeat_interleave(lens.mul(t.long())), torch.equal(t, t), lens.clone().copy_(t)
+        lens.to(t.device)
+        t.mul(2).sum()  # device work reads nothing
+        torch.repeat_interleave(t.long(), output_size=3)  # its size known on the host
+        host = lens * 2 + 1  # host work on host tensors is no sync
+        host.tolist(), int(host.max()), host[host > 8], host.cpu().numpy()
+        moved = host.to(t.device, non_blocking=True)  # on the device now: reading it syncs
+        moved.tolist()
+    kinds = [read.split(": ")[-1] for read in recorder.reads]
+    assert kinds == [
+        "_local_scalar_dense",
+        "_local_scalar_dense",
+        "_local_scalar_dense",
+        "tolist",
+        "cpu",
+        "numpy",
+        "nonzero",
+        "index",
+        "masked_select",
+        "_unique2",
+        "repeat_interleave",
+        "equal",
+        "copy_",
+        "to(device) without non_blocking",
+        "tolist",
+    ], recorder.reads
+    assert all(read.startswith("tests/test_host_syncs.py:") for read in recorder.reads)
+    assert recorder.deliberate == []
 
 
 @pytest.mark.parametrize(
@@ -34,14 +67,13 @@ def test_the_recorder_sees_every_kind_of_read():
     ids=["fsdp2", "moe_ep2"],
 )
 def test_a_training_step_reads_nothing_back(corpus, tmp_path, preset, layout, reads_per_step):
-    out = tmp_path / "result.json"
     result = subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc-per-node=2",
+            f"--nproc-per-node={RANKS}",
             str(WORKER),
             "--corpus",
             str(corpus),
@@ -51,7 +83,7 @@ def test_a_training_step_reads_nothing_back(corpus, tmp_path, preset, layout, re
             "--steps",
             str(STEPS),
             "--out",
-            str(out),
+            str(tmp_path),
         ],
         cwd=REPO,
         capture_output=True,
@@ -60,8 +92,10 @@ def test_a_training_step_reads_nothing_back(corpus, tmp_path, preset, layout, re
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    got = json.loads(out.read_text())
-    assert got["reads"] == [], got["reads"]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    assert [got["reads"] for got in ranks] == [[]] * RANKS, [got["reads"] for got in ranks]
     # One read of the split sizes per MoE layer and forward under EP: 2 layers in tiny_moe.
-    assert got["split_reads"] == STEPS * reads_per_step, got
-    assert len(set(got["batch_sizes"])) > 1, got  # real batches: their shapes vary
+    for got in ranks:
+        assert len(got["deliberate"]) == STEPS * reads_per_step, got["deliberate"]
+    sizes = [size for got in ranks for size in got["batch_sizes"]]
+    assert len(set(sizes)) > 1, sizes  # real batches: their shapes vary

@@ -89,6 +89,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -300,7 +301,9 @@ def _squares_finite(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     ~2x faster than min/max on CPU). x.x is finite exactly when every x is, unless the values are
     so large that it overflows, so only a failure needs ``_local_nonfinite``."""
     squares = [torch.dot(t.reshape(-1), t.reshape(-1)).float() for _, t in tensors]
-    return torch.isfinite(torch.stack(squares)).all() if squares else torch.tensor(True)
+    if not squares:
+        return torch.tensor(True, device="cpu")
+    return torch.isfinite(torch.stack(squares)).all()
 
 
 def _local_nonfinite(tensors: list[tuple[str, torch.Tensor]]) -> str | None:
@@ -326,7 +329,7 @@ def _staged_nonfinite(state: dict, group: dist.ProcessGroup | None) -> tuple[str
     CPU group; None: this process alone)."""
     tensors = list(_local_tensors(state))
     bad = None if _squares_finite(tensors).item() else _local_nonfinite(tensors)
-    finite = torch.tensor(float(bad is None))
+    finite = torch.tensor(float(bad is None), device="cpu")
     if group is not None:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
     return bad, bool(finite.item())
@@ -389,7 +392,8 @@ class _Staging:
             sizes[t.dtype] = offsets[-1] + t.numel()
         pin = any(t.is_cuda for t in local)
         buffers = {
-            dtype: torch.empty(size, dtype=dtype, pin_memory=pin) for dtype, size in sizes.items()
+            dtype: torch.empty(size, dtype=dtype, device="cpu", pin_memory=pin)
+            for dtype, size in sizes.items()
         }
         self._views = [
             buffers[t.dtype][offset : offset + t.numel()].view(t.shape)
@@ -732,8 +736,12 @@ class CheckpointManager:
                 tmp,
                 "its staged copy not yet written, training going on",
             )
+        # The copy is already on the host: no side stream to copy it ahead with (DCP's default
+        # on a CUDA machine), whose syncs CUDA's sync debug mode would count against the step
+        # that runs meanwhile.
+        writer = FileSystemWriter(tmp, per_thread_copy_ahead=0)
         try:
-            dcp.save(staged, checkpoint_id=tmp, process_group=self._group)
+            dcp.save(staged, checkpoint_id=tmp, storage_writer=writer, process_group=self._group)
         except (CheckpointException, OSError) as exc:
             written.error = written.error or _describe(exc, tmp)
         return written
@@ -745,7 +753,7 @@ class CheckpointManager:
         if pending is None:
             return
         done = pending.future is None or pending.future.done()
-        if _all_ranks(torch.tensor(done)):
+        if _all_ranks(torch.tensor(done, device=_collective_device())):
             self._finalize(pending)
 
     def wait(self) -> None:

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from contract.job_env import SEED_LIMIT
 from train.data_layout import ON_LAYOUT_CHANGE, REFUSE
+from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from train.parallel_dims import STRATEGIES
 from train.watchdog import STOPPABLE
@@ -179,6 +180,14 @@ class DebugConfig:
     # watchdog watches besides steps (tests/test_hang.py).
     stop_in: str = ""
     stop_rank: int = 0
+    # On CUDA, each training step after the job's first ``host_sync_warmup`` runs under
+    # torch.cuda.set_sync_debug_mode: "warn" names every host sync, "error" raises at the first
+    # (bench/gpu_check.py); "off": never. Logging, saving and validation steps stay outside.
+    host_syncs: str = "off"
+    host_sync_warmup: int = 2
+    # torch.use_deterministic_algorithms: kernels that give the same bits on every run (CUDA's
+    # atomics-based reductions replaced), so that a resumed chain can be compared bitwise.
+    deterministic: bool = False
 
 
 @dataclass
@@ -278,6 +287,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("train.encoder_cache_mb must be 0 (no cache) or positive MiB")
     if cfg.train.hang_timeout_s < 0:
         raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
+    if cfg.debug.host_syncs not in HOST_SYNC_MODES:
+        raise ValueError(
+            f"debug.host_syncs={cfg.debug.host_syncs}: choose one of {', '.join(HOST_SYNC_MODES)}"
+        )
     if cfg.debug.stop_in not in ("", *STOPPABLE):
         raise ValueError(f"debug.stop_in={cfg.debug.stop_in}: choose one of {', '.join(STOPPABLE)}")
     if cfg.model.pretrained_llm is None and (cfg.model.prompt, cfg.model.system) != (None, None):

@@ -166,14 +166,24 @@ class SpeechDataset(torch.utils.data.Dataset):
         if not kept:
             reasons = "; ".join(skipped[:3])
             raise BadCut(f"every cut of a batch is unusable: {reasons}")
-        tokens = [torch.tensor(example.tokens, dtype=torch.int64) for example in examples]
+        tokens = [
+            torch.tensor(example.tokens, dtype=torch.int64, device="cpu") for example in examples
+        ]
         return {
             "features": pad_sequence(features, batch_first=True, padding_value=0.0),
-            "feature_lens": torch.tensor([f.shape[0] for f in features], dtype=torch.int64),
+            "feature_lens": torch.tensor(
+                [f.shape[0] for f in features], dtype=torch.int64, device="cpu"
+            ),
             "tokens": pad_sequence(tokens, batch_first=True, padding_value=self.text.pad_id),
-            "token_lens": torch.tensor([t.shape[0] for t in tokens], dtype=torch.int64),
-            "prefix_lens": torch.tensor([e.prefix_len for e in examples], dtype=torch.int64),
-            "answer_starts": torch.tensor([e.answer_start for e in examples], dtype=torch.int64),
+            "token_lens": torch.tensor(
+                [t.shape[0] for t in tokens], dtype=torch.int64, device="cpu"
+            ),
+            "prefix_lens": torch.tensor(
+                [e.prefix_len for e in examples], dtype=torch.int64, device="cpu"
+            ),
+            "answer_starts": torch.tensor(
+                [e.answer_start for e in examples], dtype=torch.int64, device="cpu"
+            ),
             "cut_ids": [cut.id for cut in kept],
             "sources": [source_of(cut) for cut in kept],
             "skipped": skipped,

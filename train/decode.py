@@ -233,10 +233,8 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
 
 def _left_padded(prompts: list[list[int]], length: int, device: torch.device) -> torch.Tensor:
     """The prompts as (B, length) ids, each right-aligned; the padding (id 0) is never seen."""
-    ids = torch.zeros((len(prompts), length), dtype=torch.long)
-    for row, tokens in enumerate(prompts):
-        ids[row, length - len(tokens) :] = torch.tensor(tokens)
-    return ids.to(device)
+    rows = [[0] * (length - len(tokens)) + tokens for tokens in prompts]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 class _Generated:

@@ -223,6 +223,9 @@ class Evaluation:
     def __init__(self, cfg: EvaluateConfig, plan: Plan, device: torch.device) -> None:
         self.cfg, self.plan, self.device = cfg, plan, device
         self.rank = dist.get_rank()
+        # fp32 throughout: cuDNN's convolutions (the encoder's stem) would otherwise run in TF32
+        # on a GPU, and a greedy decode's near-ties would follow the device.
+        torch.backends.cudnn.allow_tf32 = False
         meshes = build_meshes(plan.dims, device.type)
         options = ParallelizeOptions(
             strategy=cfg.strategy,
@@ -282,12 +285,12 @@ class Evaluation:
                 unusable[cut.id] = str(error)
         if not kept:
             raise BadCut(f"no cut of a batch can be decoded: {'; '.join(unusable.values())}")
-        lens = torch.tensor([len(f) for f in features])
+        lens = torch.tensor([len(f) for f in features], device=self.device)
         padded = pad_sequence(features, batch_first=True).to(self.device)
         ids = greedy_decode(
             self.model,
             padded,
-            lens.to(self.device),
+            lens,
             self.cfg.max_new_tokens,
             self.any_active,
             use_cache=self.cfg.kv_cache,

@@ -240,7 +240,7 @@ def write_encoder(folder: Path, model: SALM, shape: SALMConfig, dtype: torch.dty
     for name in [name for name in tensors if name.endswith(".running_mean")]:
         # transformers' BatchNorm1d also keeps a counter that frozen statistics never advance.
         counter = name.removesuffix("running_mean") + "num_batches_tracked"
-        tensors[counter] = torch.zeros((), dtype=torch.long)
+        tensors[counter] = torch.zeros((), dtype=torch.long, device="cpu")
     save_file(tensors, folder / WEIGHT_FILES[0], metadata={"format": "pt"})
     shutil.copy(source / PREPROCESSOR_FILE, folder)
 

@@ -46,6 +46,7 @@ from train.data_layout import (
 from train.data_plan import DataPlan, data_plan
 from train.features import Featurizer
 from train.flops import PEAK_FLOPS_ENV, peak_flops, sequence_flops
+from train.host_syncs import OFF, checked_for_host_syncs
 from train.layout import frozen_of, model_of, training_layout
 from train.memory import STATE_KINDS, gradient_bytes, state_bytes
 from train.mesh import build_meshes
@@ -219,6 +220,10 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.stop = stop
+        if cfg.debug.deterministic:
+            # cuBLAS reads its workspace setting when it starts, before this job's first matmul.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self.dims = dims = prepared.dims
         self.plan = plan = prepared.plan
         self.data = prepared.data
@@ -510,7 +515,7 @@ class Trainer:
         value read into Python), then summed over data-parallel ranks on the device: the loss
         is normalized by the global counts with no host sync.
         """
-        local = torch.zeros(len(COUNTS), dtype=torch.float64)
+        local = torch.zeros(len(COUNTS), dtype=torch.float64, device="cpu")
         for batch in batches:
             feature_lens, token_lens = batch["feature_lens"].double(), batch["token_lens"].double()
             local += torch.stack(
@@ -518,7 +523,7 @@ class Trainer:
                     loss_targets(token_lens, batch["answer_starts"].double()),
                     (audio_positions(self.model_cfg, feature_lens) + token_lens).sum(),
                     sequence_flops(self.model_cfg, feature_lens, token_lens).sum(),
-                    torch.tensor(float(len(token_lens)), dtype=torch.float64),
+                    torch.tensor(float(len(token_lens)), dtype=torch.float64, device="cpu"),
                 ]
             )
         if self.device.type == "cuda":
@@ -786,7 +791,9 @@ class Trainer:
                     digest=digest,
                 )
             lr = self.scheduler.get_last_lr()[0]
-            self.train_step(step_batches)
+            checked = self.step - first_step >= cfg.debug.host_sync_warmup
+            with checked_for_host_syncs(cfg.debug.host_syncs if checked else OFF, self.device):
+                self.train_step(step_batches)
             self.step += 1
             if self.step == first_step + 1:
                 self.log_state_memory(metrics)
@@ -851,8 +858,9 @@ class Trainer:
     def cut_counts(self) -> dict[str, int]:
         """Cuts drawn from each training source and cuts skipped since the last metrics line,
         summed over data-parallel ranks (``cuts/<source>``, ``skipped_cuts``). Collective."""
-        counts = torch.tensor([*self.drawn.values(), self.skipped], dtype=torch.float64)
-        counts = counts.to(self.device)
+        counts = torch.tensor(
+            [*self.drawn.values(), self.skipped], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(counts, group=self.meshes.dp.get_group())
         *drawn, skipped = (int(value) for value in counts.tolist())
         record = {f"{CUTS_PREFIX}{name}": n for name, n in zip(self.drawn, drawn, strict=True)}

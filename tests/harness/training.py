@@ -1,5 +1,6 @@
 """The trainer run as jobs run it (``python -m train``, ranks under torchrun) on the test corpus,
-and what its runs leave: metrics rows and checkpointed weights."""
+or built in the test's own process, and what its runs leave: metrics rows and checkpointed
+weights."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.harness.process import REPO
+
+if TYPE_CHECKING:
+    from train.trainer import Trainer
 
 
 def train(
@@ -39,6 +44,22 @@ def train_overrides(run_dir: Path, corpus: Path, *overrides: str) -> list[str]:
         "optim.warmup_steps=2",
         *overrides,
     ]
+
+
+def trainer_in_process(run_dir: Path, corpus: Path, *overrides: str) -> Trainer:
+    """The trainer ``python -m train`` builds from ``train_overrides(...)``, built in this
+    process (on the one-rank process group the caller made) and started as a job starts it:
+    restored or fresh with its pretrained weights, its encoder's outputs kept if configured.
+    For tests that call its steps themselves."""
+    from orchestrator.planner.preflight import compose_training_config
+    from train.stop import StopRequest
+    from train.trainer import Trainer, preflight
+
+    cfg = compose_training_config(train_overrides(run_dir, corpus, *overrides))
+    trainer = Trainer(cfg, preflight(cfg), torch.device("cpu"), StopRequest(0.0))
+    trainer.restore()
+    trainer.keep_encoder_outputs()
+    return trainer
 
 
 def train_together(

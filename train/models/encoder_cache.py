@@ -91,7 +91,7 @@ class EncoderCache:
             else:
                 self.hits += 1
             outputs.append(frames)
-        lens = encoder_frames(self.cfg, torch.tensor(keys.lengths)).to(features.device)
+        lens = encoder_frames(self.cfg, torch.tensor(keys.lengths, device=features.device))
         return pad_sequence(outputs, batch_first=True), lens
 
     def keep(self, digest: bytes, frames: torch.Tensor) -> None:

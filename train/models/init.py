@@ -53,18 +53,20 @@ def _fan_in(module: nn.Module) -> int:
 def initial_value(
     module: nn.Module, attr: str, shape: torch.Size, generator: torch.Generator
 ) -> torch.Tensor:
-    """The full fp32 initial value of ``module.<attr>`` (torch's defaults for its layer types)."""
+    """The full fp32 initial value of ``module.<attr>`` (torch's defaults for its layer types),
+    on the CPU, where ``generator`` draws: the same values whatever the device and layout."""
     if isinstance(module, nn.RMSNorm | nn.LayerNorm | FrozenStatisticsNorm):
-        return torch.ones(shape) if attr in NORM_ONES else torch.zeros(shape)
+        fill = torch.ones if attr in NORM_ONES else torch.zeros
+        return fill(shape, device="cpu")
     if attr in PARAKEET_ATTENTION_BIASES:  # zeros, as transformers constructs them
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     if isinstance(module, nn.Embedding):
-        return torch.randn(shape, generator=generator)
+        return torch.randn(shape, generator=generator, device="cpu")
     if isinstance(module, GroupedExperts):
-        return torch.randn(shape, generator=generator) * shape[1] ** -0.5
+        return torch.randn(shape, generator=generator, device="cpu") * shape[1] ** -0.5
     if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d):
         bound = 1 / math.sqrt(_fan_in(module))
-        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+        return torch.empty(shape, device="cpu").uniform_(-bound, bound, generator=generator)
     raise TypeError(f"no initialization rule for {type(module).__name__}.{attr}")
 
 
@@ -82,7 +84,7 @@ def init_weights(model: nn.Module, init_seed: int) -> None:
             name = canonical_name(f"{module_name}.{attr}" if module_name else attr)
             generator = torch.Generator().manual_seed(name_seed(init_seed, name))
             if is_adapter_b(name):
-                full = torch.zeros(param.shape, dtype=param.dtype)
+                full = torch.zeros(param.shape, dtype=param.dtype, device="cpu")
             else:
                 full = initial_value(module, attr, param.shape, generator).to(param.dtype)
             if isinstance(param, DTensor):

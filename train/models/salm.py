@@ -81,15 +81,6 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def batch(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded token ids (B, L) and their lengths (B,)."""
-        encoded = [self.encode(t) for t in texts]
-        lens = torch.tensor([len(e) for e in encoded])
-        tokens = torch.full((len(encoded), int(lens.max())), PAD_ID, dtype=torch.long)
-        for i, e in enumerate(encoded):
-            tokens[i, : len(e)] = torch.tensor(e)
-        return tokens, lens
-
 
 def inverse_frequencies(dim: int, theta: float, device) -> torch.Tensor:
     """The (dim/2,) fp32 frequencies of sinusoidal position tables of width ``dim``."""
