@@ -199,6 +199,7 @@ def _snapshot_plan(tree: Path, cwd: Path, root: Path, limit_mb: float) -> CodeSo
         name.rstrip("/")
         for name in [*ignored, *submodules]
         if not any(part in NOT_LINKED for part in Path(name).parts)
+        and not _holds(tree / name.rstrip("/"), root)
     ]
     return CodeSource(
         SNAPSHOT,
@@ -213,6 +214,13 @@ def _snapshot_plan(tree: Path, cwd: Path, root: Path, limit_mb: float) -> CodeSo
         size=total,
         diff=diff,
     )
+
+
+def _holds(directory: Path, root: Path) -> bool:
+    """Whether the snapshot's ``root`` lies inside ``directory`` (a run dir under ``runs/``):
+    such a link would put a cycle in the snapshot (``runs/<run>/code/runs`` -> ``runs``), one
+    that every tool following links walks without end (``pip install -e .``'s file scan)."""
+    return root.resolve().is_relative_to(directory.resolve())
 
 
 def freeze(code: CodeSource) -> None:

@@ -90,6 +90,20 @@ def test_a_snapshot_holds_tracked_files_as_on_disk_and_untracked_ones_git_keeps(
     assert code.env(None) == {CODE_DIR: str(root), "PYTHONPATH": str(root)}
 
 
+def test_the_folder_that_holds_the_run_is_not_linked_into_its_snapshot(project):
+    """A chain whose run dir is under an ignored ``runs/`` of the checkout: linking ``runs`` into
+    ``runs/<run>/code`` would be a cycle, which ``pip install -e .`` (setuptools' scan of the
+    checkout follows links) walked without end."""
+    (project / ".gitignore").write_text("data/\nbuild/\n__pycache__/\nruns/\n")
+    (project / "runs" / "earlier").mkdir(parents=True)  # git lists a folder that holds files
+    (project / "runs" / "earlier" / "metrics.jsonl").write_text("{}\n")
+    code = plan_code(SNAPSHOT, project, project / "runs" / "chain", 200)
+    assert set(code.links) == {"build", "data"}
+    freeze(code)
+    root = project / "runs" / "chain" / CODE_SNAPSHOT_DIR
+    assert (root / "data").is_symlink() and not os.path.lexists(root / "runs")
+
+
 def test_jobs_start_in_the_snapshots_copy_of_the_current_directory(project, tmp_path):
     (project / "src").mkdir()  # a src layout goes on PYTHONPATH too
     (project / "src" / "lib.py").write_text("")
