@@ -342,7 +342,8 @@ def build_dataloader(
         return DataLoader(SharStream(dataset, sampler, position), **common)
     if isinstance(data, list):
         cuts = mixed_stream(data, mixture_seed(job_seed, epoch))
-        bins = duration_bins(cuts.subset(first=BIN_SAMPLE), buckets)
+        durations = mixed_stream(data, mixture_seed(job_seed, epoch), durations_only=True)
+        bins = duration_bins(durations.subset(first=BIN_SAMPLE), buckets)
     else:
         cuts = load_cuts(Path(data))
         bins = duration_bins(cuts, buckets)

@@ -44,6 +44,8 @@ from typing import Any
 
 import yaml
 
+from train.storage import is_url
+
 TYPE = "type"
 # Tarred audio: NeMo reads the plural; its docs write the singular, which NeMo ignores (the
 # entry is then read as untarred); both are taken here.
@@ -161,16 +163,25 @@ def _lhotse(entry: dict, where: str, cwd: Path) -> dict:
     shar = entry.get("shar_path")
     if shar is not None:
         if isinstance(shar, str):
-            return {"shar": str(_existing(shar, cwd, where)), "name": shar}
-        if isinstance(shar, dict):
-            raise NemoConfigError(
-                f"{where}: shar_path as a mapping of fields to shard lists is not supported yet; "
-                "give the Shar directory (or a list of directories)"
-            )
+            return {"shar": str(_location(shar, cwd, where)), "name": shar}
+        if isinstance(shar, dict):  # {field: [shard, ...]}, e.g. URLs in object storage
+            fields = {
+                str(name): [str(_location(str(v), cwd, where)) for v in value]
+                if isinstance(value, list)
+                else value
+                for name, value in shar.items()
+            }
+            first = next(iter(shar.get("cuts") or [""]), "")
+            return {"shar": fields, "name": str(first) or "shar"}
         if isinstance(shar, list) and shar:
             members = []
             for given, weight in _weighted(shar, where, "shar_path"):
-                directory = _existing(given, cwd, where)
+                directory = _location(given, cwd, where)
+                if weight is None and isinstance(directory, str):
+                    raise NemoConfigError(
+                        f"{where}: shar_path {given} has no weight, and counting its cuts would "
+                        "read every cut shard from object storage: give [path, weight] pairs"
+                    )
                 share = float(_shar_cuts(directory)) if weight is None else weight
                 members.append({"shar": str(directory), "weight": share, "name": given})
             return {"sources": members}
@@ -180,7 +191,7 @@ def _lhotse(entry: dict, where: str, cwd: Path) -> dict:
         raise NemoConfigError(
             f"{where}: type {entry[TYPE]} needs cuts_path (one file) or shar_path"
         )
-    return {"cuts": str(_existing(cuts, cwd, where)), "name": cuts}
+    return {"cuts": str(_location(cuts, cwd, where)), "name": cuts}
 
 
 def _nemo(entry: dict, where: str, cwd: Path) -> dict:
@@ -303,7 +314,18 @@ def _path(path: str, cwd: Path) -> Path:
     return resolved if resolved.is_absolute() else cwd / resolved
 
 
+def _location(path: str, cwd: Path, where: str) -> Path | str:
+    """A lhotse entry's path: an object-storage URL as it is (``train.sources`` asks the store
+    for it), else an existing local path."""
+    return path if is_url(path) else _existing(path, cwd, where)
+
+
 def _existing(path: str, cwd: Path, where: str) -> Path:
+    if is_url(path):
+        raise NemoConfigError(
+            f"{where}: {path}: NeMo manifests, tars and input_cfg files are read from local "
+            "paths; object storage (s3://) is read for lhotse and lhotse_shar entries"
+        )
     resolved = _path(path, cwd)
     if not resolved.exists():
         raise NemoConfigError(f"{where}: {resolved} does not exist")

@@ -35,6 +35,7 @@ from train.features import AudioLimits
 from train.nemo_input_cfg import NEMO_KIND, NEMO_TARRED_KIND
 from train.nemo_manifest import NemoManifestCuts, NemoTarredCuts
 from train.sources import Source, SourceError
+from train.storage import shar_shards
 
 SHUFFLE_BUFFER = 10_000  # cuts held by each source's streaming shuffle
 TAGS_KEY, SOURCE_KEY = "tags", "source"  # where a cut carries its source's tags and name
@@ -42,16 +43,20 @@ TAGS_KEY, SOURCE_KEY = "tags", "source"  # where a cut carries its source's tags
 
 def load_source_cuts(source: Source, metadata_only: bool = False) -> CutSet:
     """The cuts of one source, lazily where lhotse can, each carrying its source's name and tags
-    (``cut.custom``). A cut manifest's relative paths resolve against its own directory.
-    ``metadata_only``: a tarred NeMo source's cuts from its manifests, its tars unread."""
+    (``cut.custom``). A local cut manifest's relative paths resolve against its own directory
+    (one in object storage names its audio by absolute path or URL). ``metadata_only``: a Shar's
+    cuts from its cut shards, a tarred NeMo source's from its manifests, no audio shard read."""
+    first = source.paths[0]
     if source.kind == "cuts":
-        cuts = CutSet.from_jsonl_lazy(source.paths[0]) if len(source.paths) == 1 else None
+        cuts = CutSet.from_jsonl_lazy(first) if len(source.paths) == 1 else None
         if cuts is None:
             cuts = CutSet.from_files([str(path) for path in source.paths])
-        parent = source.paths[0].parent
-        cuts = cuts.with_features_path_prefix(parent).with_recording_path_prefix(parent)
+        if isinstance(first, Path):
+            parent = first.parent
+            cuts = cuts.with_features_path_prefix(parent).with_recording_path_prefix(parent)
     elif source.kind == "shar":
-        cuts = CutSet.from_shar(in_dir=source.paths[0])
+        fields = dict(source.shards) or shar_shards(first)
+        cuts = CutSet.from_shar(fields={"cuts": fields["cuts"]} if metadata_only else fields)
     elif source.kind == NEMO_KIND:
         cuts = CutSet(NemoManifestCuts(source.paths, **source.reader))
     elif source.kind == NEMO_TARRED_KIND:
@@ -179,10 +184,18 @@ class SourceStream:
             passes += 1
 
 
-def mixed_stream(checks: list[SourceCheck], seed: int) -> CutSet:
-    """An endless CutSet mixing the checked sources by weight (module docstring)."""
+def mixed_stream(checks: list[SourceCheck], seed: int, durations_only: bool = False) -> CutSet:
+    """An endless CutSet mixing the checked sources by weight (module docstring).
+    ``durations_only``: the same cuts in the same order, for their durations: a Shar's from its
+    cut shards alone, its audio shards unread (a tarred NeMo source's manifests need not follow
+    its tars' order, so it is read whole)."""
     streams = [
-        SourceStream(load_source_cuts(check.source), frozenset(check.excluded), seed, index)
+        SourceStream(
+            load_source_cuts(check.source, durations_only and check.source.kind == "shar"),
+            frozenset(check.excluded),
+            seed,
+            index,
+        )
         for index, check in enumerate(checks)
     ]
     if len(streams) == 1:

@@ -3,7 +3,8 @@
 A source file is a YAML list; each entry is one of
 
     - cuts: PATH                  # a lhotse CutSet manifest (or a list of them)
-    - shar: DIR                   # a lhotse Shar directory (cuts.*.jsonl.gz + data shards)
+    - shar: DIR                   # a lhotse Shar directory (cuts.*.jsonl.gz + data shards),
+                                  #   or {cuts: [shard, ...], recording: [...], ...} by field
     - recordings: PATH            # the manifest pair lhotse's recipes write
       supervisions: PATH          #   (e.g. ``lhotse prepare librispeech``)
     - sources: [...]              # a group of entries, nested to any depth
@@ -22,6 +23,10 @@ probability ``weight / sum of its siblings' weights``; in a group the probabilit
 (a group of weight 0.5 with two members of weights 1 and 3 gives them 0.125 and 0.375 of the
 cuts). A weight is a share of cuts, not of hours: a source of long cuts at equal weight gives
 more audio. Relative paths are resolved against the source file's directory.
+
+A cut manifest, a Shar directory or a recordings + supervisions pair may also be an
+``s3://bucket/key`` location in object storage (``train.storage``: credentials from the
+environment only), checked here with metadata requests and read as streams.
 
 Everything here is torch-free: the submit path and the trainer's preflight read sources too.
 """
@@ -44,6 +49,7 @@ from train.nemo_input_cfg import (
     translate,
     validation_sets,
 )
+from train.storage import StorageError, check_location, is_url
 
 # An entry's kind is the first of these keys it has (NeMo manifests only from a NeMo entry).
 KINDS = ("cuts", "shar", "recordings", NEMO_KIND, NEMO_TARRED_KIND)
@@ -59,10 +65,14 @@ class Source:
 
     name: str
     kind: str  # one of KINDS
-    paths: tuple[Path, ...]  # cut manifests, one Shar dir, or (recordings, supervisions)
+    # cut manifests, one Shar dir, or (recordings, supervisions); a str is an s3:// URL
+    paths: tuple[Path | str, ...]
     weight: float = 1.0  # the probability of drawing from it (the product down the groups)
     tags: Mapping[str, Any] = field(default_factory=dict)
     reader: Mapping[str, str] = field(default_factory=dict)  # READER: how its files are read
+    # A Shar given shard by shard (``shar: {cuts: [...], recording: [...]}``, NeMo's shar_path
+    # mapping): each field's shards in order; ``paths`` then holds its cut shards.
+    shards: Mapping[str, tuple[Path | str, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         return f"{self.name} ({self.kind}: {', '.join(str(p) for p in self.paths)})"
@@ -125,10 +135,10 @@ def _entries(
                 members, base, label, share * weight / total, merged, f"{prefix}{index}."
             )
             continue
-        kind, paths = _locate(entry, base, where)
+        kind, paths, shards = _locate(entry, base, where)
         name = str(entry.get("name") or _default_name(paths[0]))
         reader = dict(entry.get(READER) or {})
-        leaves.append(Source(name, kind, paths, share * weight / total, merged, reader))
+        leaves.append(Source(name, kind, paths, share * weight / total, merged, reader, shards))
     return leaves
 
 
@@ -151,14 +161,19 @@ def _weight(entry: object, label: str, index: int) -> float:
     return float(weight)
 
 
-def _locate(entry: dict, base: Path, where: str) -> tuple[str, tuple[Path, ...]]:
-    """The kind and resolved paths of a leaf entry; every path must exist."""
+def _locate(
+    entry: dict, base: Path, where: str
+) -> tuple[str, tuple[Path | str, ...], dict[str, tuple[Path | str, ...]]]:
+    """The kind, resolved paths and (a Shar given shard by shard) shards of a leaf entry; every
+    path must exist."""
     kinds = [kind for kind in KINDS if kind in entry]
     if len(kinds) != 1:
         raise SourceError(f"{where}: give exactly one of cuts:, shar:, recordings: or {GROUP}:")
     kind = kinds[0]
     if kind == "cuts":
         given = entry["cuts"] if isinstance(entry["cuts"], list) else [entry["cuts"]]
+    elif kind == "shar" and isinstance(entry["shar"], Mapping):
+        return kind, *_shards(entry["shar"], base, where)
     elif kind == "shar":
         given = [entry["shar"]]
     elif kind in (NEMO_KIND, NEMO_TARRED_KIND):
@@ -169,18 +184,64 @@ def _locate(entry: dict, base: Path, where: str) -> tuple[str, tuple[Path, ...]]
         given = [entry["recordings"], entry["supervisions"]]
     paths = tuple(_resolve(base, str(path)) for path in given)
     for path in paths:
-        if not path.exists():
+        if isinstance(path, str):
+            _check_remote(path, kind, where)
+        elif not path.exists():
             raise SourceError(f"{where}: {path} does not exist")
-    return kind, paths
+    return kind, paths, {}
 
 
-def _resolve(base: Path, path: str) -> Path:
+def _shards(
+    given: Mapping, base: Path, where: str
+) -> tuple[tuple[Path | str, ...], dict[str, tuple[Path | str, ...]]]:
+    """A Shar's fields, each a list of shards of the same length, ``cuts`` among them: its cut
+    shards and every field's shards, resolved and checked (in object storage: the first
+    shard of each field, which is enough to find a wrong bucket, prefix or key)."""
+    lists = {str(name): value for name, value in given.items()}
+    if "cuts" not in lists or any(
+        not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value)
+        for value in lists.values()
+    ):
+        raise SourceError(
+            f"{where}: a Shar given by fields maps each field (cuts among them) to a non-empty "
+            "list of its shards"
+        )
+    if len({len(value) for value in lists.values()}) != 1:
+        counts = {name: len(value) for name, value in lists.items()}
+        raise SourceError(f"{where}: the Shar's fields have different shard counts {counts}")
+    shards = {name: tuple(_resolve(base, v) for v in value) for name, value in lists.items()}
+    for value in shards.values():
+        if isinstance(value[0], str):
+            _check_remote(value[0], "cuts", where)
+        missing = [path for path in value if isinstance(path, Path) and not path.exists()]
+        if missing:
+            raise SourceError(f"{where}: {missing[0]} does not exist")
+    return shards["cuts"], shards
+
+
+def _check_remote(url: str, kind: str, where: str) -> None:
+    """An object-storage location: its kind must be one lhotse streams, and the store must
+    answer for it (metadata only: nothing is downloaded)."""
+    if kind in (NEMO_KIND, NEMO_TARRED_KIND):
+        raise SourceError(
+            f"{where}: {url}: NeMo manifests and tars are read from local paths; keep them in "
+            "object storage as a lhotse Shar (shar:) or a cut manifest (cuts:) instead"
+        )
+    try:
+        check_location(url, prefix=kind == "shar")
+    except StorageError as error:
+        raise SourceError(f"{where}: {error}") from None
+
+
+def _resolve(base: Path, path: str) -> Path | str:
+    if is_url(path):
+        return path
     resolved = Path(path).expanduser()
     return resolved if resolved.is_absolute() else base / resolved
 
 
-def _default_name(path: Path) -> str:
-    name = path.name
+def _default_name(path: Path | str) -> str:
+    name = path.name if isinstance(path, Path) else path.rstrip("/").rsplit("/", 1)[-1]
     for suffix in (".gz", ".jsonl", ".json"):
         name = name.removesuffix(suffix)
     return name

@@ -63,7 +63,11 @@ def trainer_in_process(run_dir: Path, corpus: Path, *overrides: str) -> Trainer:
 
 
 def train_together(
-    runs: dict[Path, tuple[str, ...]], corpus: Path, nproc: int, config: str = "tiny_fsdp2"
+    runs: dict[Path, tuple[str, ...]],
+    corpus: Path,
+    nproc: int,
+    config: str = "tiny_fsdp2",
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Each run (its run dir: its overrides) trained by one process group of ``nproc`` ranks, one
     after another (tests/harness/workers/trainer_runs_worker.py): the ranks' start-up is paid
@@ -75,7 +79,7 @@ def train_together(
     path = next(iter(runs)).parent / f"{next(iter(runs)).name}.runs.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))
-    return run_ranks(["-m", "tests.harness.workers.trainer_runs_worker", str(path)], nproc)
+    return run_ranks(["-m", "tests.harness.workers.trainer_runs_worker", str(path)], nproc, env)
 
 
 def run_ranks(
