@@ -68,6 +68,7 @@ from train.features import BadCut, Extractor, Featurizer
 from train.prompt import Encoded
 from train.seeding import mixture_seed, rank_data_seed, sampler_seed, seed_everything
 from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, transcript
+from train.storage import StorageError, shar_shards
 
 Batch = dict[str, object]
 T = TypeVar("T")
@@ -199,19 +200,18 @@ def load_cuts(manifest: Path) -> CutSet:
     )
 
 
-def shar_fields(shar_dir: Path) -> dict[str, list[Path]]:
+def shar_fields(shar_dir: Path) -> dict[str, list[Path | str]]:
     """The cut and feature shards of a Shar directory (audio shards are not read)."""
-    shar_dir = Path(shar_dir)
-    fields = {
-        "cuts": sorted(shar_dir.glob("cuts.*.jsonl.gz")),
-        "features": sorted(shar_dir.glob("features.*.tar")),
-    }
-    if not fields["cuts"] or len(fields["cuts"]) != len(fields["features"]):
+    try:
+        shards = shar_shards(Path(shar_dir))
+    except (StorageError, OSError):
+        shards = {}
+    if "features" not in shards:
         raise ValueError(
             f"{shar_dir} is not a Shar directory with features: expected matching "
             f"cuts.*.jsonl.gz and features.*.tar shards (make it with recipes/make_corpus.py)"
         )
-    return fields
+    return {"cuts": shards["cuts"], "features": shards["features"]}
 
 
 def duration_bins(cuts: Iterable[Cut], buckets: int) -> list[float]:
