@@ -19,7 +19,7 @@ PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
 PIP_OPTIONS ?=
 
-.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr librispeech mix hf-llm pretrained demo test test-fast bench cluster-up cluster-down lint clean
+.PHONY: setup setup-torch setup-system setup-slurm corpus corpus-long corpus-asr librispeech mix conversations hf-llm pretrained demo test test-fast bench cluster-up cluster-down lint clean
 
 setup: $(VENV)/.installed $(WHEELHOUSE)/.complete
 
@@ -94,6 +94,11 @@ librispeech: setup setup-system
 # source files (recipes/mix/*.yaml: relative paths resolve beside them) copied to data/mix/.
 mix: corpus-asr librispeech
 	mkdir -p data/mix && cp recipes/mix/*.yaml data/mix/
+
+# Spoken conversations about corpus-asr's utterances and text-only sums, with the source files of
+# recipes/conf/conversations_whisper.yaml (recipes/make_conversations.py), in data/conversations.
+conversations: corpus-asr
+	$(PY) recipes/make_conversations.py --corpus $(CORPUS)_asr --out data/conversations
 
 # A small random-init Hugging Face decoder (Qwen2-shaped) with a byte-level tokenizer and ChatML,
 # for recipes/train_asr_hf.yaml (model.pretrained_llm=data/hf/qwen2_asr). One made by an older

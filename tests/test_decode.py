@@ -65,7 +65,7 @@ def decode_through_training_forward(
             torch.tensor([tokens]),
             torch.tensor([len(tokens)]),
             torch.tensor([prompt.prefix_len]),
-            torch.tensor([prompt.answer_start]),
+            torch.arange(len(tokens))[None, :] >= prompt.answer_start,
         )
         seq_len = host_seq_len(batch, model)
         x, layout = embed_inputs(model.encoder, model.projector, model.llm.embed, batch, seq_len)
@@ -137,10 +137,12 @@ def test_the_loss_covers_the_answer_and_the_audio_sits_at_the_placeholder(chat_m
     )
     token_lens = torch.tensor([len(e.tokens) for e in examples])
     prefix_lens = torch.tensor([e.prefix_len for e in examples])
-    answer_starts = torch.tensor([e.answer_start for e in examples])
+    target_mask = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(e.target_mask()) for e in examples], batch_first=True
+    )
     audio_lens = torch.tensor([7, 3])
     seq_len = int((audio_lens + token_lens).max()) + 5
-    layout = sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, answer_starts)
+    layout = sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, target_mask)
     for row, (example, audio) in enumerate(zip(examples, audio_lens.tolist(), strict=True)):
         start = example.prefix_len
         assert layout.is_audio[row].nonzero().flatten().tolist() == list(
@@ -149,6 +151,4 @@ def test_the_loss_covers_the_answer_and_the_audio_sits_at_the_placeholder(chat_m
         labels = layout.labels[row][layout.labels[row] != IGNORE_INDEX].tolist()
         assert labels == example.tokens[example.answer_start :]
         assert text.decode(labels) in ("hello world", "a much longer transcript here")
-    assert int(loss_targets(token_lens, answer_starts)) == int(
-        (layout.labels != IGNORE_INDEX).sum()
-    )
+    assert int(loss_targets(token_lens, target_mask)) == int((layout.labels != IGNORE_INDEX).sum())

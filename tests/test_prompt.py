@@ -22,7 +22,7 @@ import pytest
 from lhotse import MonoCut, SupervisionSegment
 
 from recipes.pretrained import SMOLLM2
-from tests.harness.hf_tiny import TOKENIZER_FAMILIES, save_tiny_tokenizer
+from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tokenizer
 from tests.harness.models import pretrained_model
 from train.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, load_tokenizer
 from train.source_cuts import transcript as transcript_of
@@ -30,13 +30,6 @@ from train.source_cuts import transcript as transcript_of
 # The tiny families, then SmolLM2's real tokenizer.
 FAMILIES = (*TOKENIZER_FAMILIES, "smollm2")
 CHAT_TOKENIZER_FAMILIES = ("llama", "qwen2", "qwen3", "smollm2")
-END_OF_TURN = {
-    "llama": "<|eot_id|>",
-    "qwen2": "<|im_end|>",
-    "qwen3": "<|im_end|>",
-    "plain": "</s>",
-    "smollm2": "<|im_end|>",
-}
 # The system message a template writes when the conversation has none.
 DEFAULT_SYSTEM = {
     "qwen2": "You are a helpful assistant.",

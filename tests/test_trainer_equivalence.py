@@ -44,6 +44,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tests.harness.conversations import conversation_mixture
 from tests.harness.training import metrics, train_together
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,10 @@ class Case:
     overrides: tuple[str, ...]
     # Largest share of the reference's parameter bytes the busiest rank may hold (1: replicas).
     shard_fraction: float = 0.55
+    # Trained on the corpus's speech mixed with spoken conversations and text-only pairs, and
+    # validated on conversation and text sets (tests/harness/conversations.py): batches and
+    # ranks with no audio at all, losses over several answers per example.
+    mixture: bool = False
 
 
 CASES = {
@@ -117,6 +122,14 @@ CASES = {
     "ep2": Case(MOE, 2, 2, ("parallel.dp_shard=2", "parallel.ep=2")),
     "ep2_tp2": Case(MOE, 4, 2, ("parallel.dp_shard=2", "parallel.tp=2", "parallel.ep=2")),
     "pp2_ep2": Case(MOE, 4, 2, ("parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2")),
+    # Conversations and text-only examples mixed with speech, at each kind of parallelism.
+    "mix_fsdp2": Case(DENSE, 2, 2, ("parallel.dp_shard=2",), mixture=True),
+    "mix_tp2": Case(
+        DENSE, 2, 1, ("parallel.tp=2", "parallel.dp_shard=1"), shard_fraction=0.8, mixture=True
+    ),
+    "mix_cp2": Case(DENSE, 2, 1, ("parallel.cp=2", "parallel.dp_shard=1"), mixture=True),
+    "mix_pp2": Case(DENSE, 2, 1, ("parallel.pp=2",), shard_fraction=0.7, mixture=True),
+    "mix_ep2": Case(MOE, 2, 2, ("parallel.dp_shard=2", "parallel.ep=2"), mixture=True),
     # The GPU recipes' path compiled: full AC under TP, the combination that once failed in AOT
     # autograd, on 2 ranks (FSDP's hooks run in eager around the compiled blocks: fsdp2_tp2
     # above). Dynamo's tracing and AOT autograd without inductor's code generation, which costs
@@ -239,28 +252,38 @@ def run_log(log: str, run_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    """One single-process run per (model, batches per step), all made in one process on first
-    use."""
-    runs: dict[tuple[str, int], Trained] = {}
+def data_overrides(tmp_path_factory, corpus):
+    """The overrides that read the corpus (none) or the mixture, and validate on its sets."""
+    mixture, sets = conversation_mixture(corpus, tmp_path_factory.mktemp("mixture"))
+    return {False: (), True: (f"data.input_cfg={mixture}", f"eval.sets={sets}")}
 
-    def get(preset: str, batches: int) -> Trained:
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, data_overrides):
+    """One single-process run per (model, batches per step, data), all made in one process on
+    first use."""
+    runs: dict[tuple[str, int, bool], Trained] = {}
+
+    def get(preset: str, batches: int, mixture: bool) -> Trained:
         if not runs:
-            wanted = {(c.preset, c.batches_per_step) for c in CASES.values()}
+            wanted = {(c.preset, c.batches_per_step, c.mixture) for c in CASES.values()}
             trained = train_cases(
                 tmp_path_factory.mktemp("reference") / "runs",
                 corpus,
                 1,
-                {f"{p}-{n}": (p, (f"train.grad_accum={n}",)) for p, n in sorted(wanted)},
+                {
+                    f"{p}-{n}-{m}": (p, (f"train.grad_accum={n}", *data_overrides[m]))
+                    for p, n, m in sorted(wanted)
+                },
             )
-            runs.update({(p, n): trained[f"{p}-{n}"] for p, n in wanted})
-        return runs[preset, batches]
+            runs.update({(p, n, m): trained[f"{p}-{n}-{m}"] for p, n, m in wanted})
+        return runs[preset, batches, mixture]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory, corpus):
+def layouts(tmp_path_factory, corpus, data_overrides):
     """Every case of one world size trained by one process group, on first use."""
     runs: dict[str, Trained] = {}
 
@@ -269,7 +292,10 @@ def layouts(tmp_path_factory, corpus):
         if name in runs:
             return runs[name]
         same_world = {o: c for o, c in CASES.items() if c.nproc == case.nproc}
-        group = {other: (c.preset, c.overrides) for other, c in same_world.items()}
+        group = {
+            other: (c.preset, (*c.overrides, *data_overrides[c.mixture]))
+            for other, c in same_world.items()
+        }
         where = tmp_path_factory.mktemp(f"layouts-{name}")
         runs.update(train_cases(where / "runs", corpus, case.nproc, group))
         return runs[name]
@@ -280,7 +306,7 @@ def layouts(tmp_path_factory, corpus):
 @pytest.mark.parametrize("name", CASES)
 def test_layout_trains_like_one_process(name, reference, layouts):
     case = CASES[name]
-    want = reference(case.preset, case.batches_per_step)
+    want = reference(case.preset, case.batches_per_step, case.mixture)
     got = layouts(name)
 
     assert [s["step"] for s in want.steps] == list(range(1, STEPS + 1))

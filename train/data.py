@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -64,6 +64,7 @@ from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
+from train.conversation import Turn, conversation_of
 from train.features import BadCut, Extractor, Featurizer
 from train.prompt import Encoded
 from train.seeding import mixture_seed, rank_data_seed, sampler_seed, seed_everything
@@ -132,13 +133,15 @@ class TextCodec(Protocol):
 
     def example(self, text: str) -> Encoded: ...
 
+    def conversation(self, turns: Sequence[Turn]) -> Encoded: ...
+
 
 class SpeechDataset(torch.utils.data.Dataset):
     """Turns a CutSet chosen by the sampler into padded tensors, in a dataloader worker.
 
     Returns ``features`` (B, T, bins) float32 padded with zeros, ``feature_lens`` (B,),
     ``tokens`` (B, L) int64 padded with ``pad_id``, ``token_lens`` (B,), where the audio goes
-    (``prefix_lens``, B) and the answer starts (``answer_starts``, B), ``cut_ids``, each
+    (``prefix_lens``, B) and which tokens the loss covers (``target_mask``, B, L), ``cut_ids``, each
     cut's ``sources`` name, and one line for each ``skipped`` cut (cut, reason, source).
 
     Features come from ``featurize`` (``train.features``): the corpus's stored fbank, or
@@ -156,7 +159,11 @@ class SpeechDataset(torch.utils.data.Dataset):
         features, examples, kept, skipped = [], [], [], []
         for cut in cuts:
             try:
-                example = self.text.for_tags(tags_of(cut)).example(transcript(cut))
+                codec, turns = self.text.for_tags(tags_of(cut)), conversation_of(cut.custom)
+                if turns is None:
+                    example = codec.example(transcript(cut))
+                else:
+                    example = codec.conversation(turns)
                 features.append(torch.from_numpy(self.featurize(cut)))
             except ValueError as error:  # BadCut, or a text the codec refuses
                 why = str(error) if isinstance(error, BadCut) else f"cut {cut.id}: {error}"
@@ -182,8 +189,9 @@ class SpeechDataset(torch.utils.data.Dataset):
             "prefix_lens": torch.tensor(
                 [e.prefix_len for e in examples], dtype=torch.int64, device="cpu"
             ),
-            "answer_starts": torch.tensor(
-                [e.answer_start for e in examples], dtype=torch.int64, device="cpu"
+            "target_mask": pad_sequence(
+                [torch.tensor(e.target_mask(), dtype=torch.bool, device="cpu") for e in examples],
+                batch_first=True,
             ),
             "cut_ids": [cut.id for cut in kept],
             "sources": [source_of(cut) for cut in kept],

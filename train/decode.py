@@ -17,7 +17,7 @@ broadcasts the chosen tokens back to every stage, whose KV caches then take the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.utils.rnn import pad_sequence
 
 from train.models.kv_cache import KVCache
 from train.models.salm import (
@@ -34,6 +35,7 @@ from train.models.salm import (
     SALM,
     ByteTokenizer,
     audio_positions,
+    encode_audio,
     longest_example,
     packed_length,
     splice,
@@ -66,15 +68,15 @@ BYTE_PROMPT = ByteTokenizer().generation_prompt()
 
 
 def prompt_layout(
-    model: nn.Module, feature_lens: torch.Tensor, prompt: Encoded = BYTE_PROMPT
+    model: nn.Module, feature_lens: torch.Tensor, prompts: list[Encoded]
 ) -> tuple[int, torch.Tensor]:
-    """The prompt length (the prompt's tokens around each sequence's audio, rounded up to the
-    sequence multiple of ``model``, whole or a stage) and where each sequence's first real
-    position is: known from the lengths alone, on every pipeline stage."""
+    """The prompt length (each sequence's prompt tokens around its audio, the longest rounded
+    up to the sequence multiple of ``model``, whole or a stage) and where each sequence's first
+    real position is: known from the lengths alone, on every pipeline stage."""
     audio_lens = audio_positions(model.cfg, feature_lens)
-    text = torch.full_like(audio_lens, len(prompt.tokens))
+    text = torch.tensor([len(p.tokens) for p in prompts], device=audio_lens.device)
     length = packed_length(longest_example(audio_lens, text), model.seq_multiple)
-    return length, length - len(prompt.tokens) - audio_lens
+    return length, length - text - audio_lens
 
 
 def prompt_embeddings(
@@ -82,20 +84,24 @@ def prompt_embeddings(
     features: torch.Tensor,
     feature_lens: torch.Tensor,
     length: int,
-    prompt: Encoded = BYTE_PROMPT,
+    prompts: list[Encoded],
 ) -> torch.Tensor:
     """Left-padded prompts (B, length, d): each sequence's prompt tokens before the audio, its
-    audio, then the prompt's tokens after it (the byte tokenizer's: the audio, then BOS)."""
-    audio, audio_lens = model.projector(*model.encoder(features, feature_lens))
-    device, before = audio.device, prompt.prefix_len
-    starts = length - len(prompt.tokens) - audio_lens
+    audio, then its prompt's tokens after it (the byte tokenizer's: the audio, then BOS)."""
+    audio, audio_lens = encode_audio(model.encoder, model.projector, features, feature_lens)
+    device = audio.device
+    before = torch.tensor([p.prefix_len for p in prompts], device=device)[:, None]
+    text_lens = torch.tensor([len(p.tokens) for p in prompts], device=device)
+    starts = length - text_lens - audio_lens
     column = torch.arange(length, device=device)[None, :] - starts[:, None]  # in the sequence
     is_audio = (column >= before) & (column < before + audio_lens[:, None])
     is_text = (column >= 0) & ~is_audio
     text_index = torch.where(column < before, column, column - audio_lens[:, None])
-    text_index = text_index.clamp(0, len(prompt.tokens) - 1)
-    text = model.llm.embed(torch.tensor([prompt.tokens], device=device)).expand(len(audio), -1, -1)
-    return splice(audio, text, column - before, text_index, is_audio, is_text)
+    text_index = text_index.clamp(0, int(text_lens.max()) - 1)
+    tokens = pad_sequence(
+        [torch.tensor(p.tokens, device=device) for p in prompts], batch_first=True
+    )
+    return splice(audio, model.llm.embed(tokens), column - before, text_index, is_audio, is_text)
 
 
 @contextmanager
@@ -158,27 +164,32 @@ def greedy_decode(
     use_cache: bool = True,
     batch_multiple: int = 1,
     stages: Stages | None = None,
-    prompt: Encoded = BYTE_PROMPT,
+    prompt: Encoded | Sequence[Encoded] = BYTE_PROMPT,
     eos_ids: frozenset[int] = ByteTokenizer.eos_ids,
 ) -> list[list[int]]:
     """The generated token ids of each sequence (up to its first of ``eos_ids``, excluded),
-    after ``prompt`` around its audio (a generation prompt). ``any_active(mine)`` tells
+    after ``prompt`` around its audio (a generation prompt; or one per sequence, e.g. each
+    conversation so far). ``any_active(mine)`` tells
     whether any rank still has a sequence to finish; ``use_cache=False`` recomputes the whole
     sequence at each step (the baseline the cache is measured against; whole models only).
     Under TP the batch, which decoding steps lay out as the sequence, is padded to a multiple of
     the TP degree (``batch_multiple``) with copies of its first sequence. ``stages``: this
     rank's pipeline stage, with ``model`` its part."""
     real = len(features)
+    prompts = [prompt] * real if isinstance(prompt, Encoded) else list(prompt)
+    if len(prompts) != real:
+        raise ValueError(f"greedy_decode: {len(prompts)} prompts for {real} sequences")
     extra = -real % batch_multiple
     if extra:
         features = torch.cat([features, features[:1].expand(extra, -1, -1)])
         feature_lens = torch.cat([feature_lens, feature_lens[:1].expand(extra)])
-    length, starts = prompt_layout(model, feature_lens, prompt)
+        prompts += [prompts[0]] * extra
+    length, starts = prompt_layout(model, feature_lens, prompts)
     generated = _Generated(len(features), max_new_tokens, eos_ids, any_active, features.device)
     with gathered_root(model):
         x = None
         if model.encoder is not None:
-            x = prompt_embeddings(model, features, feature_lens, length, prompt)
+            x = prompt_embeddings(model, features, feature_lens, length, prompts)
         _decode_steps(model, x, length, starts, generated, use_cache, stages)
     return generated.rows(real)
 

@@ -52,6 +52,7 @@ from contract.job_end import EXIT_CONFIG
 from contract.run_dir import EVAL_DIR, step_name
 from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig
+from train.conversation import conversation_of
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
 from train.features import BadCut, Extractor, Featurizer, extractor_of
@@ -64,9 +65,15 @@ from train.models.shape import SALMConfig
 from train.normalizers import DEFAULT_NORMALIZER, normalizer
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
-from train.prompt import ChatPrompt
+from train.prompt import ChatPrompt, Encoded
 from train.saved_run import find_checkpoint, saved_model, saved_state
-from train.source_cuts import SourceCheck, check_sources, load_source_cuts, transcript
+from train.source_cuts import (
+    SourceCheck,
+    check_sources,
+    load_source_cuts,
+    tags_of,
+    transcript,
+)
 from train.sources import Source, check_prompt_tags, read_sources
 from train.text import text_codec
 from train.trainer import init_distributed, say
@@ -296,10 +303,19 @@ class Evaluation:
             use_cache=self.cfg.kv_cache,
             batch_multiple=self.plan.dims.tp,
             stages=self.stages,
-            prompt=text.generation_prompt(),
+            prompt=[self.prompt(cut, text) for cut in kept],
             eos_ids=text.eos_ids,
         )
         return [(cut, text.decode(row)) for cut, row in zip(kept, ids, strict=True)], unusable
+
+    @staticmethod
+    def prompt(cut: Cut, text: ByteTokenizer | ChatPrompt) -> Encoded:
+        """What decoding feeds for ``cut``: its conversation up to its last assistant turn,
+        or the set's generation prompt around a speech cut's audio."""
+        turns = conversation_of(cut.custom)
+        if turns is None:
+            return text.generation_prompt()
+        return text.for_tags(tags_of(cut)).conversation(turns).up_to_answer()
 
     def decode_set(self, eval_set: EvalSet) -> tuple[Decoded, float]:
         """This rank's share of the set, decoded, and the seconds it took."""

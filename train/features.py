@@ -117,7 +117,10 @@ class Featurizer:
         return OWN_RATE if self._fbank is not None else int(self.hf.sampling_rate)
 
     def __call__(self, cut: Cut) -> np.ndarray:
-        """(frames, bins) float32 for ``cut``; ``BadCut`` when it cannot be made."""
+        """(frames, bins) float32 for ``cut``; ``BadCut`` when it cannot be made. A cut with
+        neither audio nor features (a text-only conversation) has no frames."""
+        if not cut.has_recording and not cut.has_features:
+            return np.zeros((0, self.bins), dtype=np.float32)
         if self.extractor.uses_stored and cut.has_features:
             try:
                 return np.asarray(cut.load_features(), dtype=np.float32)

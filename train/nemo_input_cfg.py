@@ -20,6 +20,13 @@ A NeMo speechlm2 user's data config is a list of entries with a ``type``
   ``audio__OP_0..N_CL_.tar`` paired by the number in their names (or one manifest whose lines
   carry ``shard_id``); members matched to lines by name (``train.nemo_manifest``).
 - ``type: group``: a nested ``input_cfg`` (a list, or a YAML file of one).
+- ``type: multimodal_conversation``, ``share_gpt`` (``manifest_filepath``; ShareGPT's
+  ``audio_placeholders``) and ``nemo_sft_jsonl`` (``paths``): JSON-lines conversations, read by
+  ``train.conversation_cuts``; ``tags.system_prompt`` is the system text of conversations
+  without one. ``type: txt_pair`` (``source_paths``, ``target_paths``, ``questions_path``):
+  text pairs. Their ``audio_locator_tag`` (the trainer places audio itself),
+  ``token_equivalent_duration`` (a text's share of the batch budget comes from its characters)
+  and ``*_language`` keys are accepted and have no effect.
 - on every entry: ``weight`` (all entries of a list, or none: equal shares), ``tags`` (a
   mapping put on each cut; a group's tags override its members', as NeMo applies them last).
 
@@ -44,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from train.conversation import CONVERSATIONS_KIND, TEXT_PAIRS_KIND
 from train.storage import is_url
 
 TYPE = "type"
@@ -57,21 +65,42 @@ TYPE_KEYS: dict[str, frozenset[str]] = {
     "nemo": frozenset({"manifest_filepath", "text_field", "lang_field", *TARRED_KEYS}),
     "nemo_tarred": frozenset({"manifest_filepath", "text_field", "lang_field", *TARRED_KEYS}),
     "group": frozenset({"input_cfg"}),
+    "multimodal_conversation": frozenset(
+        {"manifest_filepath", "audio_locator_tag", "token_equivalent_duration"}
+    ),
+    "share_gpt": frozenset(
+        {
+            "manifest_filepath",
+            "audio_locator_tag",
+            "audio_placeholders",
+            "token_equivalent_duration",
+        }
+    ),
+    "nemo_sft_jsonl": frozenset({"paths", "language"}),
+    "txt_pair": frozenset(
+        {
+            "source_paths",
+            "target_paths",
+            "questions_path",
+            "source_language",
+            "target_language",
+            "questions_language",
+        }
+    ),
+}
+# The NeMo types whose examples are conversations or text (train.conversation_cuts reads them),
+# and the key naming each one's JSON-lines files.
+CONVERSATION_TYPES = {
+    "multimodal_conversation": "manifest_filepath",
+    "share_gpt": "manifest_filepath",
+    "nemo_sft_jsonl": "paths",
 }
 COMMON_KEYS = frozenset({TYPE, "weight", "tags"})
 # NeMo keys whose work the trainer does its own way (module docstring).
 NO_EFFECT_KEYS = frozenset({"shuffle", "shard_seed", "max_open_streams", "force_finite"})
-# NeMo's other types: conversations and text come with the next data issue; tarred manifests
-# with object storage.
-LATER_TYPES = (
-    "txt",
-    "txt_pair",
-    "nemo_sft_jsonl",
-    "share_gpt",
-    "multimodal_conversation",
-    "lhotse_as_conversation",
-    "s2s_as_conversation",
-)
+# NeMo's other types: plain text (language-model lines, no conversation) and the conversions
+# of speech data into conversations, which its own prompt formats define.
+LATER_TYPES = ("txt", "lhotse_as_conversation", "s2s_as_conversation")
 NEMO_KIND = "nemo"  # the Source kind of NeMo manifests (train.source_cuts reads them)
 NEMO_TARRED_KIND = "nemo_tarred"  # NeMo manifests with their audio in tar shards
 # How NeMo pairs a manifest shard with a tar shard: the number in each file's name.
@@ -127,6 +156,11 @@ def _entry(entry: object, where: str, cwd: Path) -> dict:
         raise NemoConfigError(f"{where}: tags must be a mapping (key: value)")
     if kind == "group":
         translated = {"sources": _group_members(entry, where, cwd)}
+    elif kind in CONVERSATION_TYPES or kind == "txt_pair":
+        translated = _conversations(entry, where, cwd)
+        if "system_prompt" in tags:  # NeMo's system text of a conversation source
+            rest = {key: value for key, value in tags.items() if key != "system_prompt"}
+            tags = {**rest, "system": tags["system_prompt"]}
     elif kind in ("nemo", NEMO_TARRED_KIND):
         translated = _nemo(entry, where, cwd)
     else:
@@ -221,6 +255,46 @@ def _nemo(entry: dict, where: str, cwd: Path) -> dict:
             )
         return {"sources": members}
     raise NemoConfigError(f"{where}: type nemo needs manifest_filepath (a file or a list of them)")
+
+
+def _conversations(entry: dict, where: str, cwd: Path) -> dict:
+    """A conversation or text-pair entry as one ``conversations`` or ``text_pairs`` source; its
+    files in NeMo's shard syntax (a string) or as a list."""
+    kind = entry[TYPE]
+    if kind == "txt_pair":
+        sources = _files(entry.get("source_paths"), where, cwd, "source_paths")
+        targets = _files(entry.get("target_paths"), where, cwd, "target_paths")
+        if len(sources) != len(targets):
+            raise NemoConfigError(
+                f"{where}: {len(sources)} source_paths but {len(targets)} target_paths; each "
+                "source file needs its target file"
+            )
+        translated: dict[str, Any] = {
+            TEXT_PAIRS_KIND: [str(p) for p in sources + targets],
+            "name": str(entry["source_paths"]),
+        }
+        if entry.get("questions_path"):
+            questions = _existing(str(entry["questions_path"]), cwd, where)
+            translated["reader"] = {"questions": str(questions)}
+        return translated
+    key = CONVERSATION_TYPES[kind]
+    translated = {
+        CONVERSATIONS_KIND: [str(p) for p in _files(entry.get(key), where, cwd, key)],
+        "name": str(entry.get(key)),
+    }
+    if "audio_placeholders" in entry:
+        marks = entry["audio_placeholders"]
+        translated["reader"] = {"placeholders": [marks] if isinstance(marks, str) else list(marks)}
+    return translated
+
+
+def _files(given: Any, where: str, cwd: Path, key: str) -> list[Path]:
+    """A key's files: NeMo's shard syntax in a string, or a list of such strings."""
+    if isinstance(given, str):
+        return _expanded(given, cwd, where)
+    if isinstance(given, list) and given and all(isinstance(item, str) for item in given):
+        return [path for item in given for path in _expanded(item, cwd, where)]
+    raise NemoConfigError(f"{where}: {key} must be a file (NeMo's shard syntax) or a list of them")
 
 
 def _weighted(items: list, where: str, key: str) -> list[tuple[str, float | None]]:

@@ -38,7 +38,7 @@ def audio_path(given: str, manifest: Path) -> Path:
     return beside if beside.exists() else path
 
 
-def _recording(audio: Path, rate: Any, seconds: float) -> Recording:
+def recording_of(audio: Path, rate: Any, seconds: float) -> Recording:
     """The recording of a manifest line: from the file's header, or without reading it when
     the line gives its rate (NeMo's way), or a placeholder for a missing file."""
     if rate is None and audio.is_file():
@@ -60,7 +60,7 @@ def nemo_cut(
     duration is a ValueError naming the manifest."""
     data, given, duration, offset = _fields(line, manifest)
     audio = audio_path(given, manifest)
-    recording = _recording(audio, data.pop("sampling_rate", None), offset + duration)
+    recording = recording_of(audio, data.pop("sampling_rate", None), offset + duration)
     return _cut(recording, recording.id, data, offset, duration, text_field, lang_field)
 
 
@@ -109,7 +109,7 @@ def _cut(
     )
 
 
-def _json_lines(path: Path) -> Iterator[dict[str, Any]]:
+def json_lines(path: Path) -> Iterator[dict[str, Any]]:
     """A manifest's lines (``_skipme`` ones left out); a line that is not JSON names itself."""
     opener: Any = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as lines:
@@ -134,7 +134,7 @@ class NemoManifestCuts:
 
     def __iter__(self) -> Iterator[MonoCut]:
         for path in self.paths:
-            for line in _json_lines(path):
+            for line in json_lines(path):
                 yield nemo_cut(line, path, self.text_field, self.lang_field)
 
 
@@ -169,7 +169,7 @@ class NemoTarredCuts:
         if self.layout == "single":
             manifest, *tars = self.paths
             by_shard: dict[int, list] = {}
-            for line in _json_lines(manifest):
+            for line in json_lines(manifest):
                 by_shard.setdefault(int(line["shard_id"]), []).append(line)
             for tar in tars:
                 match = TAR_SHARD.search(tar.name)
@@ -177,7 +177,7 @@ class NemoTarredCuts:
                 yield manifest, tar, by_shard.get(int(match.group(1)), [])
             return
         for manifest, tar in zip(self.paths[::2], self.paths[1::2], strict=True):
-            yield manifest, tar, list(_json_lines(manifest))
+            yield manifest, tar, list(json_lines(manifest))
 
     def __iter__(self) -> Iterator[MonoCut]:
         for manifest, tar, lines in self.shards():

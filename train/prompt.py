@@ -35,11 +35,12 @@ up to the assistant's answer (``{bos}{system}\\n{message}\\n`` in the plain form
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from train.conversation import ASSISTANT, SYSTEM, ConversationError, Turn, messages
 from train.models.hf_config import FETCH_HINT
 from train.sources import prompt_of
 
@@ -57,11 +58,44 @@ PROBES = ("probe transcript one", "another probe 2")
 
 @dataclass(frozen=True)
 class Encoded:
-    """Token ids of one example, the audio placeholder removed."""
+    """Token ids of one example, the audio placeholder removed, and the token ranges the loss
+    covers (``spans``: the assistant's turns; none in a generation prompt).
+
+    The loss on token ``i`` is predicted at the position before it; the token right after the
+    audio would be predicted at the audio's last frame, which the model's layout does not label,
+    so it is never a target (a chat template puts the end of the user's turn there)."""
 
     tokens: list[int]
-    prefix_len: int  # tokens before the audio: the placeholder's index
-    answer_start: int  # index of the first token the loss covers; always > prefix_len
+    prefix_len: int  # tokens before the audio: the placeholder's index (0 for text only)
+    spans: tuple[tuple[int, int], ...] = ()  # [start, end) token ranges the loss covers
+
+    def __post_init__(self) -> None:
+        previous = 0
+        for start, end in self.spans:
+            if not previous < start < end <= len(self.tokens) or start <= self.prefix_len < end:
+                raise ValueError(
+                    f"loss spans {self.spans} of {len(self.tokens)} tokens must be ordered, "
+                    f"non-empty, after the first token and not start at the audio "
+                    f"({self.prefix_len})"
+                )
+            previous = end - 1
+
+    @property
+    def answer_start(self) -> int:
+        """The first token of the last span (the answer decoding writes); the end of a
+        generation prompt."""
+        return self.spans[-1][0] if self.spans else len(self.tokens)
+
+    def up_to_answer(self) -> Encoded:
+        """What decoding feeds to write the last answer: the tokens before it."""
+        return Encoded(self.tokens[: self.answer_start], self.prefix_len)
+
+    def target_mask(self) -> list[bool]:
+        """For each token, whether the loss covers it."""
+        mask = [False] * len(self.tokens)
+        for start, end in self.spans:
+            mask[start:end] = [True] * (end - start)
+        return mask
 
 
 def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
@@ -208,16 +242,7 @@ class ChatPrompt:
             if start < 0:
                 raise ValueError(f"{self.template_name} changes the transcript {probe!r}")
             prefix, rest = text[:start], text[start + len(probe) :]
-            # The first special token after the transcript (the longest one if several start there).
-            found = [
-                (rest.find(token), -len(token), token) for token in self.specials if token in rest
-            ]
-            if found:
-                at, _, token = min(found)
-                end_text = rest[: at + len(token)]
-            else:
-                end_text = self.tokenizer.eos_token
-            pieces.add((prefix, end_text))
+            pieces.add((prefix, self.end_of_turn(rest) or self.tokenizer.eos_token))
         if len(pieces) != 1:
             raise ValueError(
                 f"{self.template_name} renders different prompts for different transcripts"
@@ -230,6 +255,15 @@ class ChatPrompt:
             )
         before, after = prefix.split(AUDIO_TOKEN)
         return before, after, end_text
+
+    def end_of_turn(self, rest: str) -> str | None:
+        """What the template writes after an answer up to and including the first special
+        token there (the longest one if several start there), or None without one."""
+        found = [(rest.find(token), -len(token), token) for token in self.specials if token in rest]
+        if not found:
+            return None
+        at, _, token = min(found)
+        return rest[: at + len(token)]
 
     def for_tags(self, tags: Mapping[str, Any]) -> ChatPrompt:
         """The prompt a cut's source tags ask for (``prompt:``/``system:``, train/sources.py):
@@ -254,14 +288,87 @@ class ChatPrompt:
                     f"the transcript {transcript[:80]!r} contains the special token {token}"
                 )
         answer = self.tokenize(transcript + self.end_text)
-        prefix_len = len(self.before)
-        answer_start = prefix_len + len(self.after)
-        return Encoded(self.before + self.after + answer, prefix_len, answer_start)
+        tokens = self.before + self.after + answer
+        answer_start = len(self.before) + len(self.after)
+        return Encoded(tokens, len(self.before), ((answer_start, len(tokens)),))
+
+    def conversation(self, turns: Sequence[Turn]) -> Encoded:
+        """A conversation as a training example (``train.conversation``): the template's
+        rendering, the audio where its turn is, the loss on each assistant message and its end
+        of turn; the system text of this prompt's tags when the conversation has none."""
+        for turn in turns:
+            for token in (AUDIO_TOKEN, *self.specials):
+                if token in turn.text:
+                    raise ConversationError(
+                        f"the {turn.role}'s text {turn.text[:80]!r} contains the special "
+                        f"token {token}"
+                    )
+        chat = [
+            {"role": message.role, "content": message.content(AUDIO_TOKEN)}
+            for message in messages(turns)
+        ]
+        if chat[0]["role"] != SYSTEM and self.system is not None:
+            chat.insert(0, {"role": SYSTEM, "content": self.system})
+        tokens: list[int] = []
+        spans, prefix_len = [], 0
+        for text, is_answer in self.conversation_pieces(chat):
+            if is_answer:
+                ids = self.tokenize(text)
+                spans.append((len(tokens), len(tokens) + len(ids)))
+                tokens += ids
+            elif AUDIO_TOKEN in text:
+                before, after = text.split(AUDIO_TOKEN)
+                tokens += self.tokenize(before)
+                prefix_len = len(tokens)
+                tokens += self.tokenize(after)
+            else:
+                tokens += self.tokenize(text)
+        return Encoded(tokens, prefix_len, tuple(spans))
+
+    def conversation_pieces(self, chat: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, whether the loss covers it) pieces, up to the
+        end of the last assistant message's turn. Each assistant message is found by rendering
+        the conversation up to it with and without it: the template must render the earlier
+        messages the same way every time and keep the assistant's text as given."""
+        if self.tokenizer.chat_template is None:  # the plain format (module docstring)
+            pieces, head = [], self.tokenizer.bos_token or ""
+            for message in chat:
+                if message["role"] == ASSISTANT:
+                    pieces += [(head, False), (message["content"] + self.tokenizer.eos_token, True)]
+                    head = ""
+                else:
+                    head += message["content"] + "\n"
+            return pieces
+        pieces, done = [], ""
+        last = max(i for i, message in enumerate(chat) if message["role"] == ASSISTANT)
+        for index, message in enumerate(chat):
+            if message["role"] != ASSISTANT:
+                continue
+            head = self.tokenizer.apply_chat_template(
+                chat[:index], tokenize=False, add_generation_prompt=True
+            )
+            whole = self.tokenizer.apply_chat_template(chat[: index + 1], tokenize=False)
+            content = message["content"]
+            if not head.startswith(done) or not whole.startswith(head + content):
+                raise ConversationError(
+                    f"{self.template_name} renders a conversation's earlier messages or the "
+                    f"assistant's text {content[:60]!r} differently as it goes on; such a "
+                    "template cannot mark the assistant's turns"
+                )
+            end = self.end_of_turn(whole[len(head) + len(content) :])
+            if end is None and index != last:
+                raise ConversationError(
+                    f"{self.template_name} ends an assistant turn with no special token; "
+                    "train on conversations with one assistant turn"
+                )
+            answer = content + (end if end is not None else self.tokenizer.eos_token)
+            pieces += [(head[len(done) :], False), (answer, True)]
+            done = head + answer
+        return pieces
 
     def generation_prompt(self) -> Encoded:
         """What decoding feeds: example()'s tokens up to answer_start (answer_start == len)."""
-        tokens = self.before + self.after
-        return Encoded(tokens, len(self.before), len(tokens))
+        return Encoded(self.before + self.after, len(self.before))
 
     def decode(self, ids: list[int]) -> str:
         """Answer ids as text: cut at the first eos id, special tokens skipped, stripped."""

@@ -31,6 +31,15 @@ from lhotse.cut import Cut
 from lhotse.lazy import LazyIteratorMultiplexer
 from lhotse.utils import streaming_shuffle
 
+from train.conversation import (
+    CONVERSATIONS_KIND,
+    TEXT_PAIRS_KIND,
+    ConversationError,
+    answer,
+    conversation_of,
+    messages,
+)
+from train.conversation_cuts import ConversationCuts, TextPairCuts
 from train.features import AudioLimits
 from train.nemo_input_cfg import NEMO_KIND, NEMO_TARRED_KIND
 from train.nemo_manifest import NemoManifestCuts, NemoTarredCuts
@@ -61,6 +70,10 @@ def load_source_cuts(source: Source, metadata_only: bool = False) -> CutSet:
         cuts = CutSet(NemoManifestCuts(source.paths, **source.reader))
     elif source.kind == NEMO_TARRED_KIND:
         cuts = CutSet(NemoTarredCuts(source.paths, **source.reader, metadata_only=metadata_only))
+    elif source.kind == CONVERSATIONS_KIND:
+        cuts = CutSet(ConversationCuts(source.paths, **source.reader))
+    elif source.kind == TEXT_PAIRS_KIND:
+        cuts = CutSet(TextPairCuts(source.paths, **source.reader))
     else:
         recordings = RecordingSet.from_file(source.paths[0])
         supervisions = SupervisionSet.from_file(source.paths[1])
@@ -91,6 +104,11 @@ def tags_of(cut: Cut) -> dict:
 
 
 def transcript(cut: Cut) -> str:
+    """What the model learns to write for ``cut``: its supervisions' text, or a conversation's
+    last assistant turn (``train.conversation``)."""
+    turns = conversation_of(cut.custom)
+    if turns is not None:
+        return answer(turns)
     return " ".join((s.text or "").strip() for s in cut.supervisions).strip()
 
 
@@ -117,6 +135,12 @@ class SourceCheck:
 
 def problem(cut: Cut, max_duration: float | None, limits: AudioLimits) -> str | None:
     """Why no batch can use ``cut`` (from its metadata and whether its files exist), or None."""
+    try:
+        turns = conversation_of(cut.custom)
+        if turns is not None:
+            messages(turns)
+    except ConversationError as error:
+        return str(error)
     if not transcript(cut):
         return "empty transcript"
     if max_duration is not None and cut.duration > max_duration:
@@ -129,7 +153,7 @@ def problem(cut: Cut, max_duration: float | None, limits: AudioLimits) -> str | 
         for audio in cut.recording.sources:
             if audio.type == "file" and not Path(audio.source).is_file():
                 return "audio file missing"
-    if not cut.has_recording and not cut.has_features:
+    if not cut.has_recording and not cut.has_features and turns is None:
         return "neither audio nor features"
     return None
 

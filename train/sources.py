@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from train.conversation import CONVERSATIONS_KIND, TEXT_PAIRS_KIND
 from train.nemo_input_cfg import (
     NEMO_KIND,
     NEMO_TARRED_KIND,
@@ -52,10 +53,22 @@ from train.nemo_input_cfg import (
 from train.storage import StorageError, check_location, is_url
 
 # An entry's kind is the first of these keys it has (NeMo manifests only from a NeMo entry).
-KINDS = ("cuts", "shar", "recordings", NEMO_KIND, NEMO_TARRED_KIND)
+KINDS = ("cuts", "shar", "recordings", CONVERSATIONS_KIND, TEXT_PAIRS_KIND)
+NEMO_KINDS = (NEMO_KIND, NEMO_TARRED_KIND)
 GROUP = "sources"
 READER = "reader"  # how a kind's files are read (a NeMo manifest's text and language fields)
-KNOWN_KEYS = {*KINDS, "supervisions", GROUP, "weight", "name", "tags", READER}
+QUESTIONS = "questions"  # a text_pairs source's file of questions put before each source line
+KNOWN_KEYS = {
+    *KINDS,
+    *NEMO_KINDS,
+    "supervisions",
+    GROUP,
+    "weight",
+    "name",
+    "tags",
+    READER,
+    QUESTIONS,
+}
 PROMPT_TAGS = ("prompt", "system")
 
 
@@ -64,7 +77,7 @@ class Source:
     """One leaf source: where its cuts are, its share of the mixture and its tags."""
 
     name: str
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS or NEMO_KINDS
     # cut manifests, one Shar dir, or (recordings, supervisions); a str is an s3:// URL
     paths: tuple[Path | str, ...]
     weight: float = 1.0  # the probability of drawing from it (the product down the groups)
@@ -138,6 +151,13 @@ def _entries(
         kind, paths, shards = _locate(entry, base, where)
         name = str(entry.get("name") or _default_name(paths[0]))
         reader = dict(entry.get(READER) or {})
+        if QUESTIONS in entry:
+            if kind != TEXT_PAIRS_KIND:
+                raise SourceError(f"{where}: {QUESTIONS}: belongs to a {TEXT_PAIRS_KIND}: source")
+            questions = _resolve(base, str(entry[QUESTIONS]))
+            if not isinstance(questions, Path) or not questions.is_file():
+                raise SourceError(f"{where}: {QUESTIONS}: {questions} is not a local file")
+            reader[QUESTIONS] = str(questions)
         leaves.append(Source(name, kind, paths, share * weight / total, merged, reader, shards))
     return leaves
 
@@ -166,17 +186,23 @@ def _locate(
 ) -> tuple[str, tuple[Path | str, ...], dict[str, tuple[Path | str, ...]]]:
     """The kind, resolved paths and (a Shar given shard by shard) shards of a leaf entry; every
     path must exist."""
-    kinds = [kind for kind in KINDS if kind in entry]
+    kinds = [kind for kind in (*KINDS, *NEMO_KINDS) if kind in entry]
     if len(kinds) != 1:
-        raise SourceError(f"{where}: give exactly one of cuts:, shar:, recordings: or {GROUP}:")
+        raise SourceError(
+            f"{where}: give exactly one of {', '.join(f'{kind}:' for kind in KINDS)} or {GROUP}:"
+        )
     kind = kinds[0]
-    if kind == "cuts":
-        given = entry["cuts"] if isinstance(entry["cuts"], list) else [entry["cuts"]]
+    if kind in ("cuts", CONVERSATIONS_KIND):
+        given = entry[kind] if isinstance(entry[kind], list) else [entry[kind]]
+    elif kind == TEXT_PAIRS_KIND:
+        given = entry[kind]
+        if not isinstance(given, list) or len(given) != 2:
+            raise SourceError(f"{where}: {kind}: takes [source file, target file]")
     elif kind == "shar" and isinstance(entry["shar"], Mapping):
         return kind, *_shards(entry["shar"], base, where)
     elif kind == "shar":
         given = [entry["shar"]]
-    elif kind in (NEMO_KIND, NEMO_TARRED_KIND):
+    elif kind in NEMO_KINDS:
         given = list(entry[kind])
     else:
         if "supervisions" not in entry:
@@ -222,10 +248,11 @@ def _shards(
 def _check_remote(url: str, kind: str, where: str) -> None:
     """An object-storage location: its kind must be one lhotse streams, and the store must
     answer for it (metadata only: nothing is downloaded)."""
-    if kind in (NEMO_KIND, NEMO_TARRED_KIND):
+    if kind not in ("cuts", "shar", "recordings"):
         raise SourceError(
-            f"{where}: {url}: NeMo manifests and tars are read from local paths; keep them in "
-            "object storage as a lhotse Shar (shar:) or a cut manifest (cuts:) instead"
+            f"{where}: {url}: NeMo manifests and tars, conversations and text are read from "
+            "local paths; keep them in object storage as a lhotse Shar (shar:) or a cut "
+            "manifest (cuts:) instead"
         )
     try:
         check_location(url, prefix=kind == "shar")

@@ -67,7 +67,7 @@ from train.text import text_codec
 from train.validation import ValidationSet
 from train.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 
-BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens", "prefix_lens", "answer_starts")
+BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens", "prefix_lens", "target_mask")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
 
 
@@ -520,7 +520,7 @@ class Trainer:
             feature_lens, token_lens = batch["feature_lens"].double(), batch["token_lens"].double()
             local += torch.stack(
                 [
-                    loss_targets(token_lens, batch["answer_starts"].double()),
+                    loss_targets(token_lens, batch["target_mask"].double()),
                     (audio_positions(self.model_cfg, feature_lens) + token_lens).sum(),
                     sequence_flops(self.model_cfg, feature_lens, token_lens).sum(),
                     torch.tensor(float(len(token_lens)), dtype=torch.float64, device="cpu"),
@@ -630,15 +630,19 @@ class Trainer:
             for batch, counts in validation:
                 nll = self.runner.loss_sum(tuple(batch[key] for key in BATCH_KEYS))
                 if counts:
-                    targets = float(loss_targets(batch["token_lens"], batch["answer_starts"]))
+                    targets = float(loss_targets(batch["token_lens"], batch["target_mask"]))
                     sums[index] += torch.stack(
                         [nll.double(), nll.new_tensor(targets, dtype=torch.float64)]
                     )
         dist.all_reduce(sums, group=self.meshes.dp.get_group())
+        # The loss column alone, as a tensor of its own: a column of several sets is not
+        # contiguous, and a collective on such a view reduces the wrong elements.
+        losses = sums[:, 0].contiguous()
         if self.dims.cp_enabled:  # each CP rank has its positions' token losses
-            dist.all_reduce(sums[:, :1], group=self.meshes.cp.get_group())
+            dist.all_reduce(losses, group=self.meshes.cp.get_group())
         if self.pp_group is not None:  # the loss is on the last stage
-            dist.all_reduce(sums[:, :1], group=self.pp_group)
+            dist.all_reduce(losses, group=self.pp_group)
+        sums[:, 0] = losses
         per_set = sums.tolist()
         self.validated_step = self.step
         nll, targets = (sum(column) for column in zip(*per_set, strict=True))

@@ -135,6 +135,15 @@ def save_tiny_encoder(kind: str, directory: Path) -> Path:
 
 
 TOKENIZER_FAMILIES = ("llama", "qwen2", "qwen3", "plain")
+# What each family's template writes to end the assistant's turn (SmolLM2's real one included):
+# the last token the loss covers.
+END_OF_TURN = {
+    "llama": "<|eot_id|>",
+    "qwen2": "<|im_end|>",
+    "qwen3": "<|im_end|>",
+    "plain": "</s>",
+    "smollm2": "<|im_end|>",
+}
 MAX_LEN = 290  # the tiny test models have vocab 301; leave room for the audio placeholder
 
 # Only words, spaces and punctuation: no newlines, so no whitespace merges that would make a

@@ -80,7 +80,9 @@ class EncoderCache:
         outputs = []
         for index, (digest, length) in enumerate(zip(keys.digests, keys.lengths, strict=True)):
             frames = self.frames.get(digest)
-            if frames is None:
+            if length == 0:  # no audio (a text-only example): no frames
+                frames = features.new_zeros((0, self.cfg.enc_dim), dtype=self.dtype)
+            elif frames is None:
                 self.misses += 1
                 encoded, _ = self.replica(
                     features[index : index + 1, :length].to(self.dtype),

@@ -161,7 +161,9 @@ class ParakeetSpeechEncoder(nn.Module):
         x = F.dropout(x, p=self.dropout, training=self.training)
         positions = F.dropout(positions, p=self.dropout_positions, training=self.training)
         lens = encoder_frames(self.cfg, feature_lens)
-        valid = length_mask(lens, x.shape[1])
+        # The first frame is always valid, so an example without frames (text only) stays
+        # finite: a row of attention with no key would be NaN, and so would its gradients.
+        valid = length_mask(lens, x.shape[1]) | (torch.arange(x.shape[1], device=x.device) == 0)
         pairs = (valid[:, :, None] & valid[:, None, :])[:, None]
         for layer in self.layers:
             x = layer(x, pairs, positions)

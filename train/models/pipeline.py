@@ -133,19 +133,18 @@ def pipeline_parts(model_on_meta: SALM, plan: PipelinePlan, pp_rank: int) -> lis
 
 
 def pad_examples(batch: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Tensor, ...]:
-    """(features, feature_lens, tokens, token_lens[, prefix_lens, answer_starts]) with empty
+    """(features, feature_lens, tokens, token_lens[, prefix_lens, target_mask]) with empty
     examples appended up to a multiple of ``multiple`` examples: no frames, no tokens, so no
     targets and no real positions."""
-    features, _, tokens, *_ = batch
-    missing = -len(tokens) % multiple
+    missing = -len(batch[2]) % multiple
     if not missing:
         return batch
-    return (
-        torch.cat([features, features.new_zeros((missing, *features.shape[1:]))]),
-        *(torch.cat([lens, lens.new_zeros(missing)]) for lens in batch[1:2]),
-        torch.cat([tokens, tokens.new_full((missing, tokens.shape[1]), PAD_ID)]),
-        *(torch.cat([lens, lens.new_zeros(missing)]) for lens in batch[3:]),
-    )
+    padded = []
+    for index, tensor in enumerate(batch):
+        fill = PAD_ID if index == 2 else 0  # the tokens, else zeros and False
+        padding = tensor.new_full((missing, *tensor.shape[1:]), fill)
+        padded.append(torch.cat([tensor, padding]))
+    return tuple(padded)
 
 
 class PipelineRunner:

@@ -13,7 +13,7 @@ whole batch computes in one process.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from train.conversation import ASSISTANT, Turn, messages
 from train.models.context import (
     context_attention,
     gather_sequence,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
 
 IGNORE_INDEX = -100
+MIN_FEATURE_FRAMES = 16  # what the encoder always gets (``encode_audio``)
 
 
 class ByteTokenizer:
@@ -73,10 +75,29 @@ class ByteTokenizer:
 
     def example(self, text: str) -> Encoded:
         """A training example: no prompt before the audio, the answer after BOS."""
-        return Encoded(self.encode(text), prefix_len=0, answer_start=1)
+        tokens = self.encode(text)
+        return Encoded(tokens, prefix_len=0, spans=((1, len(tokens)),))
+
+    def conversation(self, turns: Sequence[Turn]) -> Encoded:
+        """A conversation (``train.conversation``): BOS, then each message's bytes, the audio
+        where its turn is; a user or system message ends with a newline, an assistant message
+        (the loss's) with EOS."""
+        tokens, spans, prefix_len = [BOS_ID], [], 0
+        for message in messages(turns):
+            if message.role == ASSISTANT:
+                answer = [*message.text.encode("utf-8"), EOS_ID]
+                spans.append((len(tokens), len(tokens) + len(answer)))
+                tokens += answer
+                continue
+            tokens += message.text.encode("utf-8")
+            if message.after is not None:
+                prefix_len = len(tokens)
+                tokens += f" {message.after}".rstrip().encode("utf-8")
+            tokens += b"\n"
+        return Encoded(tokens, prefix_len, tuple(spans))
 
     def generation_prompt(self) -> Encoded:
-        return Encoded([BOS_ID], prefix_len=0, answer_start=1)
+        return Encoded([BOS_ID], prefix_len=0)
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -392,10 +413,11 @@ def longest_example(audio_lens: torch.Tensor, token_lens: torch.Tensor) -> int:
     return int((audio_lens + token_lens).max())
 
 
-def default_prompt(token_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prefix_lens`` and ``answer_starts`` of the byte tokenizer's examples: the audio first,
-    the answer after BOS (``ByteTokenizer.example``)."""
-    return torch.zeros_like(token_lens), torch.ones_like(token_lens)
+def default_prompt(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefix_lens`` and ``target_mask`` of the byte tokenizer's examples: the audio first,
+    the answer every token after BOS (``ByteTokenizer.example``)."""
+    first = torch.arange(tokens.shape[1], device=tokens.device) >= 1
+    return tokens.new_zeros(tokens.shape[0]), first[None, :].expand(tokens.shape[0], -1)
 
 
 def sequence_layout(
@@ -404,10 +426,11 @@ def sequence_layout(
     token_lens: torch.Tensor,
     seq_len: int,
     prefix_lens: torch.Tensor,
-    answer_starts: torch.Tensor,
+    target_mask: torch.Tensor,
 ) -> SequenceLayout:
     """One sequence per example: its first ``prefix_lens`` tokens (the prompt before the audio),
-    its audio, its other tokens, then padding; labels on the tokens from ``answer_starts`` on."""
+    its audio, its other tokens, then padding; labels on the tokens ``target_mask`` (B, L)
+    marks, each at the position of the token before it (never the audio's: ``Encoded``)."""
     pos = torch.arange(seq_len, device=tokens.device)[None, :]
     prefix, audio_end = prefix_lens[:, None], (prefix_lens + audio_lens)[:, None]
     is_audio = (pos >= prefix) & (pos < audio_end)
@@ -415,10 +438,13 @@ def sequence_layout(
     is_text = (pos < prefix) | ((pos >= audio_end) & (text_pos < token_lens[:, None]))
     text_index = text_pos.clamp(0, tokens.shape[1] - 1)
     next_index = text_pos + 1
+    next_clamped = next_index.clamp(0, tokens.shape[1] - 1)
     is_target = (
-        is_text & (next_index >= answer_starts[:, None]) & (next_index < token_lens[:, None])
+        is_text
+        & (next_index < token_lens[:, None])
+        & target_mask.to(torch.bool).gather(1, next_clamped)
     )
-    next_tokens = tokens.gather(1, next_index.clamp(0, tokens.shape[1] - 1))
+    next_tokens = tokens.gather(1, next_clamped)
     labels = torch.where(is_target, next_tokens, IGNORE_INDEX)
     audio_index = (pos - prefix).clamp(min=0)
     return SequenceLayout(is_audio, is_text, text_index, audio_index, labels)
@@ -428,10 +454,10 @@ def batch_layout(
     batch: tuple[torch.Tensor, ...], audio_lens: torch.Tensor, seq_len: int
 ) -> SequenceLayout:
     """The sequence layout of ``batch`` (features, feature lengths, tokens, token lengths and,
-    for a prompt before the audio, prefix lengths and answer starts) with ``audio_lens``."""
+    for a prompt before the audio, prefix lengths and the target mask) with ``audio_lens``."""
     tokens, token_lens = batch[2], batch[3]
-    prefix_lens, answer_starts = batch[4:] if len(batch) > 4 else default_prompt(token_lens)
-    return sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, answer_starts)
+    prefix_lens, target_mask = batch[4:] if len(batch) > 4 else default_prompt(tokens)
+    return sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, target_mask)
 
 
 class Projector(nn.Sequential):
@@ -468,14 +494,29 @@ def embed_inputs(
 ) -> tuple[torch.Tensor, SequenceLayout]:
     """The decoder's input (B, seq_len, d): each example's prompt tokens, its projected audio
     frames, its other tokens, then zeros; and where each lies. ``batch``: features, feature
-    lengths, tokens, token lengths and, for a prompt before the audio, prefix lengths and
-    answer starts (``default_prompt`` without them)."""
+    lengths, tokens, token lengths and, for a prompt before the audio, prefix lengths and the
+    target mask (``default_prompt`` without them)."""
     features, feature_lens, tokens = batch[:3]
-    audio, audio_lens = projector(*encoder(features, feature_lens))
+    audio, audio_lens = encode_audio(encoder, projector, features, feature_lens)
     text = embed(tokens)
     layout = batch_layout(batch, audio_lens, seq_len)
     x = splice(audio, text, layout.audio_index, layout.text_index, layout.is_audio, layout.is_text)
     return x, layout
+
+
+def encode_audio(
+    encoder: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    projector: Projector,
+    features: torch.Tensor,
+    feature_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projected audio (B, A, d) and its lengths. Features shorter than
+    ``MIN_FEATURE_FRAMES`` (a batch of text-only examples has none) are zero-padded to it:
+    the encoder runs on every batch, so every rank of a sharded encoder runs the same
+    collectives in every step whatever its batch holds; examples without frames get none."""
+    if features.shape[1] < MIN_FEATURE_FRAMES:
+        features = F.pad(features, (0, 0, 0, MIN_FEATURE_FRAMES - features.shape[1]))
+    return projector(*encoder(features, feature_lens))
 
 
 def splice(
@@ -490,6 +531,8 @@ def splice(
     (b, s) takes ``audio[b, audio_index[b, s]]`` where ``is_audio``, ``text[b, text_index[b,
     s]]`` where ``is_text``, zeros elsewhere (indices clamped into range)."""
     d = audio.shape[-1]
+    if audio.shape[1] == 0:  # no example has audio (a frozen encoder's kept frames)
+        audio = audio.new_zeros((audio.shape[0], 1, d))
     audio_index = audio_index.clamp(0, audio.shape[1] - 1)
     from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
     from_text = text.gather(1, text_index[..., None].expand(-1, -1, d))
@@ -510,14 +553,12 @@ class SALMOutput(NamedTuple):
     aux_sum: torch.Tensor  # MoE balance loss, weighted, summed over this rank's sequences
 
 
-def loss_targets(
-    token_lens: torch.Tensor, answer_starts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """How many next-token targets a batch's answers hold (the tokens from each answer start
-    on; the byte tokenizer's start after BOS), from its lengths alone: known on the CPU before
-    the forward."""
-    starts = default_prompt(token_lens)[1] if answer_starts is None else answer_starts
-    return (token_lens - starts).clamp(min=0).sum()
+def loss_targets(token_lens: torch.Tensor, target_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """How many next-token targets a batch holds (the tokens ``target_mask`` marks; the byte
+    tokenizer's every token after BOS), from the CPU batch: known before the forward."""
+    if target_mask is None:
+        return (token_lens - 1).clamp(min=0).sum()
+    return target_mask.sum()
 
 
 def aux_weight(cfg: SALMConfig) -> float:
@@ -572,7 +613,7 @@ class SALM(nn.Module):
         seq_len: int | None = None,
         encoder_keys: EncoderKeys | None = None,
     ) -> SALMOutput:
-        """``prompt``: the prefix lengths and answer starts of examples with a prompt before
+        """``prompt``: the prefix lengths and target mask of examples with a prompt before
         the audio (``sequence_layout``); none for the byte tokenizer's. ``seq_len``: the packed
         decoder length, ``packed_length`` of the batch's lengths while they are still on the
         host (the training step passes it, so that nothing is read back from the device); None

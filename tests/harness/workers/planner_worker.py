@@ -123,7 +123,7 @@ def synthetic_batch(sequences: int, frames: int, tokens: int) -> dict[str, torch
         "token_lens": torch.full((sequences,), tokens),
         # The byte tokenizer's examples: the audio first, the answer after BOS.
         "prefix_lens": torch.zeros(sequences, dtype=torch.int64),
-        "answer_starts": torch.ones(sequences, dtype=torch.int64),
+        "target_mask": (torch.arange(tokens) >= 1).expand(sequences, -1),
     }
 
 

@@ -1,0 +1,319 @@
+"""Conversations and text-only examples (train/conversation.py, train/conversation_cuts.py): the
+loss covers exactly the assistant's turns, token by token, on real chat templates (SmolLM2's from
+``make pretrained``, and tiny Llama 3, Qwen2, Qwen3 and plain ones); the audio lands where its
+turn is; NeMo's conversation and text formats read as NeMo writes them; conversations and text
+mix with speech by weight, resume exactly and decode after the conversation so far. Training
+them at every parallel layout: tests/test_trainer_equivalence.py (the ``mix_*`` cases)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.pretrained import SMOLLM2
+from tests.harness.conversations import conversation_mixture
+from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tokenizer
+from tests.harness.models import pretrained_model
+from train.batch_hash import batch_hash
+from train.conversation import ConversationError, Turn, messages
+from train.data import DataPosition, SpeechDataset, batches_from, build_dataloader
+from train.decode import greedy_decode
+from train.features import AudioLimits
+from train.models.build import build_model
+from train.models.presets import get_preset
+from train.models.salm import IGNORE_INDEX, ByteTokenizer, audio_positions, sequence_layout
+from train.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
+from train.source_cuts import check_sources, load_source_cuts, source_of, transcript
+from train.sources import read_sources
+
+ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats")
+# A text exchange, then a spoken question in the middle of the conversation, then a follow-up.
+TURNS = [
+    Turn("user", "Hello."),
+    Turn("assistant", ANSWERS[0]),
+    Turn("user", "What is said?"),
+    Turn("user", audio=True),
+    Turn("assistant", ANSWERS[1]),
+    Turn("user", "And the last word?"),
+    Turn("assistant", ANSWERS[2]),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tokenizers")
+    found = {f: load_tokenizer(save_tiny_tokenizer(f, root / f)) for f in TOKENIZER_FAMILIES}
+    found["smollm2"] = load_tokenizer(pretrained_model(SMOLLM2.name))
+    return found
+
+
+def text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("family", [*TOKENIZER_FAMILIES, "smollm2"])
+def test_the_loss_covers_each_assistant_turn_and_nothing_else(tokenizers, family):
+    """Token by token: the masked tokens are exactly each answer and its end of turn; the tokens
+    with the audio token put back at ``prefix_len`` are the template's whole rendering
+    tokenized at once (so no piece boundary changed a token); the audio sits after the
+    question, in the second user turn."""
+    tokenizer = tokenizers[family]
+    encoded = ChatPrompt(tokenizer).conversation(TURNS)
+    mask = encoded.target_mask()
+    assert [text(tokenizer, encoded.tokens[a:b]) for a, b in encoded.spans] == [
+        answer + END_OF_TURN[family] for answer in ANSWERS
+    ]
+    assert sum(mask) == sum(b - a for a, b in encoded.spans)
+    assert not any(mask[: encoded.spans[0][0]]) and mask[-1]
+    audio_id = tokenizer.convert_tokens_to_ids(AUDIO_TOKEN)
+    at = encoded.prefix_len
+    whole = [*encoded.tokens[:at], audio_id, *encoded.tokens[at:]]
+    if tokenizer.chat_template is not None:
+        chat = [{"role": m.role, "content": m.content(AUDIO_TOKEN)} for m in messages(TURNS)]
+        rendered = tokenizer.apply_chat_template(chat, tokenize=False)
+        rendered = rendered[: rendered.rindex(END_OF_TURN[family]) + len(END_OF_TURN[family])]
+        assert whole == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert text(tokenizer, encoded.tokens[: encoded.prefix_len]).endswith("What is said? ")
+    assert encoded.spans[0][1] < encoded.prefix_len < encoded.spans[1][0]
+
+
+def test_the_byte_tokenizer_renders_conversations_for_the_presets():
+    encoded = ByteTokenizer().conversation(TURNS)
+    as_text = bytes(t for t in encoded.tokens if t < 256).decode()
+    assert (
+        as_text
+        == "Hello.\nHello, ask away.What is said?\nninety nine bright catsAnd the last word?\ncats"
+    )
+    assert [
+        bytes(t for t in encoded.tokens[a:b] if t < 256).decode() for a, b in encoded.spans
+    ] == list(ANSWERS)
+    before = bytes(t for t in encoded.tokens[: encoded.prefix_len] if t < 256)
+    assert before.decode().endswith("What is said?")
+
+
+@pytest.mark.parametrize(
+    "turns, says",
+    [
+        (
+            [Turn("user", audio=True), Turn("user", audio=True), Turn("assistant", "a")],
+            "2 audio turns",
+        ),
+        ([Turn("user", "q"), Turn("assistant", audio=True)], "audio turn of the assistant"),
+        (
+            [Turn("assistant", "a"), Turn("user", "q"), Turn("assistant", "b")],
+            "starts with the user",
+        ),
+        ([Turn("user", "q"), Turn("assistant", "a"), Turn("user", "q2")], "ends with an assistant"),
+        ([Turn("user", "q"), Turn("system", "s"), Turn("assistant", "a")], "system turn may only"),
+    ],
+)
+def test_conversations_the_trainer_cannot_use_are_named(turns, says):
+    with pytest.raises(ConversationError, match=says):
+        messages(turns)
+
+
+def test_a_special_token_in_a_turn_is_refused(tokenizers):
+    chat = ChatPrompt(tokenizers["qwen2"])
+    with pytest.raises(ConversationError, match=re.escape("<|im_end|>")):
+        chat.conversation([Turn("user", "hi <|im_end|>"), Turn("assistant", "a")])
+
+
+def nemo_files(tmp_path: Path, corpus: Path) -> Path:
+    """One file of each NeMo conversation and text type, as NeMo's readers take them, and the
+    input_cfg naming them."""
+    cut = next(
+        iter(load_source_cuts(read_sources([{"cuts": str(corpus / "cuts_dev.jsonl.gz")}], "x")[0]))
+    )
+    audio = Path(cut.recording.sources[0].source)
+    (tmp_path / "audio.wav").symlink_to(audio)
+    multimodal = [
+        {
+            "id": "mm-0",
+            "conversations": [
+                {"from": "User", "type": "text", "value": "Repeat:"},
+                {"from": "User", "type": "audio", "value": "audio.wav", "duration": cut.duration},
+                {"from": "Assistant", "type": "text", "value": "the words"},
+            ],
+        },
+        {  # two audio turns: set aside by the source check, with its reason
+            "id": "mm-1",
+            "conversations": [
+                {"from": "User", "type": "audio", "value": "audio.wav", "duration": cut.duration},
+                {"from": "User", "type": "audio", "value": "audio.wav", "duration": cut.duration},
+                {"from": "Assistant", "type": "text", "value": "both"},
+            ],
+        },
+    ]
+    share_gpt = [
+        {
+            "id": "sg-0",
+            "sound": "audio.wav",
+            "conversations": [
+                {"from": "human", "value": "Listen: <speech> What is it?"},
+                {"from": "gpt", "value": "speech"},
+            ],
+        },
+        {
+            "id": "sg-1",
+            "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}],
+        },
+    ]
+    sft = [
+        {
+            "system": "Be brief.",
+            "conversations": [
+                {"from": "User", "value": "Hi"},
+                {"from": "Assistant", "value": "Hi."},
+            ],
+        }
+    ]
+    for name, lines in (("mm.jsonl", multimodal), ("sg.jsonl", share_gpt), ("sft.jsonl", sft)):
+        (tmp_path / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "src.txt").write_text("one two\nthree four\n")
+    (tmp_path / "tgt.txt").write_text("two one\nfour three\n")
+    (tmp_path / "questions.txt").write_text("Reverse:\n")
+    config = tmp_path / "input_cfg.yaml"
+    config.write_text(
+        f"- {{type: multimodal_conversation, manifest_filepath: {tmp_path / 'mm.jsonl'}, "
+        "audio_locator_tag: '<audio>', tags: {system_prompt: Listen well.}}\n"
+        f"- {{type: share_gpt, manifest_filepath: {tmp_path / 'sg.jsonl'}, audio_locator_tag: x}}\n"
+        f"- {{type: nemo_sft_jsonl, paths: {tmp_path / 'sft.jsonl'}}}\n"
+        f"- {{type: txt_pair, source_paths: {tmp_path / 'src.txt'}, "
+        f"target_paths: {tmp_path / 'tgt.txt'}, questions_path: {tmp_path / 'questions.txt'}}}\n"
+    )
+    return config
+
+
+def test_nemo_conversation_and_text_types_read_as_nemo_writes_them(corpus, tmp_path, tokenizers):
+    said = []
+    sources = read_sources(nemo_files(tmp_path, corpus), "data.input_cfg")
+    checks = check_sources(sources, 30.0, AudioLimits(16000), said.append)
+    assert said == [
+        f"source {sources[0].name}: 1 cut(s) skipped: a conversation has 2 audio turns; this "
+        "release takes one per conversation (split it into conversations with one each) (e.g. mm-1)"
+    ]
+    assert sources[0].tags == {"system": "Listen well."}
+    cuts = {cut.id: cut for check in checks for cut in load_source_cuts(check.source)}
+    assert cuts["mm-0"].has_recording and cuts["sg-0"].has_recording
+    assert cuts["mm-0"].duration == pytest.approx(cuts["sg-0"].duration, abs=1e-3)
+    assert not cuts["sg-1"].has_recording and not cuts["src-1"].has_recording
+    assert [transcript(cuts[i]) for i in ("mm-0", "sg-0", "sg-1", "src-1")] == [
+        "the words",
+        "speech",
+        "4",
+        "four three",
+    ]
+    chat = ChatPrompt(tokenizers["qwen2"])
+    rendered = {
+        cut_id: text(
+            tokenizers["qwen2"],
+            chat.for_tags(cuts[cut_id].custom["tags"])
+            .conversation([Turn(**t) for t in cuts[cut_id].custom["conversation"]])
+            .tokens,
+        )
+        for cut_id in ("mm-0", "sg-0", "src-0")
+    }
+    assert "system\nListen well.<|im_end|>" in rendered["mm-0"]
+    assert "user\nRepeat: " in rendered["mm-0"]
+    assert "user\nListen:  What is it?" in rendered["sg-0"]  # the audio between the spaces
+    assert "user\nReverse: one two<|im_end|>" in rendered["src-0"]
+    sft = next(cut for cut in cuts.values() if cut.id.startswith("sft"))
+    assert sft.custom["conversation"][0] == {"role": "system", "text": "Be brief."}
+
+
+def test_text_pairs_with_unequal_files_are_refused_by_name(tmp_path):
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    (tmp_path / "b.txt").write_text("one\n")
+    sources = read_sources(
+        [{"text_pairs": [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]}], "x"
+    )
+    with pytest.raises(ValueError, match="different numbers of lines"):
+        check_sources(sources, 8.0, AudioLimits(16000), print)
+
+
+@pytest.fixture(scope="module")
+def mixture(corpus, tmp_path_factory) -> tuple[Path, Path]:
+    return conversation_mixture(corpus, tmp_path_factory.mktemp("mixture"))
+
+
+def mixture_loader(checks, dp_rank: int, num_workers: int = 0):
+    return lambda epoch, position: build_dataloader(
+        checks,
+        max_duration=4.0,
+        job_seed=3,
+        dp_rank=dp_rank,
+        dp_size=2,
+        num_workers=num_workers,
+        text=ByteTokenizer(),
+        buckets=2,
+        epoch=epoch,
+        position=position,
+    )
+
+
+def test_text_and_conversations_mix_with_speech_and_resume_exactly(mixture):
+    """Batches hold text-only examples (no frames), conversations and ASR cuts together or
+    apart; each example's labels are its answers; a job resumed mid-epoch, with a worker, reads
+    the very batches the first job would have read next."""
+    checks = check_sources(
+        read_sources(mixture[0], "data.input_cfg"), 4.0, AudioLimits(16000), print
+    )
+    first = list(
+        itertools.islice(batches_from(mixture_loader(checks, 1), DataPosition.start(1)), 24)
+    )
+    sources = [source for _, batch in first for source in batch["sources"]]
+    assert {"asr", "spoken", "text"} <= set(sources)
+    assert any(set(batch["sources"]) == {"text"} for _, batch in first), "no text-only batch"
+    for _, batch in first:
+        lens = batch["feature_lens"]
+        is_text = torch.tensor([s == "text" for s in batch["sources"]])
+        assert (lens[is_text] == 0).all() and (lens[~is_text] > 0).all()
+        audio = audio_positions(get_preset("tiny"), lens)
+        seq_len = int((audio + batch["token_lens"]).max())
+        layout = sequence_layout(
+            audio,
+            batch["tokens"],
+            batch["token_lens"],
+            seq_len,
+            batch["prefix_lens"],
+            batch["target_mask"],
+        )
+        for row in range(len(lens)):
+            labels = layout.labels[row][layout.labels[row] != IGNORE_INDEX].tolist()
+            tokens, mask = batch["tokens"][row].tolist(), batch["target_mask"][row].tolist()
+            assert labels == [t for t, m in zip(tokens, mask, strict=True) if m]
+    for taken, workers in ((4, 1), (9, 0)):
+        saved = json.loads(json.dumps(first[taken - 1][0].state()))
+        start, replay = DataPosition.resume(saved, 1)
+        resumed = next(batches_from(mixture_loader(checks, 1, workers), start, replay))
+        assert batch_hash(resumed[1]) == batch_hash(first[taken][1]), f"after {taken} batches"
+
+
+def test_conversations_decode_after_the_conversation_so_far(mixture):
+    """Each sequence of a batch decodes after its own prompt (its conversation up to its last
+    answer), exactly as it decodes alone; text-only prompts have no frames."""
+    checks = check_sources(read_sources(mixture[1], "eval.sets"), None, AudioLimits(16000), print)
+    cuts = [cut for check in checks for cut in itertools.islice(load_source_cuts(check.source), 3)]
+    dataset = SpeechDataset(ByteTokenizer())
+    features = [torch.from_numpy(dataset.featurize(cut)) for cut in cuts]
+    lens = torch.tensor([len(f) for f in features])
+    padded = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
+    codec = ByteTokenizer()
+    prompts = [
+        codec.conversation([Turn(**t) for t in c.custom["conversation"]]).up_to_answer()
+        for c in cuts
+    ]
+    assert all(prompt.tokens[-1] == ord("\n") for prompt in prompts)
+    model = build_model(get_preset("tiny"), torch.device("cpu"), init_seed=7).eval()
+    together = greedy_decode(model, padded, lens, 6, lambda mine: mine, prompt=prompts)
+    alone = [
+        greedy_decode(model, f[None], torch.tensor([len(f)]), 6, lambda mine: mine, prompt=[p])[0]
+        for f, p in zip(features, prompts, strict=True)
+    ]
+    assert together == alone
+    assert [source_of(cut) for cut in cuts] == ["spoken"] * 3 + ["text"] * 3
