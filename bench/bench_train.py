@@ -70,7 +70,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     from train.data import build_dataloader
     from train.models.build import build_model
     from train.models.presets import get_preset
-    from train.models.salm import ByteTokenizer, audio_positions
+    from train.models.salm import ByteTokenizer, example_positions
 
     cfg = get_preset(args.preset)
     model = build_model(cfg, torch.device("cpu"), 1234)
@@ -96,7 +96,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         if step >= WARMUP_STEPS:
-            audio = audio_positions(cfg, batch["feature_lens"])
+            audio = example_positions(cfg, batch["feature_lens"])
             positions += float((audio + batch["token_lens"]).sum())
             seconds += elapsed
     return positions / seconds

@@ -21,7 +21,15 @@ from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tok
 from tests.harness.models import pretrained_model
 from train.batch_hash import batch_hash
 from train.conversation import ConversationError, Turn, messages
-from train.data import DataPosition, SpeechDataset, batches_from, build_dataloader
+from train.conversation_cuts import turn_recordings
+from train.data import (
+    DataPosition,
+    SpeechDataset,
+    batches_from,
+    build_dataloader,
+    encoded,
+    pad_segments,
+)
 from train.decode import greedy_decode
 from train.features import AudioLimits
 from train.models.build import build_model
@@ -31,8 +39,9 @@ from train.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
 from train.source_cuts import check_sources, load_source_cuts, source_of, transcript
 from train.sources import read_sources
 
-ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats")
-# A text exchange, then a spoken question in the middle of the conversation, then a follow-up.
+ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats", "call two")
+# A text exchange, then a spoken question in the middle of the conversation, a follow-up, and a
+# second utterance between two texts of one user turn.
 TURNS = [
     Turn("user", "Hello."),
     Turn("assistant", ANSWERS[0]),
@@ -41,6 +50,10 @@ TURNS = [
     Turn("assistant", ANSWERS[1]),
     Turn("user", "And the last word?"),
     Turn("assistant", ANSWERS[2]),
+    Turn("user", "And in"),
+    Turn("user", audio=True),
+    Turn("user", "?"),
+    Turn("assistant", ANSWERS[3]),
 ]
 
 
@@ -59,9 +72,9 @@ def text(tokenizer, ids: list[int]) -> str:
 @pytest.mark.parametrize("family", [*TOKENIZER_FAMILIES, "smollm2"])
 def test_the_loss_covers_each_assistant_turn_and_nothing_else(tokenizers, family):
     """Token by token: the masked tokens are exactly each answer and its end of turn; the tokens
-    with the audio token put back at ``prefix_len`` are the template's whole rendering
-    tokenized at once (so no piece boundary changed a token); the audio sits after the
-    question, in the second user turn."""
+    with the audio token put back at each ``audio_at`` are the template's whole rendering
+    tokenized at once (so no piece boundary changed a token); each audio sits in its own turn,
+    the first after the question, the second inside the last user turn's text."""
     tokenizer = tokenizers[family]
     encoded = ChatPrompt(tokenizer).conversation(TURNS)
     mask = encoded.target_mask()
@@ -71,38 +84,38 @@ def test_the_loss_covers_each_assistant_turn_and_nothing_else(tokenizers, family
     assert sum(mask) == sum(b - a for a, b in encoded.spans)
     assert not any(mask[: encoded.spans[0][0]]) and mask[-1]
     audio_id = tokenizer.convert_tokens_to_ids(AUDIO_TOKEN)
-    at = encoded.prefix_len
-    whole = [*encoded.tokens[:at], audio_id, *encoded.tokens[at:]]
+    first, second = encoded.audio_at
+    tokens = encoded.tokens
+    whole = [*tokens[:first], audio_id, *tokens[first:second], audio_id, *tokens[second:]]
     if tokenizer.chat_template is not None:
         chat = [{"role": m.role, "content": m.content(AUDIO_TOKEN)} for m in messages(TURNS)]
         rendered = tokenizer.apply_chat_template(chat, tokenize=False)
         rendered = rendered[: rendered.rindex(END_OF_TURN[family]) + len(END_OF_TURN[family])]
         assert whole == tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    assert text(tokenizer, encoded.tokens[: encoded.prefix_len]).endswith("What is said? ")
-    assert encoded.spans[0][1] < encoded.prefix_len < encoded.spans[1][0]
+    assert text(tokenizer, tokens[:first]).endswith("What is said? ")
+    assert text(tokenizer, tokens[:second]).endswith("And in ")
+    assert text(tokenizer, tokens[second:]).startswith(" ?")
+    assert encoded.spans[0][1] < first < encoded.spans[1][0]
+    assert encoded.spans[2][1] < second < encoded.spans[3][0]
 
 
 def test_the_byte_tokenizer_renders_conversations_for_the_presets():
     encoded = ByteTokenizer().conversation(TURNS)
     as_text = bytes(t for t in encoded.tokens if t < 256).decode()
-    assert (
-        as_text
-        == "Hello.\nHello, ask away.What is said?\nninety nine bright catsAnd the last word?\ncats"
+    assert as_text == (
+        "Hello.\nHello, ask away.What is said?\nninety nine bright catsAnd the last word?\ncats"
+        "And in ?\ncall two"
     )
     assert [
         bytes(t for t in encoded.tokens[a:b] if t < 256).decode() for a, b in encoded.spans
     ] == list(ANSWERS)
-    before = bytes(t for t in encoded.tokens[: encoded.prefix_len] if t < 256)
-    assert before.decode().endswith("What is said?")
+    first, second = (bytes(t for t in encoded.tokens[:at] if t < 256) for at in encoded.audio_at)
+    assert first.endswith(b"What is said?") and second.endswith(b"And in")
 
 
 @pytest.mark.parametrize(
     "turns, says",
     [
-        (
-            [Turn("user", audio=True), Turn("user", audio=True), Turn("assistant", "a")],
-            "2 audio turns",
-        ),
         ([Turn("user", "q"), Turn("assistant", audio=True)], "audio turn of the assistant"),
         (
             [Turn("assistant", "a"), Turn("user", "q"), Turn("assistant", "b")],
@@ -140,7 +153,7 @@ def nemo_files(tmp_path: Path, corpus: Path) -> Path:
                 {"from": "Assistant", "type": "text", "value": "the words"},
             ],
         },
-        {  # two audio turns: set aside by the source check, with its reason
+        {  # two audio turns, each its own segment
             "id": "mm-1",
             "conversations": [
                 {"from": "User", "type": "audio", "value": "audio.wav", "duration": cut.duration},
@@ -193,15 +206,13 @@ def test_nemo_conversation_and_text_types_read_as_nemo_writes_them(corpus, tmp_p
     said = []
     sources = read_sources(nemo_files(tmp_path, corpus), "data.input_cfg")
     checks = check_sources(sources, 30.0, AudioLimits(16000), said.append)
-    assert said == [
-        f"source {sources[0].name}: 1 cut(s) skipped: a conversation has 2 audio turns; this "
-        "release takes one per conversation (split it into conversations with one each) (e.g. mm-1)"
-    ]
-    assert sources[0].tags == {"system": "Listen well."}
+    assert said == [] and sources[0].tags == {"system": "Listen well."}
     cuts = {cut.id: cut for check in checks for cut in load_source_cuts(check.source)}
-    assert cuts["mm-0"].has_recording and cuts["sg-0"].has_recording
-    assert cuts["mm-0"].duration == pytest.approx(cuts["sg-0"].duration, abs=1e-3)
-    assert not cuts["sg-1"].has_recording and not cuts["src-1"].has_recording
+    recordings = {cut_id: turn_recordings(cut) for cut_id, cut in cuts.items()}
+    counts = [len(recordings[i]) for i in ("mm-0", "mm-1", "sg-0", "sg-1", "src-1")]
+    assert counts == [1, 2, 1, 0, 0]
+    assert recordings["mm-0"][0].duration == pytest.approx(recordings["sg-0"][0].duration, 1e-3)
+    assert not any(cut.has_recording for cut in cuts.values())
     assert [transcript(cuts[i]) for i in ("mm-0", "sg-0", "sg-1", "src-1")] == [
         "the words",
         "speech",
@@ -220,6 +231,8 @@ def test_nemo_conversation_and_text_types_read_as_nemo_writes_them(corpus, tmp_p
     }
     assert "system\nListen well.<|im_end|>" in rendered["mm-0"]
     assert "user\nRepeat: " in rendered["mm-0"]
+    two = chat.conversation([Turn(**t) for t in cuts["mm-1"].custom["conversation"]])
+    assert len(two.audio_at) == 2 and two.audio_at[0] < two.audio_at[1]
     assert "user\nListen:  What is it?" in rendered["sg-0"]  # the audio between the spaces
     assert "user\nReverse: one two<|im_end|>" in rendered["src-0"]
     sft = next(cut for cut in cuts.values() if cut.id.startswith("sft"))
@@ -236,6 +249,9 @@ def test_text_pairs_with_unequal_files_are_refused_by_name(tmp_path):
         check_sources(sources, 8.0, AudioLimits(16000), print)
 
 
+MIXTURE_BUDGET = 8.0  # seconds a batch holds: a conversation with two utterances is ~5
+
+
 @pytest.fixture(scope="module")
 def mixture(corpus, tmp_path_factory) -> tuple[Path, Path]:
     return conversation_mixture(corpus, tmp_path_factory.mktemp("mixture"))
@@ -244,7 +260,7 @@ def mixture(corpus, tmp_path_factory) -> tuple[Path, Path]:
 def mixture_loader(checks, dp_rank: int, num_workers: int = 0):
     return lambda epoch, position: build_dataloader(
         checks,
-        max_duration=4.0,
+        max_duration=MIXTURE_BUDGET,
         job_seed=3,
         dp_rank=dp_rank,
         dp_size=2,
@@ -257,11 +273,12 @@ def mixture_loader(checks, dp_rank: int, num_workers: int = 0):
 
 
 def test_text_and_conversations_mix_with_speech_and_resume_exactly(mixture):
-    """Batches hold text-only examples (no frames), conversations and ASR cuts together or
-    apart; each example's labels are its answers; a job resumed mid-epoch, with a worker, reads
-    the very batches the first job would have read next."""
+    """Batches hold text-only examples (no frames), conversations (one or two audio segments)
+    and ASR cuts together or apart; each segment sits before its token and each example's
+    labels are its answers; a job resumed mid-epoch, with a worker, reads the very batches the
+    first job would have read next."""
     checks = check_sources(
-        read_sources(mixture[0], "data.input_cfg"), 4.0, AudioLimits(16000), print
+        read_sources(mixture[0], "data.input_cfg"), MIXTURE_BUDGET, AudioLimits(16000), print
     )
     first = list(
         itertools.islice(batches_from(mixture_loader(checks, 1), DataPosition.start(1)), 24)
@@ -269,24 +286,35 @@ def test_text_and_conversations_mix_with_speech_and_resume_exactly(mixture):
     sources = [source for _, batch in first for source in batch["sources"]]
     assert {"asr", "spoken", "text"} <= set(sources)
     assert any(set(batch["sources"]) == {"text"} for _, batch in first), "no text-only batch"
+    assert any(batch["feature_lens"].shape[1] == 2 for _, batch in first), "no second segment"
     for _, batch in first:
         lens = batch["feature_lens"]
-        is_text = torch.tensor([s == "text" for s in batch["sources"]])
-        assert (lens[is_text] == 0).all() and (lens[~is_text] > 0).all()
+        segments = (lens > 0).sum(1).tolist()
+        for source, count in zip(batch["sources"], segments, strict=True):
+            assert count == {"asr": 1, "text": 0}.get(source, count) and count <= 2
         audio = audio_positions(get_preset("tiny"), lens)
-        seq_len = int((audio + batch["token_lens"]).max())
+        seq_len = int((audio.sum(1) + batch["token_lens"]).max())
         layout = sequence_layout(
             audio,
             batch["tokens"],
             batch["token_lens"],
             seq_len,
-            batch["prefix_lens"],
+            batch["audio_at"],
             batch["target_mask"],
         )
         for row in range(len(lens)):
             labels = layout.labels[row][layout.labels[row] != IGNORE_INDEX].tolist()
             tokens, mask = batch["tokens"][row].tolist(), batch["target_mask"][row].tolist()
             assert labels == [t for t, m in zip(tokens, mask, strict=True) if m]
+            # Segment k starts after audio_at[k] tokens and the earlier segments' positions.
+            starts = [
+                int(batch["audio_at"][row, k]) + int(audio[row, :k].sum())
+                for k in range(segments[row])
+            ]
+            where = layout.is_audio[row].nonzero().flatten().tolist()
+            assert where == [
+                start + i for k, start in enumerate(starts) for i in range(int(audio[row, k]))
+            ]
     for taken, workers in ((4, 1), (9, 0)):
         saved = json.loads(json.dumps(first[taken - 1][0].state()))
         start, replay = DataPosition.resume(saved, 1)
@@ -296,24 +324,22 @@ def test_text_and_conversations_mix_with_speech_and_resume_exactly(mixture):
 
 def test_conversations_decode_after_the_conversation_so_far(mixture):
     """Each sequence of a batch decodes after its own prompt (its conversation up to its last
-    answer), exactly as it decodes alone; text-only prompts have no frames."""
+    answer, with one or two audio segments, or none), exactly as it decodes alone."""
     checks = check_sources(read_sources(mixture[1], "eval.sets"), None, AudioLimits(16000), print)
     cuts = [cut for check in checks for cut in itertools.islice(load_source_cuts(check.source), 3)]
-    dataset = SpeechDataset(ByteTokenizer())
-    features = [torch.from_numpy(dataset.featurize(cut)) for cut in cuts]
-    lens = torch.tensor([len(f) for f in features])
-    padded = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
-    codec = ByteTokenizer()
-    prompts = [
-        codec.conversation([Turn(**t) for t in c.custom["conversation"]]).up_to_answer()
-        for c in cuts
-    ]
+    featurize = SpeechDataset(ByteTokenizer()).featurize
+    found = [[torch.from_numpy(f) for f in featurize.segments(cut)] for cut in cuts]
+    assert [len(segments) for segments in found] == [1, 1, 2, 0, 0, 0]
+    prompts = [encoded(ByteTokenizer(), cut).up_to_answer() for cut in cuts]
     assert all(prompt.tokens[-1] == ord("\n") for prompt in prompts)
     model = build_model(get_preset("tiny"), torch.device("cpu"), init_seed=7).eval()
+    padded, lens = pad_segments(found, featurize.bins)
     together = greedy_decode(model, padded, lens, 6, lambda mine: mine, prompt=prompts)
     alone = [
-        greedy_decode(model, f[None], torch.tensor([len(f)]), 6, lambda mine: mine, prompt=[p])[0]
-        for f, p in zip(features, prompts, strict=True)
+        greedy_decode(model, *pad_segments([f], featurize.bins), 6, lambda mine: mine, prompt=[p])[
+            0
+        ]
+        for f, p in zip(found, prompts, strict=True)
     ]
     assert together == alone
     assert [source_of(cut) for cut in cuts] == ["spoken"] * 3 + ["text"] * 3

@@ -113,14 +113,14 @@ def test_batches_are_padded_tensors_of_the_cut_text(train_cuts):
         features, tokens = batch["features"], batch["tokens"]
         size = len(batch["cut_ids"])
         assert features.dtype == torch.float32 and features.shape[0] == size
-        assert features.shape[2] == 80
-        assert int(batch["feature_lens"].max()) == features.shape[1]
+        assert features.shape[1:2] == (1,) and features.shape[3] == 80  # one segment each
+        assert int(batch["feature_lens"].max()) == features.shape[2]
         assert tokens.dtype == torch.int64 and tokens.shape[0] == size
         for row, cut_id in enumerate(batch["cut_ids"]):
             length = int(batch["token_lens"][row])
             assert tokens[row, :length].tolist() == BYTES.encode(texts[cut_id])
             assert (tokens[row, length:] == PAD_ID).all()
-            assert (features[row, int(batch["feature_lens"][row]) :] == 0).all()
+            assert (features[row, 0, int(batch["feature_lens"][row, 0]) :] == 0).all()
 
 
 def test_epochs_reshuffle_within_a_job(train_cuts):

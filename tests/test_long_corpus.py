@@ -95,10 +95,10 @@ def test_dataloader_yields_batches_four_times_as_long(corpus, long_corpus):
     )
     lens = []
     for batch in loader:
-        assert batch["features"].shape[2] == 80
+        assert batch["features"].shape[3] == 80
         for cut_id, n_frames, n_tokens in zip(
             batch["cut_ids"],
-            batch["feature_lens"].tolist(),
+            batch["feature_lens"][:, 0].tolist(),
             batch["token_lens"].tolist(),
             strict=True,
         ):

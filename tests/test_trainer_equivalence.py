@@ -35,6 +35,7 @@ and at two pipeline stages) hold to the same bounds.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.harness.conversations import conversation_mixture
 from tests.harness.training import metrics, train_together
+from train.data import build_dataloader
+from train.features import AudioLimits
+from train.models.salm import ByteTokenizer
+from train.source_cuts import check_sources
+from train.sources import read_sources
 
 pytestmark = pytest.mark.slow
 
@@ -251,11 +257,55 @@ def run_log(log: str, run_dir: Path) -> str:
     return log[start : end if end >= 0 else len(log)]
 
 
+MIXTURE_BUDGET = 8  # data.max_duration of the mix_* cases: a conversation about two utterances
+# is ~5 s of the budget (audio and text)
+
+
 @pytest.fixture(scope="module")
-def data_overrides(tmp_path_factory, corpus):
+def mixture_files(tmp_path_factory, corpus) -> tuple[Path, Path]:
+    return conversation_mixture(corpus, tmp_path_factory.mktemp("mixture"))
+
+
+@pytest.fixture(scope="module")
+def data_overrides(mixture_files):
     """The overrides that read the corpus (none) or the mixture, and validate on its sets."""
-    mixture, sets = conversation_mixture(corpus, tmp_path_factory.mktemp("mixture"))
-    return {False: (), True: (f"data.input_cfg={mixture}", f"eval.sets={sets}")}
+    mixture, sets = mixture_files
+    mixed = (
+        f"data.input_cfg={mixture}",
+        f"eval.sets={sets}",
+        f"data.max_duration={MIXTURE_BUDGET}",
+    )
+    return {False: (), True: mixed}
+
+
+def test_the_mixture_gives_one_rank_a_step_without_audio(mixture_files):
+    """What the mix_* cases at two data-parallel ranks rely on: in one of their steps one rank's
+    batch is text only while the other's has audio, so the encoder's collectives run on a rank
+    with nothing to encode (the loaders built as the trainer builds them for these cases)."""
+    checks = check_sources(
+        read_sources(mixture_files[0], "data.input_cfg"), MIXTURE_BUDGET, AudioLimits(16000), print
+    )
+    seed = int(next(o for o in COMMON if o.startswith("seed=")).removeprefix("seed="))
+    text_only = [
+        [
+            not bool(batch["feature_lens"].any())
+            for batch in itertools.islice(
+                build_dataloader(
+                    checks,
+                    max_duration=MIXTURE_BUDGET,
+                    job_seed=seed,
+                    dp_rank=rank,
+                    dp_size=2,
+                    num_workers=0,
+                    text=ByteTokenizer(),
+                    buckets=1,
+                ),
+                STEPS,
+            )
+        ]
+        for rank in range(2)
+    ]
+    assert any(a != b for a, b in zip(*text_only, strict=True)), text_only
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,17 @@ def test_an_empty_reference_counts_the_hypothesis_as_insertions():
     )
 
 
+def test_the_sentence_error_rate_counts_utterances_not_answered_exactly():
+    """A conversation's one-word answers are judged right or wrong: an utterance with any word
+    edit (an insertion after an empty reference too) is wrong, however many edits it has."""
+    pairs = [("cats", "cats"), ("seven", "eleven"), ("the park", "park"), ("", ""), ("", "uh")]
+    counts = score_corpus(pairs, basic)
+    assert (counts.wrong_utterances, counts.utterances) == (3, 5)
+    assert counts.ser == pytest.approx(0.6) and counts.figures()["ser"] == counts.ser
+    halves = score_corpus(pairs[:2], basic) + score_corpus(pairs[2:], basic)
+    assert halves.ser == counts.ser
+
+
 def test_a_corpus_without_reference_words_has_no_rates():
     counts = score_corpus([("", "uh"), ("?!", "")], basic)
     with pytest.raises(ValueError, match="WER is undefined: the 2 reference"):

@@ -1,14 +1,15 @@
-"""A conversation as the trainer reads it: turns of text, and at most one audio turn, each
-spoken by the system, the user or the assistant.
+"""A conversation as the trainer reads it: turns of text and of audio, each spoken by the
+system, the user or the assistant.
 
 A cut carries its conversation in ``cut.custom["conversation"]`` as a JSON list of turns,
-``{"role": ..., "text": ...}`` or ``{"role": ..., "audio": true}`` (the cut's own recording;
-a text-only conversation's cut has none). The readers of the formats users bring
-(``train.conversation_cuts``) write it there; the text codecs (``train.prompt`` for a pretrained
-LLM's chat template, the byte tokenizer of the presets) render it, the loss covering the
-assistant's turns, and evaluation decodes the last assistant turn after the rest.
+``{"role": ..., "text": ...}`` or ``{"role": ..., "audio": true}``, and its audio turns'
+recordings, in order, in ``cut.custom["audio"]`` (lhotse's recording manifests): the cut itself
+has no recording, and its duration is what the batch budget counts. The readers of the formats
+users bring (``train.conversation_cuts``) write them there; the text codecs (``train.prompt``
+for a pretrained LLM's chat template, the byte tokenizer of the presets) render them, the loss
+covering the assistant's turns, and evaluation decodes the last assistant turn after the rest.
 
-Consecutive turns of one role are one message, their texts joined by a space (the audio turn's
+Consecutive turns of one role are one message, their texts joined by a space (each audio turn's
 place in it kept), as NeMo's SALM prompt formatting joins them.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CONVERSATION_KEY = "conversation"  # where a cut carries its turns (cut.custom)
+AUDIO_KEY = "audio"  # where a conversation's cut carries its audio turns' recordings
 # The source kinds whose cuts are conversations (train.sources, train.conversation_cuts).
 CONVERSATIONS_KIND, TEXT_PAIRS_KIND = "conversations", "text_pairs"
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
@@ -45,22 +47,23 @@ class Turn:
 
 @dataclass(frozen=True)
 class Message:
-    """Consecutive turns of one role: the text before the audio, and after it when the audio
-    is among them (``after`` is None without audio)."""
+    """Consecutive turns of one role: their texts, and None where an audio turn is."""
 
     role: str
-    text: str
-    after: str | None = None
+    parts: tuple[str | None, ...]
 
     @property
-    def has_audio(self) -> bool:
-        return self.after is not None
+    def text(self) -> str:
+        """The message's text, its audio left out."""
+        return " ".join(part for part in self.parts if part)
+
+    @property
+    def audio_turns(self) -> int:
+        return sum(part is None for part in self.parts)
 
     def content(self, audio_token: str) -> str:
-        """The message's text with ``audio_token`` where the audio goes."""
-        if self.after is None:
-            return self.text
-        return " ".join(part for part in (self.text, audio_token, self.after) if part)
+        """The message's text with ``audio_token`` where each audio goes."""
+        return " ".join(audio_token if part is None else part for part in self.parts if part != "")
 
 
 def turns_from_json(given: object) -> list[Turn]:
@@ -83,27 +86,18 @@ def turns_from_json(given: object) -> list[Turn]:
 
 
 def messages(turns: Sequence[Turn]) -> list[Message]:
-    """The conversation as messages (module docstring), checked: at most one audio turn, a
-    system message only first, the user speaking before the assistant, the assistant last with
-    some text, and no audio in the assistant's turns."""
-    if sum(turn.audio for turn in turns) > 1:
-        raise ConversationError(
-            f"a conversation has {sum(turn.audio for turn in turns)} audio turns; this release "
-            "takes one per conversation (split it into conversations with one each)"
-        )
+    """The conversation as messages (module docstring), checked: a system message only first,
+    the user speaking before the assistant, the assistant last with some text, and no audio in
+    the assistant's turns."""
     merged: list[Message] = []
     for turn in turns:
         if turn.audio and turn.role == ASSISTANT:
             raise ConversationError("an audio turn of the assistant cannot be trained on")
-        if not merged or merged[-1].role != turn.role:
-            merged.append(Message(turn.role, ""))
-        last = merged[-1]
-        if turn.audio:
-            merged[-1] = Message(last.role, last.text, "")
-        elif last.after is not None:
-            merged[-1] = Message(last.role, last.text, _joined(last.after, turn.text))
+        part = None if turn.audio else turn.text
+        if merged and merged[-1].role == turn.role:
+            merged[-1] = Message(turn.role, (*merged[-1].parts, part))
         else:
-            merged[-1] = Message(last.role, _joined(last.text, turn.text))
+            merged.append(Message(turn.role, (part,)))
     roles = [message.role for message in merged]
     if SYSTEM in roles[1:]:
         raise ConversationError("a system turn may only open a conversation")
@@ -113,10 +107,6 @@ def messages(turns: Sequence[Turn]) -> list[Message]:
     if spoken[-1] != ASSISTANT or not merged[-1].text:
         raise ConversationError("a conversation ends with an assistant turn that has text")
     return merged
-
-
-def _joined(first: str, second: str) -> str:
-    return " ".join(part for part in (first, second) if part)
 
 
 def conversation_of(custom: Mapping[str, Any] | None) -> list[Turn] | None:

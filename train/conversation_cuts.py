@@ -14,10 +14,11 @@ Two source kinds (``train.sources``):
   says the source (after a question from ``questions``, when given: the line's by its number),
   the assistant answers the target.
 
-A conversation with audio is a cut of that audio (its recording read from the file's header,
-unless the turn gives its ``duration`` and ``sampling_rate``); a text-only one is a cut without
-a recording whose duration, what the batch budget and the buckets count, is its characters
-times ``TEXT_CHAR_SECONDS``. Files are read again on each pass: nothing is held.
+A conversation is a cut without a recording of its own (``train.conversation``): its audio
+turns' recordings (each read from the file's header, unless the turn gives its ``duration`` and
+``sampling_rate``) ride in ``cut.custom``, and its duration, what the batch budget and the
+buckets count, is their seconds plus its characters times ``TEXT_CHAR_SECONDS``. Files are
+read again on each pass: nothing is held.
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lhotse.cut import MonoCut
+from lhotse import Recording
+from lhotse.cut import Cut, MonoCut
 
-from train.conversation import ASSISTANT, CONVERSATION_KEY, SYSTEM, USER, Turn
+from train.conversation import (
+    ASSISTANT,
+    AUDIO_KEY,
+    CONVERSATION_KEY,
+    SYSTEM,
+    USER,
+    Turn,
+)
 from train.nemo_manifest import audio_path, json_lines, recording_of
 
 # A text example's weight in the batch budget: 20 ms per character, about what a token's
@@ -45,28 +54,42 @@ ROLE_NAMES = {
 }
 
 
-def text_cut(cut_id: str, turns: Sequence[Turn]) -> MonoCut:
-    """A text-only conversation's cut: no recording, its duration from its characters."""
+def conversation_cut(
+    cut_id: str, turns: Sequence[Turn], recordings: Sequence[Recording] = ()
+) -> MonoCut:
+    """The cut of a conversation: no recording of its own, its audio turns' ``recordings`` (in
+    order) in ``custom``, its duration what the batch budget counts: their seconds, plus its
+    text's characters times ``TEXT_CHAR_SECONDS``."""
     chars = sum(len(turn.text) for turn in turns)
+    seconds = sum(recording.duration for recording in recordings)
+    custom: dict[str, Any] = {CONVERSATION_KEY: [turn.as_json() for turn in turns]}
+    if recordings:
+        custom[AUDIO_KEY] = [recording.to_dict() for recording in recordings]
     return MonoCut(
         id=cut_id,
         start=0.0,
-        duration=round(max(chars, 1) * TEXT_CHAR_SECONDS, 4),
+        duration=round(seconds + max(chars, 1) * TEXT_CHAR_SECONDS, 4),
         channel=0,
-        custom={CONVERSATION_KEY: [turn.as_json() for turn in turns]},
+        custom=custom,
     )
 
 
-def conversation_cut(
+def turn_recordings(cut: Cut) -> list[Recording] | None:
+    """The recordings of a conversation cut's audio turns, in order; None for any other cut."""
+    custom = cut.custom or {}
+    if CONVERSATION_KEY not in custom:
+        return None
+    return [Recording.from_dict(recording) for recording in custom.get(AUDIO_KEY, [])]
+
+
+def line_cut(
     line: Mapping[str, Any],
     path: Path,
     number: int,
     placeholders: Sequence[str] = AUDIO_PLACEHOLDERS,
 ) -> MonoCut:
     """The cut of one conversation line (module docstring); a line that is not a conversation
-    is a ValueError naming it. Every audio turn is kept in the turns (the source check sets a
-    conversation with more than one aside, with its reason); the cut's recording is the
-    first's."""
+    is a ValueError naming it."""
     where = f"{path}: conversation {number + 1}"
     given = line.get("conversations")
     if not isinstance(given, list) or not given:
@@ -95,17 +118,12 @@ def conversation_cut(
     turns = [turn for turn in turns if turn.audio or turn.text]
     if line.get("system") and turns[0].role != SYSTEM:  # NeMo's SFT lines
         turns.insert(0, Turn(SYSTEM, str(line["system"])))
-    if not audio:
-        return text_cut(cut_id, turns)
-    value, turn = audio[0]
-    seconds = turn.get("duration")
-    recording = recording_of(
-        audio_path(value, path), turn.get("sampling_rate") if seconds else None, seconds or 0.0
-    )
-    cut = recording.to_cut()
-    cut.id = cut_id
-    cut.custom = {CONVERSATION_KEY: [t.as_json() for t in turns]}
-    return cut
+    recordings = []
+    for value, turn in audio:
+        seconds = turn.get("duration")
+        rate = turn.get("sampling_rate") if seconds else None
+        recordings.append(recording_of(audio_path(value, path), rate, seconds or 0.0))
+    return conversation_cut(cut_id, turns, recordings)
 
 
 class ConversationCuts:
@@ -119,7 +137,7 @@ class ConversationCuts:
     def __iter__(self) -> Iterator[MonoCut]:
         for path in self.paths:
             for number, line in enumerate(json_lines(path)):
-                yield conversation_cut(line, path, number, self.placeholders)
+                yield line_cut(line, path, number, self.placeholders)
 
 
 class TextPairCuts:
@@ -148,4 +166,4 @@ class TextPairCuts:
                     question = asked[number % len(asked)] if asked else ""
                     user = f"{question} {text.strip()}".strip()
                     turns = [Turn(USER, user), Turn(ASSISTANT, reply.strip())]
-                    yield text_cut(f"{source.stem}-{number}", turns)
+                    yield conversation_cut(f"{source.stem}-{number}", turns)

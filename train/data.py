@@ -139,10 +139,13 @@ class TextCodec(Protocol):
 class SpeechDataset(torch.utils.data.Dataset):
     """Turns a CutSet chosen by the sampler into padded tensors, in a dataloader worker.
 
-    Returns ``features`` (B, T, bins) float32 padded with zeros, ``feature_lens`` (B,),
-    ``tokens`` (B, L) int64 padded with ``pad_id``, ``token_lens`` (B,), where the audio goes
-    (``prefix_lens``, B) and which tokens the loss covers (``target_mask``, B, L), ``cut_ids``, each
-    cut's ``sources`` name, and one line for each ``skipped`` cut (cut, reason, source).
+    Returns ``features`` (B, K, T, bins) float32, each example's audio segments (a speech cut's
+    one, a conversation's audio turns, none for text only) padded with zeros to the batch's
+    most segments and frames, ``feature_lens`` (B, K) (0: no segment), ``tokens`` (B, L) int64
+    padded with ``pad_id``, ``token_lens`` (B,), before which token each segment goes
+    (``audio_at``, B x K) and which tokens the loss covers (``target_mask``, B x L),
+    ``cut_ids``, each cut's ``sources`` name, and one line for each ``skipped`` cut (cut,
+    reason, source).
 
     Features come from ``featurize`` (``train.features``): the corpus's stored fbank, or
     computed here from the audio for a pretrained encoder or a source without features. A cut
@@ -159,36 +162,35 @@ class SpeechDataset(torch.utils.data.Dataset):
         features, examples, kept, skipped = [], [], [], []
         for cut in cuts:
             try:
-                codec, turns = self.text.for_tags(tags_of(cut)), conversation_of(cut.custom)
-                if turns is None:
-                    example = codec.example(transcript(cut))
-                else:
-                    example = codec.conversation(turns)
-                features.append(torch.from_numpy(self.featurize(cut)))
+                example = encoded(self.text, cut)
+                found = self.featurize.segments(cut)
+                if len(found) != len(example.audio_at):
+                    raise BadCut(
+                        f"cut {cut.id}: {len(example.audio_at)} audio turns but "
+                        f"{len(found)} recordings"
+                    )
             except ValueError as error:  # BadCut, or a text the codec refuses
                 why = str(error) if isinstance(error, BadCut) else f"cut {cut.id}: {error}"
                 skipped.append(f"{why} (source {source_of(cut) or '-'})")
                 continue
+            features.append([torch.from_numpy(f) for f in found])
             examples.append(example)
             kept.append(cut)
         if not kept:
             reasons = "; ".join(skipped[:3])
             raise BadCut(f"every cut of a batch is unusable: {reasons}")
+        padded, lens = pad_segments(features, self.featurize.bins)
         tokens = [
             torch.tensor(example.tokens, dtype=torch.int64, device="cpu") for example in examples
         ]
         return {
-            "features": pad_sequence(features, batch_first=True, padding_value=0.0),
-            "feature_lens": torch.tensor(
-                [f.shape[0] for f in features], dtype=torch.int64, device="cpu"
-            ),
+            "features": padded,
+            "feature_lens": lens,
             "tokens": pad_sequence(tokens, batch_first=True, padding_value=self.text.pad_id),
             "token_lens": torch.tensor(
                 [t.shape[0] for t in tokens], dtype=torch.int64, device="cpu"
             ),
-            "prefix_lens": torch.tensor(
-                [e.prefix_len for e in examples], dtype=torch.int64, device="cpu"
-            ),
+            "audio_at": audio_at_rows(examples, padded.shape[1]),
             "target_mask": pad_sequence(
                 [torch.tensor(e.target_mask(), dtype=torch.bool, device="cpu") for e in examples],
                 batch_first=True,
@@ -197,6 +199,35 @@ class SpeechDataset(torch.utils.data.Dataset):
             "sources": [source_of(cut) for cut in kept],
             "skipped": skipped,
         }
+
+
+def encoded(text: TextCodec, cut: Cut) -> Encoded:
+    """A cut as its tokens: a conversation rendered whole, a speech cut's transcript as the
+    answer of its source's prompt."""
+    codec, turns = text.for_tags(tags_of(cut)), conversation_of(cut.custom)
+    return codec.example(transcript(cut)) if turns is None else codec.conversation(turns)
+
+
+def pad_segments(
+    features: list[list[torch.Tensor]], bins: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's segments (frames, bins) as one (B, K, T, bins) tensor, zero-padded to the
+    most segments (at least one) and frames, and their lengths (B, K), 0 where none."""
+    segments = max(1, *(len(found) for found in features))
+    frames = max((f.shape[0] for found in features for f in found), default=0)
+    padded = torch.zeros((len(features), segments, frames, bins), dtype=torch.float32, device="cpu")
+    lens = torch.zeros((len(features), segments), dtype=torch.int64, device="cpu")
+    for row, found in enumerate(features):
+        for index, segment in enumerate(found):
+            padded[row, index, : segment.shape[0]] = segment
+            lens[row, index] = segment.shape[0]
+    return padded, lens
+
+
+def audio_at_rows(examples: list[Encoded], segments: int) -> torch.Tensor:
+    """Before which token each example's audio segments go (B, segments), 0 past its own."""
+    rows = [list(e.audio_at) + [0] * (segments - len(e.audio_at)) for e in examples]
+    return torch.tensor(rows, dtype=torch.int64, device="cpu")
 
 
 def load_cuts(manifest: Path) -> CutSet:

@@ -36,8 +36,11 @@ from train.models.salm import (
     ByteTokenizer,
     audio_positions,
     encode_audio,
+    example_positions,
     longest_example,
     packed_length,
+    segments,
+    sequence_layout,
     splice,
 )
 from train.prompt import Encoded
@@ -70,10 +73,10 @@ BYTE_PROMPT = ByteTokenizer().generation_prompt()
 def prompt_layout(
     model: nn.Module, feature_lens: torch.Tensor, prompts: list[Encoded]
 ) -> tuple[int, torch.Tensor]:
-    """The prompt length (each sequence's prompt tokens around its audio, the longest rounded
+    """The prompt length (each sequence's prompt tokens and audio segments, the longest rounded
     up to the sequence multiple of ``model``, whole or a stage) and where each sequence's first
     real position is: known from the lengths alone, on every pipeline stage."""
-    audio_lens = audio_positions(model.cfg, feature_lens)
+    audio_lens = example_positions(model.cfg, feature_lens)
     text = torch.tensor([len(p.tokens) for p in prompts], device=audio_lens.device)
     length = packed_length(longest_example(audio_lens, text), model.seq_multiple)
     return length, length - text - audio_lens
@@ -86,22 +89,31 @@ def prompt_embeddings(
     length: int,
     prompts: list[Encoded],
 ) -> torch.Tensor:
-    """Left-padded prompts (B, length, d): each sequence's prompt tokens before the audio, its
-    audio, then its prompt's tokens after it (the byte tokenizer's: the audio, then BOS)."""
+    """Left-padded prompts (B, length, d): each sequence's prompt tokens with its audio segments
+    where its prompt puts them (the byte tokenizer's: the audio, then BOS), laid out as training
+    lays them out."""
+    features, feature_lens = segments(features, feature_lens)
     audio, audio_lens = encode_audio(model.encoder, model.projector, features, feature_lens)
     device = audio.device
-    before = torch.tensor([p.prefix_len for p in prompts], device=device)[:, None]
-    text_lens = torch.tensor([len(p.tokens) for p in prompts], device=device)
-    starts = length - text_lens - audio_lens
-    column = torch.arange(length, device=device)[None, :] - starts[:, None]  # in the sequence
-    is_audio = (column >= before) & (column < before + audio_lens[:, None])
-    is_text = (column >= 0) & ~is_audio
-    text_index = torch.where(column < before, column, column - audio_lens[:, None])
-    text_index = text_index.clamp(0, int(text_lens.max()) - 1)
     tokens = pad_sequence(
         [torch.tensor(p.tokens, device=device) for p in prompts], batch_first=True
     )
-    return splice(audio, model.llm.embed(tokens), column - before, text_index, is_audio, is_text)
+    token_lens = torch.tensor([len(p.tokens) for p in prompts], device=device)
+    audio_at = pad_sequence(
+        [torch.tensor(p.audio_at or (0,), dtype=torch.long, device=device) for p in prompts],
+        batch_first=True,
+    )
+    if audio_at.shape[1] != audio_lens.shape[1]:
+        raise ValueError(
+            f"greedy_decode: the prompts place {audio_at.shape[1]} audio segments, the "
+            f"features hold {audio_lens.shape[1]}"
+        )
+    starts = length - token_lens - audio_lens.sum(-1)
+    no_targets = torch.zeros_like(tokens, dtype=torch.bool)
+    layout = sequence_layout(
+        audio_lens, tokens, token_lens, length, audio_at, no_targets, offsets=starts
+    )
+    return splice(audio, model.llm.embed(tokens), layout)
 
 
 @contextmanager
@@ -181,8 +193,10 @@ def greedy_decode(
         raise ValueError(f"greedy_decode: {len(prompts)} prompts for {real} sequences")
     extra = -real % batch_multiple
     if extra:
-        features = torch.cat([features, features[:1].expand(extra, -1, -1)])
-        feature_lens = torch.cat([feature_lens, feature_lens[:1].expand(extra)])
+        features = torch.cat([features, features[:1].expand(extra, *features.shape[1:])])
+        feature_lens = torch.cat(
+            [feature_lens, feature_lens[:1].expand(extra, *feature_lens.shape[1:])]
+        )
         prompts += [prompts[0]] * extra
     length, starts = prompt_layout(model, feature_lens, prompts)
     generated = _Generated(len(features), max_new_tokens, eos_ids, any_active, features.device)

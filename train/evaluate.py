@@ -45,7 +45,6 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from lhotse.cut import Cut
 from omegaconf import MISSING, DictConfig, OmegaConf
-from torch.nn.utils.rnn import pad_sequence
 
 from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
 from contract.job_end import EXIT_CONFIG
@@ -53,6 +52,7 @@ from contract.run_dir import EVAL_DIR, step_name
 from train.checkpoint import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig
 from train.conversation import conversation_of
+from train.data import encoded, pad_segments
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
 from train.features import BadCut, Extractor, Featurizer, extractor_of
@@ -71,7 +71,6 @@ from train.source_cuts import (
     SourceCheck,
     check_sources,
     load_source_cuts,
-    tags_of,
     transcript,
 )
 from train.sources import Source, check_prompt_tags, read_sources
@@ -286,18 +285,17 @@ class Evaluation:
         features, kept, unusable = [], [], {}
         for cut in cuts:
             try:
-                features.append(torch.from_numpy(self.featurize(cut)))
+                features.append([torch.from_numpy(f) for f in self.featurize.segments(cut)])
                 kept.append(cut)
             except BadCut as error:
                 unusable[cut.id] = str(error)
         if not kept:
             raise BadCut(f"no cut of a batch can be decoded: {'; '.join(unusable.values())}")
-        lens = torch.tensor([len(f) for f in features], device=self.device)
-        padded = pad_sequence(features, batch_first=True).to(self.device)
+        padded, lens = pad_segments(features, self.featurize.bins)
         ids = greedy_decode(
             self.model,
-            padded,
-            lens,
+            padded.to(self.device),
+            lens.to(self.device),
             self.cfg.max_new_tokens,
             self.any_active,
             use_cache=self.cfg.kv_cache,
@@ -312,10 +310,9 @@ class Evaluation:
     def prompt(cut: Cut, text: ByteTokenizer | ChatPrompt) -> Encoded:
         """What decoding feeds for ``cut``: its conversation up to its last assistant turn,
         or the set's generation prompt around a speech cut's audio."""
-        turns = conversation_of(cut.custom)
-        if turns is None:
+        if conversation_of(cut.custom) is None:
             return text.generation_prompt()
-        return text.for_tags(tags_of(cut)).conversation(turns).up_to_answer()
+        return encoded(text, cut).up_to_answer()
 
     def decode_set(self, eval_set: EvalSet) -> tuple[Decoded, float]:
         """This rank's share of the set, decoded, and the seconds it took."""
@@ -456,6 +453,7 @@ def cells(summary: dict) -> dict[str, str]:
         "words": str(summary["reference_words"]),
         "WER": f"{summary['wer']:.2%}",
         "CER": f"{summary['cer']:.2%}",
+        "SER": f"{summary['ser']:.2%}",
         "sub": str(summary["substitutions"]),
         "del": str(summary["deletions"]),
         "ins": str(summary["insertions"]),
@@ -467,7 +465,7 @@ def describe(summary: dict) -> str:
     """One line of a set's figures."""
     text = cells(summary)
     return (
-        f"WER {text['WER']} CER {text['CER']} (S {text['sub']}, D {text['del']}, "
+        f"WER {text['WER']} CER {text['CER']} SER {text['SER']} (S {text['sub']}, D {text['del']}, "
         f"I {text['ins']} of {text['words']} words) over {text['utterances']} utterances, "
         f"RTF {text['RTF']}"
     )

@@ -23,6 +23,8 @@ import numpy as np
 from lhotse import Fbank, FbankConfig
 from lhotse.cut import Cut
 
+from train.conversation_cuts import turn_recordings
+
 FBANK_BINS = 80  # the corpus's features (recipes/make_corpus.py) and the own encoder's input
 OWN_RATE = 16000
 FBANK_HOP_S = 0.01  # lhotse's fbank frame shift
@@ -117,10 +119,7 @@ class Featurizer:
         return OWN_RATE if self._fbank is not None else int(self.hf.sampling_rate)
 
     def __call__(self, cut: Cut) -> np.ndarray:
-        """(frames, bins) float32 for ``cut``; ``BadCut`` when it cannot be made. A cut with
-        neither audio nor features (a text-only conversation) has no frames."""
-        if not cut.has_recording and not cut.has_features:
-            return np.zeros((0, self.bins), dtype=np.float32)
+        """(frames, bins) float32 for ``cut``; ``BadCut`` when it cannot be made."""
         if self.extractor.uses_stored and cut.has_features:
             try:
                 return np.asarray(cut.load_features(), dtype=np.float32)
@@ -137,6 +136,14 @@ class Featurizer:
                 np.save(file, features)
             os.replace(partial, cached)
         return features
+
+    def segments(self, cut: Cut) -> list[np.ndarray]:
+        """The features of each of ``cut``'s audio segments, in order: a conversation's audio
+        turns (none for one of text only), or a speech cut's audio."""
+        recordings = turn_recordings(cut)
+        if recordings is None:
+            return [self(cut)]
+        return [self(recording.to_cut()) for recording in recordings]
 
     def compute(self, audio: np.ndarray) -> np.ndarray:
         if self._fbank is not None:

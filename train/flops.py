@@ -110,9 +110,11 @@ ENCODER_MACS = {
 def sequence_flops(cfg: SALMConfig, frames, tokens):
     """Training FLOPs (forward + backward) of sequences of ``frames`` feature frames and
     ``tokens`` transcript tokens: numbers (the planner) or float64 tensors of lengths (one per
-    example)."""
+    example, or (B, K) frames of each example's K audio segments)."""
     encoder = ENCODER_MACS[cfg.encoder](cfg, frames)
     audio = audio_positions(cfg, frames)
+    if getattr(frames, "ndim", 0) == 2:  # (B, K) tensors: each example's audio segments
+        encoder, audio = encoder.sum(-1), audio.sum(-1)
     stacked_width = cfg.projector_stride * cfg.enc_dim
     projector = (stacked_width * cfg.d_model + cfg.d_model**2) * audio
     positions = audio + tokens

@@ -30,6 +30,11 @@ A tokenizer without a chat template gets a plain format::
 
 A text chat without audio (``text_prompt``) is the same template rendered with the user's message
 up to the assistant's answer (``{bos}{system}\\n{message}\\n`` in the plain format).
+
+A conversation (``ChatPrompt.conversation``, ``train.conversation``) is the template rendered
+whole, a placeholder in each audio turn's place (``Encoded.audio_at``), the loss on every
+assistant message and its end of turn (``Encoded.spans``); each assistant message is found by
+rendering the conversation up to it with and without it.
 """
 
 from __future__ import annotations
@@ -58,27 +63,39 @@ PROBES = ("probe transcript one", "another probe 2")
 
 @dataclass(frozen=True)
 class Encoded:
-    """Token ids of one example, the audio placeholder removed, and the token ranges the loss
-    covers (``spans``: the assistant's turns; none in a generation prompt).
+    """Token ids of one example, the audio placeholders removed: where each audio goes
+    (``audio_at``, in order: before ``tokens[i]``), and the token ranges the loss covers
+    (``spans``: the assistant's turns; none in a generation prompt).
 
-    The loss on token ``i`` is predicted at the position before it; the token right after the
+    The loss on token ``i`` is predicted at the position before it; the token right after an
     audio would be predicted at the audio's last frame, which the model's layout does not label,
     so it is never a target (a chat template puts the end of the user's turn there)."""
 
     tokens: list[int]
-    prefix_len: int  # tokens before the audio: the placeholder's index (0 for text only)
+    audio_at: tuple[int, ...] = ()  # before which token each audio goes (none: text only)
     spans: tuple[tuple[int, int], ...] = ()  # [start, end) token ranges the loss covers
 
     def __post_init__(self) -> None:
+        if list(self.audio_at) != sorted(self.audio_at) or any(
+            not 0 <= at <= len(self.tokens) for at in self.audio_at
+        ):
+            raise ValueError(f"audio positions {self.audio_at} must be in order, within the tokens")
         previous = 0
         for start, end in self.spans:
-            if not previous < start < end <= len(self.tokens) or start <= self.prefix_len < end:
+            if not previous < start < end <= len(self.tokens) or any(
+                start <= at < end for at in self.audio_at
+            ):
                 raise ValueError(
                     f"loss spans {self.spans} of {len(self.tokens)} tokens must be ordered, "
-                    f"non-empty, after the first token and not start at the audio "
-                    f"({self.prefix_len})"
+                    f"non-empty, after the first token and not start at an audio "
+                    f"({self.audio_at})"
                 )
             previous = end - 1
+
+    @property
+    def prefix_len(self) -> int:
+        """The tokens before the first audio (an ASR example's prompt before its audio)."""
+        return self.audio_at[0] if self.audio_at else 0
 
     @property
     def answer_start(self) -> int:
@@ -87,8 +104,9 @@ class Encoded:
         return self.spans[-1][0] if self.spans else len(self.tokens)
 
     def up_to_answer(self) -> Encoded:
-        """What decoding feeds to write the last answer: the tokens before it."""
-        return Encoded(self.tokens[: self.answer_start], self.prefix_len)
+        """What decoding feeds to write the last answer: the tokens before it, with every
+        audio (a conversation's audio all comes before its last answer)."""
+        return Encoded(self.tokens[: self.answer_start], self.audio_at)
 
     def target_mask(self) -> list[bool]:
         """For each token, whether the loss covers it."""
@@ -290,12 +308,13 @@ class ChatPrompt:
         answer = self.tokenize(transcript + self.end_text)
         tokens = self.before + self.after + answer
         answer_start = len(self.before) + len(self.after)
-        return Encoded(tokens, len(self.before), ((answer_start, len(tokens)),))
+        return Encoded(tokens, (len(self.before),), ((answer_start, len(tokens)),))
 
     def conversation(self, turns: Sequence[Turn]) -> Encoded:
         """A conversation as a training example (``train.conversation``): the template's
         rendering, the audio where its turn is, the loss on each assistant message and its end
-        of turn; the system text of this prompt's tags when the conversation has none."""
+        of turn; the system text of this prompt's tags when the conversation has none. Each
+        audio turn's frames go where its turn is."""
         for turn in turns:
             for token in (AUDIO_TOKEN, *self.specials):
                 if token in turn.text:
@@ -310,20 +329,19 @@ class ChatPrompt:
         if chat[0]["role"] != SYSTEM and self.system is not None:
             chat.insert(0, {"role": SYSTEM, "content": self.system})
         tokens: list[int] = []
-        spans, prefix_len = [], 0
+        spans, audio_at = [], []
         for text, is_answer in self.conversation_pieces(chat):
             if is_answer:
                 ids = self.tokenize(text)
                 spans.append((len(tokens), len(tokens) + len(ids)))
                 tokens += ids
-            elif AUDIO_TOKEN in text:
-                before, after = text.split(AUDIO_TOKEN)
-                tokens += self.tokenize(before)
-                prefix_len = len(tokens)
-                tokens += self.tokenize(after)
-            else:
-                tokens += self.tokenize(text)
-        return Encoded(tokens, prefix_len, tuple(spans))
+                continue
+            first, *rest = text.split(AUDIO_TOKEN)
+            tokens += self.tokenize(first)
+            for piece in rest:  # each audio, then the text up to the next one
+                audio_at.append(len(tokens))
+                tokens += self.tokenize(piece)
+        return Encoded(tokens, tuple(audio_at), tuple(spans))
 
     def conversation_pieces(self, chat: list[dict[str, str]]) -> list[tuple[str, bool]]:
         """The rendered conversation as (text, whether the loss covers it) pieces, up to the
@@ -368,7 +386,7 @@ class ChatPrompt:
 
     def generation_prompt(self) -> Encoded:
         """What decoding feeds: example()'s tokens up to answer_start (answer_start == len)."""
-        return Encoded(self.before + self.after, len(self.before))
+        return Encoded(self.before + self.after, (len(self.before),))
 
     def decode(self, ids: list[int]) -> str:
         """Answer ids as text: cut at the first eos id, special tokens skipped, stripped."""

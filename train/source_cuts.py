@@ -39,7 +39,7 @@ from train.conversation import (
     conversation_of,
     messages,
 )
-from train.conversation_cuts import ConversationCuts, TextPairCuts
+from train.conversation_cuts import ConversationCuts, TextPairCuts, turn_recordings
 from train.features import AudioLimits
 from train.nemo_input_cfg import NEMO_KIND, NEMO_TARRED_KIND
 from train.nemo_manifest import NemoManifestCuts, NemoTarredCuts
@@ -135,26 +135,36 @@ class SourceCheck:
 
 def problem(cut: Cut, max_duration: float | None, limits: AudioLimits) -> str | None:
     """Why no batch can use ``cut`` (from its metadata and whether its files exist), or None."""
+    audio_turns = 0
     try:
         turns = conversation_of(cut.custom)
         if turns is not None:
-            messages(turns)
+            audio_turns = sum(message.audio_turns for message in messages(turns))
     except ConversationError as error:
         return str(error)
     if not transcript(cut):
         return "empty transcript"
     if max_duration is not None and cut.duration > max_duration:
         return f"longer than the batch budget of {max_duration:g} s"
-    if limits.max_seconds is not None and cut.duration > limits.max_seconds:
-        return f"longer than the encoder takes ({limits.max_seconds:g} s)"
-    if cut.has_recording and not cut.has_features:
-        if cut.sampling_rate < limits.min_rate:
-            return f"audio at {cut.sampling_rate} Hz, below the extractor's {limits.min_rate} Hz"
-        for audio in cut.recording.sources:
+    recordings = turn_recordings(cut)
+    if recordings is None:  # a speech cut: its audio unless it has features
+        if not cut.has_recording and not cut.has_features:
+            return "neither audio nor features"
+        recordings = [cut.recording] if not cut.has_features else []
+        if limits.max_seconds is not None and cut.duration > limits.max_seconds:
+            return f"longer than the encoder takes ({limits.max_seconds:g} s)"
+    elif len(recordings) != audio_turns:
+        return f"{audio_turns} audio turns but {len(recordings)} recordings"
+    for recording in recordings:
+        if limits.max_seconds is not None and recording.duration > limits.max_seconds:
+            return f"an audio turn longer than the encoder takes ({limits.max_seconds:g} s)"
+        if recording.sampling_rate < limits.min_rate:
+            return (
+                f"audio at {recording.sampling_rate} Hz, below the extractor's {limits.min_rate} Hz"
+            )
+        for audio in recording.sources:
             if audio.type == "file" and not Path(audio.source).is_file():
                 return "audio file missing"
-    if not cut.has_recording and not cut.has_features and turns is None:
-        return "neither audio nor features"
     return None
 
 

@@ -19,7 +19,7 @@ from train.models.encoder_cache import encoder_keys
 from train.models.salm import (
     SALM,
     SALMOutput,
-    audio_positions,
+    example_positions,
     loss_for_backward,
     packed_length,
 )
@@ -31,7 +31,7 @@ def host_seq_len(batch: tuple[torch.Tensor, ...], model: nn.Module) -> int:
     moves to the device: the model needs it as an int, and reading it from the device would be
     a host sync in every microbatch."""
     feature_lens, token_lens = batch[1], batch[3]
-    audio = audio_positions(model.cfg, feature_lens).tolist()
+    audio = example_positions(model.cfg, feature_lens).tolist()
     longest = max(a + t for a, t in zip(audio, token_lens.tolist(), strict=True))
     return packed_length(longest, model.seq_multiple)
 

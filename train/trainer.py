@@ -58,7 +58,7 @@ from train.models.hf_weights import load_encoder_weights, load_llm_weights
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
-from train.models.salm import audio_positions, loss_targets
+from train.models.salm import example_positions, loss_targets
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
@@ -67,7 +67,7 @@ from train.text import text_codec
 from train.validation import ValidationSet
 from train.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 
-BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens", "prefix_lens", "target_mask")
+BATCH_KEYS = ("features", "feature_lens", "tokens", "token_lens", "audio_at", "target_mask")
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
 
 
@@ -521,7 +521,7 @@ class Trainer:
             local += torch.stack(
                 [
                     loss_targets(token_lens, batch["target_mask"].double()),
-                    (audio_positions(self.model_cfg, feature_lens) + token_lens).sum(),
+                    (example_positions(self.model_cfg, feature_lens) + token_lens).sum(),
                     sequence_flops(self.model_cfg, feature_lens, token_lens).sum(),
                     torch.tensor(float(len(token_lens)), dtype=torch.float64, device="cpu"),
                 ]

@@ -36,6 +36,7 @@ class ErrorCounts:
     char_deletions: int = 0
     char_insertions: int = 0
     reference_chars: int = 0
+    wrong_utterances: int = 0  # with any word error: what the sentence error rate counts
 
     def __add__(self, other: ErrorCounts) -> ErrorCounts:
         return ErrorCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -53,6 +54,12 @@ class ErrorCounts:
         edits = self.char_substitutions + self.char_deletions + self.char_insertions
         return error_rate("CER", edits, self.reference_chars, "characters", self.utterances)
 
+    @property
+    def ser(self) -> float:
+        """The share of utterances with any word error (sentence error rate): one minus the
+        share answered exactly, what a conversation's short answers are judged by."""
+        return self.wrong_utterances / self.utterances if self.utterances else 0.0
+
     def figures(self) -> dict[str, float | int]:
         """What an evaluation reports of the set: WER, CER, and the word substitutions,
         deletions and insertions that make up the WER, as counts and as rates over the
@@ -66,6 +73,7 @@ class ErrorCounts:
         return {
             "wer": wer,
             "cer": self.cer,
+            "ser": self.ser,
             **{f"{kind}s": count for kind, count in edits.items()},
             **{f"{kind}_rate": count / self.reference_words for kind, count in edits.items()},
             "reference_words": self.reference_words,
@@ -91,7 +99,10 @@ def edit_counts(reference: str, hypothesis: str) -> ErrorCounts:
     """The edit counts of one utterance whose two sides are normalized already."""
     if not reference:  # jiwer 3 refuses empty references; every hypothesis token is inserted
         return ErrorCounts(
-            utterances=1, word_insertions=len(hypothesis.split()), char_insertions=len(hypothesis)
+            utterances=1,
+            word_insertions=len(hypothesis.split()),
+            char_insertions=len(hypothesis),
+            wrong_utterances=int(bool(hypothesis.split())),
         )
     words = jiwer.process_words(reference, hypothesis)
     chars = jiwer.process_characters(reference, hypothesis)
@@ -105,6 +116,7 @@ def edit_counts(reference: str, hypothesis: str) -> ErrorCounts:
         char_deletions=chars.deletions,
         char_insertions=chars.insertions,
         reference_chars=chars.hits + chars.substitutions + chars.deletions,
+        wrong_utterances=int(words.substitutions + words.deletions + words.insertions > 0),
     )
 
 

@@ -1,7 +1,7 @@
 """Conversation and text sources written from the session corpus, as users bring them: NeMo's
-``multimodal_conversation`` JSON lines over the corpus's own audio (the spoken utterance in the
-middle of a conversation or opening it) and ``text_pairs`` files, mixed with the corpus's ASR
-cuts (train/conversation_cuts.py)."""
+``multimodal_conversation`` JSON lines over the corpus's own audio (a spoken utterance in the
+middle of a conversation or opening it, a second one in a later turn) and ``text_pairs`` files,
+mixed with the corpus's ASR cuts (train/conversation_cuts.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ from lhotse import CutSet
 
 QUESTION = "What is said?"
 FOLLOW_UP = "And the last word?"
+TEXT_JOINED = 5  # utterances' transcripts in one text pair
 
 
-def spoken_conversation(cut_id: str, audio: str, seconds: float, text: str, index: int) -> dict:
-    """One NeMo multimodal conversation: the utterance asked about, its transcript and its last
-    word as two assistant turns; every other one opens with a text exchange, so that its audio
-    sits in the middle."""
+def spoken_conversation(cut_id: str, spoken: list[tuple[str, float, str]], index: int) -> dict:
+    """One NeMo multimodal conversation about ``spoken`` utterances (audio path, seconds,
+    text): the first one's transcript and last word as two assistant turns; every other
+    conversation opens with a text exchange, so that its audio sits in the middle; every third
+    asks about a second utterance too, its audio in a later user turn."""
+    audio, seconds, text = spoken[0]
     turns = [
         {"from": "User", "type": "text", "value": QUESTION},
         {"from": "User", "type": "audio", "value": audio, "duration": seconds},
@@ -31,6 +34,13 @@ def spoken_conversation(cut_id: str, audio: str, seconds: float, text: str, inde
             {"from": "User", "type": "text", "value": "Hello."},
             {"from": "Assistant", "type": "text", "value": "Hello, ask away."},
             *turns,
+        ]
+    if index % 3 == 2:
+        other, other_seconds, other_text = spoken[1]
+        turns += [
+            {"from": "User", "type": "text", "value": "And this one?"},
+            {"from": "User", "type": "audio", "value": other, "duration": other_seconds},
+            {"from": "Assistant", "type": "text", "value": other_text},
         ]
     return {"id": f"conv-{cut_id}", "conversations": turns}
 
@@ -45,11 +55,20 @@ def write_split(corpus: Path, split: str, out: Path) -> dict[str, Path]:
     split."""
     out.mkdir(parents=True, exist_ok=True)
     cuts = CutSet.from_file(corpus / f"cuts_{split}.jsonl.gz")
+    spoken = [
+        (
+            str((corpus / cut.recording.sources[0].source).resolve()),
+            cut.duration,
+            " ".join(s.text for s in cut.supervisions),
+        )
+        for cut in cuts
+    ]
     conversations, sources, targets = [], [], []
     for index, cut in enumerate(cuts):
-        audio = (corpus / cut.recording.sources[0].source).resolve()
-        text = " ".join(s.text for s in cut.supervisions)
-        conversations.append(spoken_conversation(cut.id, str(audio), cut.duration, text, index))
+        pair = [spoken[index], spoken[(index + 1) % len(spoken)]]
+        conversations.append(spoken_conversation(cut.id, pair, index))
+        # Long enough (~5 s of the batch budget) that a batch often holds text alone.
+        text = " ".join(spoken[(index + k) % len(spoken)][2] for k in range(TEXT_JOINED))
         sources.append(f"reverse: {text}")
         targets.append(reversed_words(text))
     paths = {

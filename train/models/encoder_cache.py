@@ -46,7 +46,9 @@ class EncoderKeys(NamedTuple):
 
 
 def encoder_keys(features: torch.Tensor, feature_lens: torch.Tensor) -> EncoderKeys:
-    """Keys of a CPU batch's examples: a digest of each one's real frames (B, T, bins)."""
+    """Keys of a CPU batch's audio segments, in the order the encoder sees them (each example's
+    in turn, ``train.models.salm.encode_audio``): a digest of each one's real frames."""
+    features, feature_lens = features.flatten(0, -3), feature_lens.flatten()
     lengths = tuple(int(n) for n in feature_lens.tolist())
     digests = []
     for example, length in zip(features, lengths, strict=True):

@@ -44,6 +44,7 @@ from train.models.salm import (
     batch_layout,
     embed_inputs,
     next_token_loss,
+    segments,
 )
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
 from train.step import host_seq_len, to_device
@@ -133,7 +134,7 @@ def pipeline_parts(model_on_meta: SALM, plan: PipelinePlan, pp_rank: int) -> lis
 
 
 def pad_examples(batch: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Tensor, ...]:
-    """(features, feature_lens, tokens, token_lens[, prefix_lens, target_mask]) with empty
+    """(features, feature_lens, tokens, token_lens[, audio_at, target_mask]) with empty
     examples appended up to a multiple of ``multiple`` examples: no frames, no tokens, so no
     targets and no real positions."""
     missing = -len(batch[2]) % multiple
@@ -182,9 +183,8 @@ class PipelineRunner:
 
     def _schedule(self, batch: tuple[torch.Tensor, ...], seq_len: int):
         """The schedule for this batch shape, built with static stage metadata."""
-        features, tokens = batch[0], batch[2]
-        micro = len(tokens) // self.plan.microbatches
-        key = (micro, features.shape[1], tokens.shape[1], seq_len, len(batch))
+        micro = len(batch[2]) // self.plan.microbatches
+        key = (micro, seq_len, *(tuple(t.shape[1:]) for t in batch))
         if key in self.schedules:
             self.schedules.move_to_end(key)
             return self.schedules[key]
@@ -264,7 +264,8 @@ class PipelineRunner:
         seq_len = host_seq_len(batch, self.parts[0])
         schedule = self._schedule(batch, seq_len)
         batch = to_device(batch, self.device)
-        layout = batch_layout(batch, audio_positions(self.parts[0].cfg, batch[1]), seq_len)
+        feature_lens = segments(*batch[:2])[1]
+        layout = batch_layout(batch, audio_positions(self.parts[0].cfg, feature_lens), seq_len)
         token_mask, labels = layout.token_mask, layout.labels
         if self.cp_mesh is not None:  # each rank's chunks of the sequence
             token_mask, labels = (shard_sequence(t, self.cp_mesh) for t in (token_mask, labels))

@@ -76,28 +76,29 @@ class ByteTokenizer:
     def example(self, text: str) -> Encoded:
         """A training example: no prompt before the audio, the answer after BOS."""
         tokens = self.encode(text)
-        return Encoded(tokens, prefix_len=0, spans=((1, len(tokens)),))
+        return Encoded(tokens, audio_at=(0,), spans=((1, len(tokens)),))
 
     def conversation(self, turns: Sequence[Turn]) -> Encoded:
-        """A conversation (``train.conversation``): BOS, then each message's bytes, the audio
+        """A conversation (``train.conversation``): BOS, then each message's bytes, each audio
         where its turn is; a user or system message ends with a newline, an assistant message
         (the loss's) with EOS."""
-        tokens, spans, prefix_len = [BOS_ID], [], 0
+        tokens, spans, audio_at = [BOS_ID], [], []
         for message in messages(turns):
             if message.role == ASSISTANT:
                 answer = [*message.text.encode("utf-8"), EOS_ID]
                 spans.append((len(tokens), len(tokens) + len(answer)))
                 tokens += answer
                 continue
-            tokens += message.text.encode("utf-8")
-            if message.after is not None:
-                prefix_len = len(tokens)
-                tokens += f" {message.after}".rstrip().encode("utf-8")
+            for index, part in enumerate(message.parts):
+                if part is None:
+                    audio_at.append(len(tokens))
+                elif part:
+                    tokens += f"{' ' if index else ''}{part}".encode()
             tokens += b"\n"
-        return Encoded(tokens, prefix_len, tuple(spans))
+        return Encoded(tokens, tuple(audio_at), tuple(spans))
 
     def generation_prompt(self) -> Encoded:
-        return Encoded([BOS_ID], prefix_len=0)
+        return Encoded([BOS_ID], audio_at=(0,))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -393,7 +394,8 @@ class SequenceLayout:
     is_audio: torch.Tensor  # (B, S) audio positions
     is_text: torch.Tensor  # (B, S) text positions (the prompt before the audio, the rest after)
     text_index: torch.Tensor  # (B, S) index into the tokens at text positions (clamped elsewhere)
-    audio_index: torch.Tensor  # (B, S) index into the audio frames at audio positions (clamped)
+    audio_segment: torch.Tensor  # (B, S) which of the example's audio segments (0 elsewhere)
+    audio_frame: torch.Tensor  # (B, S) the frame of that segment at audio positions (0 elsewhere)
     labels: torch.Tensor  # (B, S) the next token where it is an answer token, else ignored
 
     @property
@@ -414,10 +416,27 @@ def longest_example(audio_lens: torch.Tensor, token_lens: torch.Tensor) -> int:
 
 
 def default_prompt(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prefix_lens`` and ``target_mask`` of the byte tokenizer's examples: the audio first,
-    the answer every token after BOS (``ByteTokenizer.example``)."""
+    """``audio_at`` and ``target_mask`` of the byte tokenizer's examples: the audio first, the
+    answer every token after BOS (``ByteTokenizer.example``)."""
     first = torch.arange(tokens.shape[1], device=tokens.device) >= 1
-    return tokens.new_zeros(tokens.shape[0]), first[None, :].expand(tokens.shape[0], -1)
+    return tokens.new_zeros((tokens.shape[0], 1)), first[None, :].expand(tokens.shape[0], -1)
+
+
+def segments(
+    features: torch.Tensor, feature_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features (B, K, T, bins) and lengths (B, K) of each example's K audio segments (an
+    example without K has zero-length ones); a batch of one segment each may come as (B, T,
+    bins) and (B,)."""
+    if features.dim() == 3:
+        return features[:, None], feature_lens[:, None]
+    return features, feature_lens
+
+
+def example_positions(cfg: SALMConfig, feature_lens: torch.Tensor) -> torch.Tensor:
+    """Each example's audio positions in the decoder, all its segments together: (B,)."""
+    positions = audio_positions(cfg, feature_lens)
+    return positions.sum(-1) if positions.dim() == 2 else positions
 
 
 def sequence_layout(
@@ -425,17 +444,31 @@ def sequence_layout(
     tokens: torch.Tensor,
     token_lens: torch.Tensor,
     seq_len: int,
-    prefix_lens: torch.Tensor,
+    audio_at: torch.Tensor,
     target_mask: torch.Tensor,
+    offsets: torch.Tensor | None = None,
 ) -> SequenceLayout:
-    """One sequence per example: its first ``prefix_lens`` tokens (the prompt before the audio),
-    its audio, its other tokens, then padding; labels on the tokens ``target_mask`` (B, L)
-    marks, each at the position of the token before it (never the audio's: ``Encoded``)."""
+    """One sequence per example: its tokens with each audio segment k (``audio_lens[:, k]``
+    positions) before token ``audio_at[:, k]`` (in order), then padding; labels on the tokens
+    ``target_mask`` (B, L) marks, each at the position of the token before it (never a
+    segment's: ``Encoded``). ``offsets`` (B,): where each sequence starts (decoding's left
+    padding); before it is padding."""
+    if audio_lens.dim() == 1:  # one segment each
+        audio_lens = audio_lens[:, None]
+    audio_at = audio_at.reshape(audio_lens.shape)
     pos = torch.arange(seq_len, device=tokens.device)[None, :]
-    prefix, audio_end = prefix_lens[:, None], (prefix_lens + audio_lens)[:, None]
-    is_audio = (pos >= prefix) & (pos < audio_end)
-    text_pos = torch.where(pos < prefix, pos, pos - audio_lens[:, None])
-    is_text = (pos < prefix) | ((pos >= audio_end) & (text_pos < token_lens[:, None]))
+    if offsets is not None:
+        pos = pos - offsets[:, None]
+    starts = audio_at + torch.cumsum(audio_lens, dim=1) - audio_lens  # (B, K)
+    into = pos[..., None] - starts[:, None, :]  # (B, S, K): position relative to each segment
+    inside = (into >= 0) & (into < audio_lens[:, None, :])
+    is_audio = inside.any(-1)
+    segment_ids = torch.arange(audio_lens.shape[1], device=tokens.device)
+    audio_segment = (inside * segment_ids).sum(-1)
+    audio_frame = (inside * into).sum(-1)
+    audio_before = torch.minimum(into.clamp(min=0), audio_lens[:, None, :]).sum(-1)
+    text_pos = pos - audio_before
+    is_text = ~is_audio & (pos >= 0) & (text_pos < token_lens[:, None])
     text_index = text_pos.clamp(0, tokens.shape[1] - 1)
     next_index = text_pos + 1
     next_clamped = next_index.clamp(0, tokens.shape[1] - 1)
@@ -446,18 +479,18 @@ def sequence_layout(
     )
     next_tokens = tokens.gather(1, next_clamped)
     labels = torch.where(is_target, next_tokens, IGNORE_INDEX)
-    audio_index = (pos - prefix).clamp(min=0)
-    return SequenceLayout(is_audio, is_text, text_index, audio_index, labels)
+    return SequenceLayout(is_audio, is_text, text_index, audio_segment, audio_frame, labels)
 
 
 def batch_layout(
     batch: tuple[torch.Tensor, ...], audio_lens: torch.Tensor, seq_len: int
 ) -> SequenceLayout:
     """The sequence layout of ``batch`` (features, feature lengths, tokens, token lengths and,
-    for a prompt before the audio, prefix lengths and the target mask) with ``audio_lens``."""
+    for a prompt or a conversation, where each audio goes and the target mask) with
+    ``audio_lens`` (B, K) positions per segment."""
     tokens, token_lens = batch[2], batch[3]
-    prefix_lens, target_mask = batch[4:] if len(batch) > 4 else default_prompt(tokens)
-    return sequence_layout(audio_lens, tokens, token_lens, seq_len, prefix_lens, target_mask)
+    audio_at, target_mask = batch[4:] if len(batch) > 4 else default_prompt(tokens)
+    return sequence_layout(audio_lens, tokens, token_lens, seq_len, audio_at, target_mask)
 
 
 class Projector(nn.Sequential):
@@ -492,16 +525,14 @@ def embed_inputs(
     batch: tuple[torch.Tensor, ...],
     seq_len: int,
 ) -> tuple[torch.Tensor, SequenceLayout]:
-    """The decoder's input (B, seq_len, d): each example's prompt tokens, its projected audio
-    frames, its other tokens, then zeros; and where each lies. ``batch``: features, feature
-    lengths, tokens, token lengths and, for a prompt before the audio, prefix lengths and the
-    target mask (``default_prompt`` without them)."""
-    features, feature_lens, tokens = batch[:3]
+    """The decoder's input (B, seq_len, d): each example's tokens with its projected audio
+    segments where they go, then zeros; and where each lies. ``batch``: features, feature
+    lengths, tokens, token lengths and, for a prompt or a conversation, where each audio goes
+    and the target mask (``default_prompt`` without them)."""
+    features, feature_lens = segments(*batch[:2])
     audio, audio_lens = encode_audio(encoder, projector, features, feature_lens)
-    text = embed(tokens)
     layout = batch_layout(batch, audio_lens, seq_len)
-    x = splice(audio, text, layout.audio_index, layout.text_index, layout.is_audio, layout.is_text)
-    return x, layout
+    return splice(audio, embed(batch[2]), layout), layout
 
 
 def encode_audio(
@@ -510,33 +541,33 @@ def encode_audio(
     features: torch.Tensor,
     feature_lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The projected audio (B, A, d) and its lengths. Features shorter than
-    ``MIN_FEATURE_FRAMES`` (a batch of text-only examples has none) are zero-padded to it:
-    the encoder runs on every batch, so every rank of a sharded encoder runs the same
-    collectives in every step whatever its batch holds; examples without frames get none."""
-    if features.shape[1] < MIN_FEATURE_FRAMES:
-        features = F.pad(features, (0, 0, 0, MIN_FEATURE_FRAMES - features.shape[1]))
-    return projector(*encoder(features, feature_lens))
+    """The projected audio (B, K, A, d) of each example's segments (B, K, T, bins), and its
+    lengths (B, K): every segment of the batch encoded on its own, as one batch. Features
+    shorter than ``MIN_FEATURE_FRAMES`` (a batch of text-only examples has none) are
+    zero-padded to it: the encoder runs on every batch, so every rank of a sharded encoder runs
+    the same collectives in every step whatever its batch holds; segments without frames get
+    none."""
+    B, K = feature_lens.shape
+    flat, lens = features.flatten(0, 1), feature_lens.flatten()
+    if flat.shape[1] < MIN_FEATURE_FRAMES:
+        flat = F.pad(flat, (0, 0, 0, MIN_FEATURE_FRAMES - flat.shape[1]))
+    audio, audio_lens = projector(*encoder(flat, lens))
+    return audio.unflatten(0, (B, K)), audio_lens.unflatten(0, (B, K))
 
 
-def splice(
-    audio: torch.Tensor,
-    text: torch.Tensor,
-    audio_index: torch.Tensor,
-    text_index: torch.Tensor,
-    is_audio: torch.Tensor,
-    is_text: torch.Tensor,
-) -> torch.Tensor:
-    """Sequences (B, S, d) of audio frames (B, A, d) and text embeddings (B, L, d): position
-    (b, s) takes ``audio[b, audio_index[b, s]]`` where ``is_audio``, ``text[b, text_index[b,
-    s]]`` where ``is_text``, zeros elsewhere (indices clamped into range)."""
-    d = audio.shape[-1]
-    if audio.shape[1] == 0:  # no example has audio (a frozen encoder's kept frames)
-        audio = audio.new_zeros((audio.shape[0], 1, d))
-    audio_index = audio_index.clamp(0, audio.shape[1] - 1)
-    from_audio = audio.gather(1, audio_index[..., None].expand(-1, -1, d))
-    from_text = text.gather(1, text_index[..., None].expand(-1, -1, d))
-    return torch.where(is_audio[..., None], from_audio, from_text * is_text[..., None])
+def splice(audio: torch.Tensor, text: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Sequences (B, S, d) of audio frames (B, K, A, d) and text embeddings (B, L, d): each
+    position takes its segment's frame where ``layout`` has audio, its token's embedding where
+    it has text, zeros elsewhere."""
+    B, K, A, d = audio.shape
+    if A == 0:  # no example has audio (a frozen encoder's kept frames)
+        audio, A = audio.new_zeros((B, K, 1, d)), 1
+    frames = audio.reshape(B, K * A, d)
+    frame_index = layout.audio_segment * A + layout.audio_frame.clamp(0, A - 1)
+    from_audio = frames.gather(1, frame_index[..., None].expand(-1, -1, d))
+    from_text = text.gather(1, layout.text_index[..., None].expand(-1, -1, d))
+    text_part = from_text * layout.is_text[..., None]
+    return torch.where(layout.is_audio[..., None], from_audio, text_part)
 
 
 class SALMOutput(NamedTuple):
@@ -620,7 +651,7 @@ class SALM(nn.Module):
         computes it here from the lengths given. ``encoder_keys``: the batch's keys into
         ``encoder_cache``, which then gives the encoder's frames."""
         if seq_len is None:
-            longest = longest_example(audio_positions(self.cfg, feature_lens), token_lens)
+            longest = longest_example(example_positions(self.cfg, feature_lens), token_lens)
             seq_len = packed_length(longest, self.seq_multiple)
         batch = (features, feature_lens, tokens, token_lens, *prompt)
         encoder = self.encoder

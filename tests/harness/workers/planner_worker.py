@@ -122,7 +122,7 @@ def synthetic_batch(sequences: int, frames: int, tokens: int) -> dict[str, torch
         "tokens": torch.randint(0, 256, (sequences, tokens), generator=g),
         "token_lens": torch.full((sequences,), tokens),
         # The byte tokenizer's examples: the audio first, the answer after BOS.
-        "prefix_lens": torch.zeros(sequences, dtype=torch.int64),
+        "audio_at": torch.zeros(sequences, dtype=torch.int64),
         "target_mask": (torch.arange(tokens) >= 1).expand(sequences, -1),
     }
 
