@@ -324,12 +324,16 @@ def test_text_and_conversations_mix_with_speech_and_resume_exactly(mixture):
 
 def test_conversations_decode_after_the_conversation_so_far(mixture):
     """Each sequence of a batch decodes after its own prompt (its conversation up to its last
-    answer, with one or two audio segments, or none), exactly as it decodes alone."""
+    answer, with one or two audio segments, or none), exactly as it decodes alone; a cut's
+    audio reads again (evaluation decodes a rank's first batch again as its filler)."""
     checks = check_sources(read_sources(mixture[1], "eval.sets"), None, AudioLimits(16000), print)
     cuts = [cut for check in checks for cut in itertools.islice(load_source_cuts(check.source), 3)]
     featurize = SpeechDataset(ByteTokenizer()).featurize
     found = [[torch.from_numpy(f) for f in featurize.segments(cut)] for cut in cuts]
     assert [len(segments) for segments in found] == [1, 1, 2, 0, 0, 0]
+    again = [[torch.from_numpy(f) for f in featurize.segments(cut)] for cut in cuts]
+    pairs = zip(itertools.chain(*found), itertools.chain(*again), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)  # a cut reads again (a filler)
     prompts = [encoded(ByteTokenizer(), cut).up_to_answer() for cut in cuts]
     assert all(prompt.tokens[-1] == ord("\n") for prompt in prompts)
     model = build_model(get_preset("tiny"), torch.device("cpu"), init_seed=7).eval()

@@ -23,6 +23,7 @@ read again on each pass: nothing is held.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -79,7 +80,8 @@ def turn_recordings(cut: Cut) -> list[Recording] | None:
     custom = cut.custom or {}
     if CONVERSATION_KEY not in custom:
         return None
-    return [Recording.from_dict(recording) for recording in custom.get(AUDIO_KEY, [])]
+    # from_dict consumes the mapping it is given: read copies, so the cut can be read again.
+    return [Recording.from_dict(copy.deepcopy(given)) for given in custom.get(AUDIO_KEY, [])]
 
 
 def line_cut(
