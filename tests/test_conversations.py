@@ -19,6 +19,7 @@ from recipes.pretrained import SMOLLM2
 from tests.harness.conversations import conversation_mixture
 from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tokenizer
 from tests.harness.models import pretrained_model
+from tests.harness.process import REPO, run_script
 from train.batch_hash import batch_hash
 from train.conversation import ConversationError, Turn, messages
 from train.conversation_cuts import turn_recordings
@@ -28,6 +29,7 @@ from train.data import (
     batches_from,
     build_dataloader,
     encoded,
+    load_cuts,
     pad_segments,
 )
 from train.decode import greedy_decode
@@ -347,3 +349,32 @@ def test_conversations_decode_after_the_conversation_so_far(mixture):
     ]
     assert together == alone
     assert [source_of(cut) for cut in cuts] == ["spoken"] * 3 + ["text"] * 3
+
+
+def test_the_learning_runs_data_reads_as_its_recipe_names_it(corpus, tmp_path):
+    """recipes/make_conversations.py on a corpus: its source files (paths relative to
+    themselves) read and check with every cut usable, the spoken answers are functions of
+    what is said, and the train split's conversations carry a second question."""
+    out = tmp_path / "conversations"
+    done = run_script(
+        REPO / "recipes/make_conversations.py", "--corpus", str(corpus), "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("input_cfg.yaml", "eval_sets.yaml", "test_sets.yaml"):
+        said = []
+        checks = check_sources(
+            read_sources(out / name, name), 30.0, AudioLimits(16000), said.append
+        )
+        assert said == [] and [c.source.name for c in checks] == ["asr", "spoken", "sums"]
+    spoken = [
+        json.loads(line) for line in (out / "conversations_dev.jsonl").read_text().splitlines()
+    ]
+    texts = {cut.id: transcript(cut) for cut in load_cuts(corpus / "cuts_dev.jsonl.gz")}
+    for line in spoken:
+        question, audio, answer = line["conversations"]
+        words = texts[line["id"].removeprefix("qa-")].split()
+        expected = {"first": words[0], "last": words[-1], "many": str(len(words))}
+        assert answer["value"] == next(v for k, v in expected.items() if k in question["value"])
+        assert (out / audio["value"]).is_file()
+    train = (out / "conversations_train.jsonl").read_text().splitlines()
+    assert sum(len(json.loads(line)["conversations"]) == 5 for line in train) > len(train) // 2
