@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
 from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, write_scripts
-from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.errors import EXIT_CLOSED_PIPE, SchedulerError, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
@@ -35,7 +36,14 @@ from orchestrator.snapshot import DEFAULT_LIMIT_MB, SNAPSHOT
 
 def _run(handler, args: argparse.Namespace) -> int:
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (``| head``): end quietly, as shell tools do on SIGPIPE, with
+        # stdout pointed at /dev/null so that the interpreter's last flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_CLOSED_PIPE
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return UsageError.exit_code

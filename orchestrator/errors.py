@@ -1,4 +1,8 @@
-"""The two kinds of failure a user sees: bad input (exit 2) and a failing scheduler (exit 1)."""
+"""The two kinds of failure a user sees: bad input (exit 2) and a failing scheduler (exit 1);
+and the quiet end when the reader of the output went away."""
+
+# 128 + SIGPIPE: what a shell tool exits with when its reader closed the pipe (``| head``).
+EXIT_CLOSED_PIPE = 141
 
 
 class UsageError(Exception):
