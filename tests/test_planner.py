@@ -16,7 +16,7 @@ import time
 import pytest
 
 from contract.gpus import gpu_preset
-from orchestrator.errors import EXIT_CLOSED_PIPE
+from orchestrator.errors import EXIT_CLOSED_PIPE, UsageError
 from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.search import LONG_SEQUENCE, NEAR_TIE, PlanRequest, plan
 from orchestrator.planner.shapes import model_preset
@@ -191,9 +191,11 @@ def test_a_closed_pipe_ends_the_cli_quietly():
     assert (done.returncode, done.stderr) == (EXIT_CLOSED_PIPE, "")
 
 
-def test_cli_says_when_nothing_fits_and_exits_1():
+def test_cli_says_when_nothing_fits_and_exits_2():
+    """No layout fits the request: bad input (2, as README's exit codes say), not a scheduler
+    failure (1), with the reasons on stdout."""
     done = run_tool("orchestrator", "plan", "--model", "llama_405b", "--gpus", "8")
-    assert done.returncode == 1
+    assert done.returncode == UsageError.exit_code
     assert "no layout fits" in done.stdout
 
 

@@ -342,7 +342,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(json.dumps(result_json(result, result.estimates, 0.0)))
         else:
             print_result(result, result.estimates, 0.0)
-        return 0 if result.best is not None else 1
+        return 0 if result.best is not None else UsageError.exit_code
     started = time.perf_counter()
     result = plan(request)
     elapsed = time.perf_counter() - started
@@ -353,7 +353,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result_json(result, shown, elapsed)))
     else:
         print_result(result, shown, elapsed)
-    return 0 if result.best is not None else 1
+    return 0 if result.best is not None else UsageError.exit_code
 
 
 @dataclass(frozen=True)
