@@ -164,11 +164,6 @@ class SpeechDataset(torch.utils.data.Dataset):
             try:
                 example = encoded(self.text, cut)
                 found = self.featurize.segments(cut)
-                if len(found) != len(example.audio_at):
-                    raise BadCut(
-                        f"cut {cut.id}: {len(example.audio_at)} audio turns but "
-                        f"{len(found)} recordings"
-                    )
             except ValueError as error:  # BadCut, or a text the codec refuses
                 why = str(error) if isinstance(error, BadCut) else f"cut {cut.id}: {error}"
                 skipped.append(f"{why} (source {source_of(cut) or '-'})")

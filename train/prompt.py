@@ -322,10 +322,8 @@ class ChatPrompt:
                         f"the {turn.role}'s text {turn.text[:80]!r} contains the special "
                         f"token {token}"
                     )
-        chat = [
-            {"role": message.role, "content": message.content(AUDIO_TOKEN)}
-            for message in messages(turns)
-        ]
+        merged = messages(turns)
+        chat = [{"role": m.role, "content": m.content(AUDIO_TOKEN)} for m in merged]
         if chat[0]["role"] != SYSTEM and self.system is not None:
             chat.insert(0, {"role": SYSTEM, "content": self.system})
         tokens: list[int] = []
@@ -341,6 +339,12 @@ class ChatPrompt:
             for piece in rest:  # each audio, then the text up to the next one
                 audio_at.append(len(tokens))
                 tokens += self.tokenize(piece)
+        audio_turns = sum(message.audio_turns for message in merged)
+        if len(audio_at) != audio_turns:  # each audio turn's frames need their place
+            raise ConversationError(
+                f"{self.template_name} renders {len(audio_at)} of a conversation's "
+                f"{audio_turns} audio placeholders; it must keep the user's content as given"
+            )
         return Encoded(tokens, tuple(audio_at), tuple(spans))
 
     def conversation_pieces(self, chat: list[dict[str, str]]) -> list[tuple[str, bool]]:

@@ -135,15 +135,15 @@ class SourceCheck:
 
 def problem(cut: Cut, max_duration: float | None, limits: AudioLimits) -> str | None:
     """Why no batch can use ``cut`` (from its metadata and whether its files exist), or None."""
-    audio_turns = 0
     try:
         turns = conversation_of(cut.custom)
-        if turns is not None:
-            audio_turns = sum(message.audio_turns for message in messages(turns))
+        merged = None if turns is None else messages(turns)
     except ConversationError as error:
         return str(error)
-    if not transcript(cut):
+    # A conversation's answer is its last message (messages() checked it), read once here.
+    if not (transcript(cut) if merged is None else merged[-1].text):
         return "empty transcript"
+    audio_turns = 0 if merged is None else sum(message.audio_turns for message in merged)
     if max_duration is not None and cut.duration > max_duration:
         return f"longer than the batch budget of {max_duration:g} s"
     recordings = turn_recordings(cut)
