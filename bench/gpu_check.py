@@ -8,10 +8,11 @@
 ``flows`` (bench/gpu_flows.py) runs the toolkit's entrypoints as a user does: a compiled bf16
 ``python -m train`` with validation and asynchronous checkpoints, as one job and as a chain of
 two whose second resumes bitwise; the same eager in fp32; the real Whisper tiny.en encoder with
-the preset decoder's LoRA adapters compiled by inductor; ``train.evaluate`` with the KV cache on
-the GPU against the CPU; ``train.export`` reloaded by ``transformers``. Every training step after
-the second runs under CUDA's sync debug mode (``--host-syncs``, default error: a host sync fails
-the check; warn lists each site instead).
+the preset decoder's LoRA adapters compiled by inductor; speech, conversations and text mixed,
+compiled; ``train.evaluate`` with the KV cache on the GPU against the CPU; ``train.export``
+reloaded by ``transformers``. Every training step after the second runs under CUDA's sync debug
+mode (``--host-syncs``, default error: a host sync fails the check; warn lists each site
+instead).
 
 ``speed`` measures: ``bench/bench_fast_path.py`` for ``llm_1b`` at each activation
 checkpointing mode, eager and compiled, on an audio-heavy and a text-heavy batch (tokens/s, MFU
@@ -244,7 +245,7 @@ def torchtitan_lines(result: dict) -> list[str]:
 def table(part: str, result: dict) -> str:
     lines = ["| what | figure |", "| --- | --- |"]
     if part == "flows":
-        lora = result["whisper_lora"]
+        lora, mix = result["whisper_lora"], result["mixture"]
         lines += [
             f"| chain of 2 jobs vs one, {result['resumed_steps']} resumed steps, bitwise | "
             f"{', '.join(f'{k} {v}' for k, v in result['bitwise'].items())} |",
@@ -260,6 +261,12 @@ def table(part: str, result: dict) -> str:
             f"{result['export_rel_diff']:.2e} |",
             f"| Whisper tiny.en + LoRA, compiled | loss {lora['first_loss']:.3f} -> "
             f"{lora['last_loss']:.3f}, {lora['decoded']} decoded, graphs {lora['graphs']} |",
+            f"| speech + conversations + text, compiled | loss {mix['first_loss']:.3f} -> "
+            f"{mix['last_loss']:.3f}, validation "
+            f"{', '.join(f'{k} {v:.3f}' for k, v in mix['val_losses'].items())}, "
+            f"graphs {mix['graphs']} |",
+            f"| evaluate conversations and text, KV cache: device vs CPU | {mix['decoded']} "
+            f"decoded, {len(mix['decode_differences'])} different |",
         ]
     elif part == "speed":
         lines += fast_path_lines(result)

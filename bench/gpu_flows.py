@@ -9,10 +9,15 @@ host-sync check over every step after the second:
   checkpoint: its losses, gradient norms and validation losses must equal ``whole``'s bitwise;
 - ``fp32``: eager in fp32, the reference the compiled bf16 losses are compared with;
 - ``whisper_lora``: the real Whisper tiny.en encoder (frozen) under the preset decoder with
-  LoRA adapters (peft's layers), compiled by inductor, then decoded by ``train.evaluate``.
+  LoRA adapters (peft's layers), compiled by inductor, then decoded by ``train.evaluate``;
+- ``mixture``: compiled bf16 on speech, NeMo multimodal conversations (one or two audio turns,
+  audio opening or in the middle of a conversation) and text-only pairs mixed by weight
+  (tests/harness/conversations.py), batches of one, two and no audio turns per sequence,
+  validated per set.
 
-Then ``train.evaluate`` decodes the chain's checkpoint with the KV cache on the device and on
-the CPU, both in fp32: the hypotheses must be equal. A near-tie (two tokens whose logits differ by
+Then ``train.evaluate`` decodes the chain's checkpoint, and the mixture's conversations and
+text sets, with the KV cache on the device and on the CPU, both in fp32: the hypotheses must be
+equal. A near-tie (two tokens whose logits differ by
 less than the devices' rounding) could pick a different token; none is expected of a model
 whose decisions are this far apart, so every difference is reported and fails the check, to be
 looked at. Last, ``train.export`` writes the chain as Hugging Face files, and ``transformers``
@@ -31,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launcher import torchrun
+
+from tests.harness.conversations import conversation_mixture
 
 REPO = Path(__file__).resolve().parents[1]
 # Tokens decoded per utterance: enough to compare the devices' decisions, few enough that the
@@ -85,17 +92,27 @@ def max_rel_diff(got: dict[int, float], want: dict[int, float]) -> float:
     return max(abs(got[step] - want[step]) / abs(want[step]) for step in got)
 
 
-def evaluate(run_dir: Path, log: Path, device: str) -> dict:
+def evaluate(run_dir: Path, log: Path, device: str, *overrides: str) -> dict:
     """``train.evaluate`` of ``run_dir`` on ``device`` ("cuda" or "cpu", fp32 either way):
-    its summary and hypotheses by utterance."""
+    its summary and hypotheses by utterance (``set/utterance`` where ``sets=`` names sets)."""
     env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
     command = [sys.executable, "-m", "train.evaluate", f"run_dir={run_dir}", "batch_size=8"]
-    command.append(f"max_new_tokens={MAX_NEW_TOKENS}")
+    command += [f"max_new_tokens={MAX_NEW_TOKENS}", *overrides]
     run(command, log, env=env)
     [summary] = list((run_dir / "eval").glob("step_*/summary.json"))
-    rows = (summary.parent / "hypotheses.jsonl").read_text().splitlines()
-    hypotheses = {row["id"]: row["hypothesis"] for row in map(json.loads, rows)}
+    hypotheses = {}
+    for path in summary.parent.rglob("hypotheses.jsonl"):
+        where = path.parent.relative_to(summary.parent)
+        for row in map(json.loads, path.read_text().splitlines()):
+            hypotheses[str(where / row["id"])] = row["hypothesis"]
     return {"summary": json.loads(summary.read_text()), "hypotheses": hypotheses}
+
+
+def differences(device: dict, cpu: dict) -> list[str]:
+    """The utterances whose hypotheses differ between two ``evaluate`` results."""
+    return sorted(
+        k for k in device["hypotheses"] if device["hypotheses"][k] != cpu["hypotheses"].get(k)
+    )
 
 
 def export_agrees(run_dir: Path, folder: Path, device: str) -> float:
@@ -138,18 +155,24 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
         "model.lora.rank=8",
     ]
 
+    mixture, sets = conversation_mixture((out / "corpus").resolve(), out / "mixture_data")
+    mixture_run = [*compiled, f"data.input_cfg={mixture}", f"eval.sets={sets}"]
+
     def chain() -> list[str]:
         return [train(s, out, "chain", *job, log=f"chain_job{n}") for n in (1, 2)]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(5) as pool:
         whole = pool.submit(train, s, out, "whole", *compiled)
         chained = pool.submit(chain)
         fp32 = pool.submit(train, s, out, "fp32", "compile=false", "mixed_precision=false")
         lora = pool.submit(train, s, out, "whisper_lora", *whisper_run, nproc=1)
+        mixed = pool.submit(train, s, out, "mixture", *mixture_run)
         logs = {"whole": whole.result(), "fp32": fp32.result(), "whisper_lora": lora.result()}
         logs["chain"] = "\n".join(chained.result())
+        logs["mixture"] = mixed.result()
 
-    runs = {name: metrics(out / name) for name in ("whole", "chain", "fp32", "whisper_lora")}
+    names = ("whole", "chain", "fp32", "whisper_lora", "mixture")
+    runs = {name: metrics(out / name) for name in names}
     resumed = {k: v for k, v in by_step(runs["chain"], "loss").items() if k > steps // 2}
     whole_losses = by_step(runs["whole"], "loss")
     bitwise = {
@@ -159,18 +182,28 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
     val_chain, val_whole = by_step(runs["chain"], "val_loss"), by_step(runs["whole"], "val_loss")
     bitwise["val_loss"] = all(val_chain[k] == val_whole[k] for k in val_whole)
 
-    shutil.copytree(out / "chain", out / "chain_cpu", ignore=shutil.ignore_patterns("eval"))
-    with ThreadPoolExecutor(3) as pool:
+    for name in ("chain", "mixture"):
+        ignore = shutil.ignore_patterns("eval")
+        shutil.copytree(out / name, out / f"{name}_cpu", ignore=ignore)
+    with ThreadPoolExecutor(5) as pool:
         on_device = pool.submit(evaluate, out / "chain", out / "eval_device.log", s["device"])
         on_cpu = pool.submit(evaluate, out / "chain_cpu", out / "eval_cpu.log", "cpu")
         lora_eval = pool.submit(evaluate, out / "whisper_lora", out / "eval_lora.log", s["device"])
-        device_hyps, cpu_hyps = on_device.result()["hypotheses"], on_cpu.result()["hypotheses"]
-        lora_result = lora_eval.result()
+        mix_device, mix_cpu = (
+            pool.submit(evaluate, out / name, out / f"eval_{name}.log", device, f"sets={sets}")
+            for name, device in (("mixture", s["device"]), ("mixture_cpu", "cpu"))
+        )
+        chain_device, lora_result = on_device.result(), lora_eval.result()
+        chain_differences = differences(chain_device, on_cpu.result())
+        mix_result = mix_device.result()
+        mix_differences = differences(mix_result, mix_cpu.result())
     export = out / "chain_export"
     command = [sys.executable, "-m", "train.export", str(out / "chain"), "--out", str(export)]
     run(command, out / "export.log")
 
     lora_losses = list(by_step(runs["whisper_lora"], "loss").values())
+    mix_losses = list(by_step(runs["mixture"], "loss").values())
+    mix_val = [row for row in runs["mixture"] if "val_loss" in row][-1]
     last = [row for row in runs["whole"] if "recompiles" in row][-1]
     graphs = GRAPHS.search(logs["whole"])
     return {
@@ -186,8 +219,8 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
         "nondeterministic_ops": sorted(
             {"".join(op) for log in logs.values() for op in NONDETERMINISTIC.findall(log)}
         ),
-        "decoded": len(device_hyps),
-        "decode_differences": sorted(k for k in device_hyps if device_hyps[k] != cpu_hyps.get(k)),
+        "decoded": len(chain_device["hypotheses"]),
+        "decode_differences": chain_differences,
         "export_rel_diff": export_agrees(out / "chain", export / "llm", s["device"]),
         "whisper_lora": {
             "first_loss": lora_losses[0],
@@ -195,5 +228,13 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
             "decoded": len(lora_result["hypotheses"]),
             "wer": lora_result["summary"].get("wer"),
             "graphs": (GRAPHS.search(logs["whisper_lora"]) or [None, None])[1],
+        },
+        "mixture": {
+            "first_loss": mix_losses[0],
+            "last_loss": mix_losses[-1],
+            "val_losses": {k: v for k, v in mix_val.items() if k.startswith("val_loss")},
+            "graphs": (GRAPHS.search(logs["mixture"]) or [None, None])[1],
+            "decoded": len(mix_result["hypotheses"]),
+            "decode_differences": mix_differences,
         },
     }

@@ -7,8 +7,9 @@ training batches hold a single utterance and whose validation batches hold one o
 shape policy's budget: 4 graphs per region, eager's losses); the same as a chain of two jobs
 whose second resumes bitwise, with asynchronous checkpoints; the real Whisper tiny.en encoder
 under LoRA adapters compiled by inductor (peft's layers compiled nowhere else); evaluation with
-the KV cache and an export that transformers reloads. Its speed part runs the fast path and the
-torchtitan comparison tiny, so that both keep working."""
+the KV cache and an export that transformers reloads; speech, NeMo conversations and text pairs
+mixed, compiled, and their conversations decoded alike on two devices. Its speed part runs the
+fast path and the torchtitan comparison tiny, so that both keep working."""
 
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     lora = flows["whisper_lora"]
     assert lora["decoded"] > 0 and lora["last_loss"] < lora["first_loss"]
     assert lora["graphs"] and "decoder_block" in lora["graphs"]
+    # Batches of one, two and no audio turns per sequence through the compiled blocks; both
+    # sets validated apart, every conversation and text pair decoded alike on both devices.
+    mix = flows["mixture"]
+    assert mix["last_loss"] < mix["first_loss"] and "decoder_block" in mix["graphs"]
+    assert set(mix["val_losses"]) == {"val_loss", "val_loss/spoken", "val_loss/text"}
+    assert mix["decoded"] > 0 and mix["decode_differences"] == []
 
     speed = json.loads((tmp_path / "gpu_check_speed.json").read_text())
     assert [(r["compile"], r["ac"]) for r in speed["fast_path"]] == [(False, "none")]
