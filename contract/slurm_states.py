@@ -21,6 +21,10 @@ END_STATES = (
 )
 # The cluster ended the job, not its own work: a new job can do what it could not.
 CUT_SHORT_STATES = ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
+# What SLURM's Reason says of a job it is ending (COMPLETING) for one of these: the end state it
+# will record. A node lost under a multi-node step shows COMPLETING with Reason=NodeDown while
+# the batch shell, on a surviving node, runs its end hook; NODE_FAIL shows only afterwards.
+ENDING_REASONS = {"NodeDown": "NODE_FAIL", "TimeLimit": "TIMEOUT"}
 # Ending: the job's processes are being cleaned up. Its dependants may already start (the chain
 # hook counts it as ended), but its log may still grow (``logs --follow`` waits).
 ENDING_STATES = ("COMPLETING",)

@@ -17,7 +17,8 @@ trainer's end-of-job record (contract/job_end.py), the launcher's exit status or
 - stopped (a signal or a budget, after saving) or completed (exit 0, no record): nothing to do;
 - failed: a failure a new job can fix queues one replacement at the end of the chain while
   ``--retries`` allow: the cluster cut the job short (NODE_FAIL, PREEMPTED: even after it saved,
-  the chain lost a job's worth of time), its time limit came before a save, a rank hung (exit 5)
+  the chain lost a job's worth of time; ``end`` asks SLURM, which has decided before it signals
+  the job), its time limit came before a save, a rank hung (exit 5)
   or lost a peer (exit 6), a process was killed by a signal (status over 128, or the batch
   shell killed before its end hook), or an exit code the user listed (``--retry-on-exit``).
   Any other failure (an error of the training's own, exit 1) is not retried: a new job would
@@ -59,7 +60,7 @@ from contract.job_end import (
     read_job_end,
 )
 from contract.run_dir import newest_complete_step
-from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_STATES
+from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_REASONS, ENDING_STATES
 from orchestrator.backends import registry
 from orchestrator.backends.base import dependency_spec
 from orchestrator.backends.slurm import scontrol_fields
@@ -164,6 +165,19 @@ def judge(
     return Ending("failed", f"ended {state} without running its end hook", retry=retry)
 
 
+def ended_state(fields: dict[str, str]) -> str:
+    """The end state SLURM gives the job the hook runs in, or "" while it gives none. SLURM
+    decides it before it signals the job's processes: a node lost under a multi-node step
+    (NODE_FAIL, shown as COMPLETING with Reason=NodeDown until the job is cleaned up) or the
+    time limit is known to the end hook, although the trainer may have saved and exited 0 on
+    the signal. PREEMPTED is left to the preemption check, which tells a requeued run from an
+    ended one."""
+    state = fields.get("JobState", "")
+    if state in ENDING_STATES:
+        state = ENDING_REASONS.get(fields.get("Reason", ""), "")
+    return state if state in END_STATES and state != "PREEMPTED" else ""
+
+
 def failure(said: str, code: Any, retry_on_exit: tuple[int, ...]) -> Ending:
     """A failed job with exit ``code``: retried when a new job can fix it (see the module)."""
     if code in TRANSIENT:
@@ -248,8 +262,9 @@ class ChainKeeper:
         job = self.current
         if job is None or job.outcome is not None:
             return
-        job, ending = self.judge_one(job, status, "", True)
-        preempted = self.preemption(job) if ending.outcome != "finished" else None
+        fields = self.slurm_fields(job)
+        job, ending = self.judge_one(job, status, ended_state(fields), True)
+        preempted = self.preemption(fields) if ending.outcome != "finished" else None
         if preempted in (REQUEUED, REQUEUE):
             say(
                 f"job {job.index} (id {job.job_id}) was preempted: {ending.detail}; it is "
@@ -262,15 +277,19 @@ class ChainKeeper:
             ending = Ending("failed", f"preempted ({ending.detail})", retry=True)
         self.act([(job, ending)], ended_ids=set())
 
-    def preemption(self, job: JobRecord) -> str | None:
-        """Whether SLURM preempted this run of the job (``scontrol show job``: a PreemptTime
-        since the run started): None, or REQUEUED (SLURM requeued it already), REQUEUE (it may
-        be requeued) or ENDED (it may not)."""
+    def slurm_fields(self, job: JobRecord) -> dict[str, str]:
+        """What SLURM says of the job the hook runs in (``scontrol show job``); empty when it
+        does not answer (the trainer's record and the launcher's status judge it alone)."""
         try:
-            fields = scontrol_fields(str(job.job_id))
+            return scontrol_fields(str(job.job_id))
         except SchedulerError as error:
-            say(f"could not ask SLURM whether job {job.job_id} was preempted: {error}")
-            return None
+            say(f"could not ask SLURM how job {job.job_id} ends: {error}")
+            return {}
+
+    def preemption(self, fields: dict[str, str]) -> str | None:
+        """Whether SLURM preempted this run of the job (a PreemptTime since the run started):
+        None, or REQUEUED (SLURM requeued it already), REQUEUE (it may be requeued) or ENDED
+        (it may not)."""
         preempted_at = fields.get("PreemptTime", "None")
         if not preempted_at[:1].isdigit() or preempted_at < fields.get("StartTime", ""):
             return None

@@ -19,7 +19,7 @@ import pytest
 from contract.job_end import job_end_record, outcome_line, read_outcome
 from orchestrator import cluster, processes
 from orchestrator.backends.run_dir import run_dir_status
-from orchestrator.chain_hooks import BLOCKED, ChainKeeper, judge, stalled_jobs
+from orchestrator.chain_hooks import BLOCKED, ChainKeeper, ended_state, judge, stalled_jobs
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.seeds import chain_seeds
 from tests.harness.chains import (
@@ -156,6 +156,24 @@ def test_end_records_map_to_chain_outcomes():
     assert read_outcome(outcome_line(error, 1)) == (None, 1)
     assert read_outcome(f"{outcome_line(stopped, 0)}\n{outcome_line(budget, 0)}") == (None, 0)
     assert read_outcome("[train] step 5\n") is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "state"),
+    [
+        # A node lost under a multi-node step: the batch shell's end hook sees the job ending.
+        ({"JobState": "COMPLETING", "Reason": "NodeDown"}, "NODE_FAIL"),
+        ({"JobState": "NODE_FAIL", "Reason": "NodeDown"}, "NODE_FAIL"),
+        ({"JobState": "COMPLETING", "Reason": "TimeLimit"}, "TIMEOUT"),
+        # Nothing decided yet, or decided by the preemption check, or SLURM did not answer.
+        ({"JobState": "RUNNING", "Reason": "None"}, ""),
+        ({"JobState": "COMPLETING", "Reason": "None"}, ""),
+        ({"JobState": "PREEMPTED", "Reason": "None"}, ""),
+        ({}, ""),
+    ],
+)
+def test_the_end_hook_reads_the_end_slurm_has_decided(fields, state):
+    assert ended_state(fields) == state
 
 
 def end_record(code: int, step: int = 5, saved_on: str | None = None) -> dict:
@@ -676,6 +694,87 @@ def lose_node(directory: Path, node: str, job_id: str) -> None:
     subprocess.run(down, check=True, timeout=30)
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_node_lost_under_a_two_node_step_is_replaced_although_the_job_saved(
+    slurm_cluster, tmp_path, corpus
+):
+    """A 2-node job (a rank per node) loses its second node's slurmd mid-training. SLURM ends
+    the job (Reason=NodeDown) and signals its step: the surviving rank saves and exits 0, and
+    the end hook on the first node judges the job cut short by the cluster, not stopped, so the
+    replacement under --retries 1 trains to max_steps (issue 39: the chain ended incomplete)."""
+    recipe = (REPO / "recipes/train_tiny_fsdp2.yaml").read_text()
+    two_nodes = tmp_path / "two_nodes.yaml"
+    two_nodes.write_text(
+        recipe.replace("\nnodes: 1\n", "\nnodes: 2\n").replace(
+            "\ntasks_per_node: 2\n", "\ntasks_per_node: 1\n"
+        )
+    )
+    run_dir = tmp_path / "run"
+    summary = tiny_training_chain(
+        run_dir,
+        corpus,
+        1,
+        1,
+        "train.max_steps=40",
+        "checkpoint.interval=4",
+        NO_WANDB,
+        recipe=str(two_nodes),
+    )
+    chain_id, job0 = summary["chain_id"], summary["jobs"][0]["job_id"]
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "step_4" / "COMPLETE").exists():
+        assert time.monotonic() < deadline, "job 0 saved no checkpoint"
+        time.sleep(0.1)
+    nodes = subprocess.run(
+        ["scontrol", "show", "hostnames", slurm_nodes(job0)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
+    try:
+        os.kill(cluster.daemon_pids(slurm_cluster.directory)[f"slurmd-{nodes[1]}"], signal.SIGKILL)
+        down = ["scontrol", "update", f"nodename={nodes[1]}", "state=down", "reason=lost"]
+        subprocess.run(down, check=True, timeout=30)
+        deadline = time.monotonic() + 120
+        while manifest_of(run_dir)["jobs"][0]["outcome"] is None:
+            assert time.monotonic() < deadline, "job 0 was not judged"
+            time.sleep(0.5)
+    finally:
+        again = cluster_cli("up", "--dir", str(slurm_cluster.directory))
+    assert again.returncode == 0, again.stderr
+    final = wait_chain_quietly(run_dir, chain_id, timeout=240)
+    assert [job["state"] for job in final["jobs"]] == ["NODE_FAIL", "COMPLETED"], final
+    manifest = manifest_of(run_dir)
+    jobs = manifest["jobs"]
+    assert manifest["status"] == "complete", manifest
+    assert [(job["outcome"], job["replaces"]) for job in jobs] == [
+        ("failed", None),
+        ("finished", 0),
+    ]
+    assert jobs[1]["reason"].startswith("cut short by the cluster (NODE_FAIL) after saving step")
+    saved = int(jobs[1]["reason"].rsplit(" ", 1)[1])
+    logs = [
+        run_tool("orchestrator", "logs", chain_id, "--job", str(index)).stdout for index in (0, 1)
+    ]
+    assert "to replace job 0: retry 1 of 1" in logs[0], logs[0][-3000:]
+    assert resumed_from(run_dir, saved) in logs[1]
+    assert max(json.loads(line).get("step", 0) for line in metrics_lines(run_dir)) == 40
+
+
+def slurm_nodes(job_id: str) -> str:
+    """The node list SLURM gave a running job."""
+    done = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True, timeout=30
+    )
+    return done.stdout.strip()
+
+
+def metrics_lines(run_dir: Path) -> list[str]:
+    return (run_dir / "metrics.jsonl").read_text().splitlines()
+
+
 def newest_complete(run_dir: Path) -> int:
     steps = [int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step_*/COMPLETE")]
     return max(steps)
@@ -709,9 +808,7 @@ def test_a_training_job_whose_node_fails_is_replaced(slurm_cluster, tmp_path, co
     while not (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists():
         assert time.monotonic() < deadline, "job 0 saved no checkpoint"
         time.sleep(0.1)
-    node = subprocess.run(
-        ["squeue", "-h", "-j", job0, "-o", "%N"], capture_output=True, text=True, timeout=30
-    ).stdout.strip()
+    node = slurm_nodes(job0)
     try:
         lose_node(slurm_cluster.directory, node, job0)
         resumed = newest_complete(run_dir)

@@ -44,9 +44,11 @@ def tiny_training_chain(
     *overrides: str,
     env: dict | None = None,
     launch_args: tuple[str, ...] = (),
+    recipe: str = "recipes/train_tiny_fsdp2.yaml",
 ) -> dict:
-    """``auto_launch`` of the tiny FSDP2 recipe (2 ranks) on ``corpus``, W&B offline; ``env``
-    reaches the jobs (sbatch exports the submitting environment)."""
+    """``auto_launch`` of the tiny FSDP2 recipe (2 ranks; or ``recipe``, a variant of it) on
+    ``corpus``, W&B offline; ``env`` reaches the jobs (sbatch exports the submitting
+    environment)."""
     return launch_json(
         f"-n{jobs}",
         "--retries",
@@ -54,7 +56,7 @@ def tiny_training_chain(
         "--run-dir",
         str(run_dir),
         *launch_args,
-        "recipes/train_tiny_fsdp2.yaml",
+        recipe,
         "--",
         f"data.corpus={corpus}",
         "data.max_duration=8",
