@@ -1,13 +1,17 @@
-"""Recovery on the loopback cluster: seconds from a rank's SIGKILL to the next job's first step.
+"""Recovery on the loopback cluster: seconds from a rank's SIGKILL to the next training step.
 
 A 2-job chain of recipes/train_tiny_fsdp2.yaml (2 ranks, CPU) trains; once job 0 has logged a
-few steps after its first checkpoint, one of its ranks is SIGKILLed. Timed from the kill:
+few steps after its first checkpoint, one of its ranks is SIGKILLed. Each round runs both
+rungs of the recovery ladder, timed from the kill to the first step the training logs again:
 
-- until SLURM records job 0 as ended (torchrun tears the other rank down, the step fails);
-- until job 1 logs its first step (it starts on afterany, loads the last checkpoint, trains).
+- ``new job`` (``--restarts-in-job 0``, the baseline): job 0 ends (torchrun tears the other rank
+  down, the step fails), job 1 starts on afterany, loads the last checkpoint and trains;
+- ``in place`` (the default): job 0's batch script launches the training again in the same
+  allocation, which loads the last checkpoint and trains.
 
-The steps lost are job 0's last logged step minus the step job 1 resumed from. Uses $SLURM_CONF
-when set, else starts (and stops) a private cluster with `orchestrator cluster up`.
+The steps lost are the last step logged before the kill minus the step the training resumed
+from. Uses $SLURM_CONF when set, else starts (and stops) a private cluster with
+`orchestrator cluster up`.
 
     python bench/bench_recovery.py [--corpus data/corpus] [--rounds 3]
 """
@@ -25,10 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 from loopback import bench_cluster  # bench/loopback.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.harness.training import training_rank, wait_until  # noqa: E402
+
 BIN = Path(sys.executable).parent
 INTERVAL = 5  # checkpoint.interval: the kill comes after the first checkpoint
 
@@ -41,32 +48,6 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip() and '"loss"' in line]
 
 
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def rank_of(run_dir: Path) -> psutil.Process | None:
-    """A training rank of this run (not torchrun): a `-m train` process naming the run dir."""
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if f"run_dir={run_dir}" not in cmdline or "torchrun" in cmdline:
-            continue
-        parent = process.parent()
-        if (
-            "-m train" in cmdline
-            and parent is not None
-            and "torchrun" in " ".join(parent.cmdline())
-        ):
-            return process
-    return None
-
-
 def job_state(job_id: str, env: dict) -> str:
     done = subprocess.run(
         ["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env
@@ -77,13 +58,23 @@ def job_state(job_id: str, env: dict) -> str:
     return "GONE"
 
 
-def one_round(work: Path, corpus: Path, env: dict, index: int) -> dict:
-    run_dir = work / f"run{index}"
+# The rungs: auto_launch's --restarts-in-job, and which metrics rows are the recovered training's.
+RUNGS = {
+    "new job": ("0", lambda row: row.get("job_index") == 1),
+    "in place": ("1", lambda row: row.get("in_job_restart") == 1),
+}
+
+
+def one_round(work: Path, corpus: Path, env: dict, index: int, rung: str) -> dict:
+    run_dir = work / f"run{index}-{rung.replace(' ', '_')}"
+    restarts, recovered = RUNGS[rung]
     launched = subprocess.run(
         [
             str(BIN / "auto_launch"),
             "-n2",
             "--json",
+            "--restarts-in-job",
+            restarts,
             "--run-dir",
             str(run_dir),
             "recipes/train_tiny_fsdp2.yaml",
@@ -109,25 +100,19 @@ def one_round(work: Path, corpus: Path, env: dict, index: int) -> dict:
             raise SystemExit(f"job 0 ended before the kill: see {run_dir / 'logs'}")
         return len(rows(run_dir)) >= INTERVAL + 3
 
-    wait_for(past_checkpoint, 300, "job 0 to pass a checkpoint")
-    victim = wait_for(lambda: rank_of(run_dir), 30, "a rank of job 0")
+    wait_until(past_checkpoint, 300, "job 0 to pass a checkpoint")
+    victim = wait_until(lambda: training_rank(run_dir), 30, "a rank of job 0")
     killed = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
-    wait_for(lambda: job_state(job0, env) not in ("RUNNING", "COMPLETING"), 120, "job 0 to end")
-    ended = time.monotonic() - killed
-    first = wait_for(
-        lambda: next((r for r in rows(run_dir) if r.get("job_index") == 1), None),
+    first = wait_until(
+        lambda: next((r for r in rows(run_dir) if recovered(r)), None),
         600,
-        "job 1's first step",
+        f"the first step after the kill ({rung})",
     )
     resumed = time.monotonic() - killed
-    last_step = max(r["step"] for r in rows(run_dir) if r.get("job_index", 0) == 0)
+    last_step = max(r["step"] for r in rows(run_dir) if not recovered(r))
     subprocess.run([str(BIN / "orchestrator"), "cancel", str(run_dir)], env=env, check=False)
-    return {
-        "job_ended_s": ended,
-        "next_first_step_s": resumed,
-        "steps_lost": last_step - (first["step"] - 1),
-    }
+    return {"first_step_s": resumed, "steps_lost": last_step - (first["step"] - 1)}
 
 
 def main() -> None:
@@ -144,22 +129,25 @@ def main() -> None:
     }
     with bench_cluster(work, nodes=1, cpus_per_node=2) as conf:
         env["SLURM_CONF"] = conf
-        results = []
+        results: dict[str, list[dict]] = {rung: [] for rung in RUNGS}
         for index in range(args.rounds):
-            result = one_round(work, args.corpus.resolve(), env, index)
-            results.append(result)
-            print(
-                f"round {index + 1}/{args.rounds}: job 0 ended {result['job_ended_s']:.1f} s "
-                f"after the kill; job 1's first step {result['next_first_step_s']:.1f} s after "
-                f"it; {result['steps_lost']} step(s) lost (interval {INTERVAL})",
-                flush=True,
-            )
-        ended = statistics.median(r["job_ended_s"] for r in results)
-        resumed = statistics.median(r["next_first_step_s"] for r in results)
-        print(
-            f"\nmedian: SIGKILL -> job ended {ended:.1f} s; "
-            f"-> next job's first step {resumed:.1f} s"
-        )
+            for rung in RUNGS:  # alternating, so that both see the same load
+                result = one_round(work, args.corpus.resolve(), env, index, rung)
+                results[rung].append(result)
+                print(
+                    f"round {index + 1}/{args.rounds}, {rung}: first step "
+                    f"{result['first_step_s']:.1f} s after the kill; {result['steps_lost']} "
+                    f"step(s) lost (interval {INTERVAL})",
+                    flush=True,
+                )
+        medians = {
+            rung: statistics.median(r["first_step_s"] for r in rows)
+            for rung, rows in results.items()
+        }
+        print("\n| rung | SIGKILL -> next training step, median s | ratio to a new job |")
+        print("| --- | ---: | ---: |")
+        for rung, median in medians.items():
+            print(f"| {rung} | {median:.1f} | {median / medians['new job']:.2f} |")
 
 
 if __name__ == "__main__":

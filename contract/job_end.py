@@ -37,6 +37,10 @@ EXIT_NOT_SAVED = 4  # a checkpoint could not be written (disk full, read-only): 
 EXIT_HUNG = 5  # no progress for train.hang_timeout_s: nothing saved, the next job resumes
 EXIT_PEER_LOST = 6  # a collective failed: a peer rank died or its link broke; the next job resumes
 EXIT_CHAIN_ENDED = 100  # the chain hook's `start`: the chain has ended, this job does not train
+# The chain hook's `end`: the training failed in a way a new process fixes and the job has time
+# left, so the batch script launches it again in the same allocation (orchestrator/in_job.py).
+EXIT_RESTART_IN_JOB = 101
+RESTART_FLAG = "--restart-in-place"  # the batch script's `end` argument: it relaunches on 101
 REASONS = ("max_steps", "signal", "budget", "diverged", "error")
 
 

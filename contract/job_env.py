@@ -22,6 +22,9 @@ CODE_DIR = "ORCH_CODE_DIR"
 # Epoch seconds at which the training saves and stops by itself: the batch script sets it to the
 # job's end time (squeue's) less ``signal_grace``, a second path beside SLURM's USR1 warning.
 STOP_AT = "ORCH_STOP_AT"
+# Set by the batch script when it launches the training again inside the same job (the chain
+# hook's in-job restart): how many times so far. The metrics rows carry it.
+IN_JOB_RESTART = "ORCH_IN_JOB_RESTART"
 
 # Seeds stay below 2**31 so that a trainer adding small offsets never passes numpy's 2**32 limit.
 SEED_LIMIT = 2**31

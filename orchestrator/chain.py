@@ -28,6 +28,7 @@ from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
+    DEFAULT_RESTARTS_IN_JOB,
     JobRecord,
     Manifest,
     ThenRecord,
@@ -59,6 +60,7 @@ THEN_DEPENDENCY = "afterany"
 # What a batch script runs to take part in self-healing (docs/contracts.md, "The chain hook").
 HOOK_MODULE = "orchestrator.chain_hooks"
 MAX_RETRIES = 1000  # as many as -n allows jobs
+MAX_RESTARTS_IN_JOB = 100
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class ChainPlan:
     retries: int = 0
     retry_on_exit: tuple[int, ...] = ()  # exit codes worth a replacement (besides the transient)
     max_stalled: int = DEFAULT_MAX_STALLED
+    restarts_in_job: int = DEFAULT_RESTARTS_IN_JOB
     code: CodeSource | None = None  # what the jobs run (None: the live workdir, unrecorded)
 
     @classmethod
@@ -143,6 +146,7 @@ class ChainPlan:
         retries: int = 0,
         retry_on_exit: str = "",
         max_stalled: int = DEFAULT_MAX_STALLED,
+        restarts_in_job: int = DEFAULT_RESTARTS_IN_JOB,
         code: str = SNAPSHOT,
         code_limit_mb: float = DEFAULT_LIMIT_MB,
     ) -> ChainPlan:
@@ -162,6 +166,7 @@ class ChainPlan:
         check_retries(retries, dependency_kind, script_text)
         exit_codes = parse_exit_codes(retry_on_exit, retries)
         check_max_stalled(max_stalled)
+        check_restarts_in_job(restarts_in_job)
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
@@ -185,6 +190,7 @@ class ChainPlan:
             retries=retries,
             retry_on_exit=exit_codes,
             max_stalled=max_stalled,
+            restarts_in_job=restarts_in_job,
             code=source,
         )
 
@@ -332,6 +338,14 @@ def parse_exit_codes(text: str, retries: int) -> tuple[int, ...]:
     return tuple(sorted({int(word) for word in words}))
 
 
+def check_restarts_in_job(restarts: int) -> None:
+    if not 0 <= restarts <= MAX_RESTARTS_IN_JOB:
+        raise UsageError(
+            f"--restarts-in-job {restarts}: give 0 (never restart in place) .. "
+            f"{MAX_RESTARTS_IN_JOB}"
+        )
+
+
 def check_max_stalled(max_stalled: int) -> None:
     if not 0 <= max_stalled <= MAX_RETRIES:
         raise UsageError(f"--max-stalled {max_stalled}: give 0 (never stop) .. {MAX_RETRIES}")
@@ -378,6 +392,7 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         retries=plan.retries,
         retry_on_exit=list(plan.retry_on_exit),
         max_stalled=plan.max_stalled,
+        restarts_in_job=plan.restarts_in_job,
         start_step=newest_complete_step(plan.run_dir),
         workdir=str(plan.workdir),
         code_mode=code.mode if code else None,

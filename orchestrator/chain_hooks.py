@@ -30,6 +30,11 @@ queued jobs cancelled: they would burn the queue); and when its last job has end
 training unfinished and nothing more is queued, the chain is ``incomplete``, its line naming the
 step reached and the command that continues it.
 
+Before a failure a new process can fix is judged, ``end --restart-in-place`` (what the
+rendered batch scripts run) may answer EXIT_RESTART_IN_JOB instead: the script launches the
+training again in the same allocation (orchestrator/in_job.py says when), and the job's end is
+judged after its last launch.
+
 ``end`` covers a job that lives to run it; a job killed with its batch shell (node failure,
 SIGKILL, the time limit) is judged by ``start`` of the next job of the chain, which afterany
 starts anyway. ``start`` exits EXIT_CHAIN_ENDED when the chain is already complete,
@@ -55,12 +60,15 @@ from contract.job_end import (
     EXIT_HUNG,
     EXIT_NOT_SAVED,
     EXIT_PEER_LOST,
+    EXIT_RESTART_IN_JOB,
+    RESTART_FLAG,
     job_end_path,
     outcome_line,
     read_job_end,
 )
 from contract.run_dir import newest_complete_step
 from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_REASONS, ENDING_STATES
+from orchestrator import in_job
 from orchestrator.backends import registry
 from orchestrator.backends.base import dependency_spec
 from orchestrator.backends.slurm import scontrol_fields
@@ -254,17 +262,23 @@ class ChainKeeper:
         retry_on_exit = tuple(self.manifest.retry_on_exit)
         return job, judge(record, status, state, started, retry_on_exit)
 
-    def judge_current(self, status: int) -> None:
+    def judge_current(self, status: int, can_restart: bool = False) -> bool:
         """``end``: the current job has ended with the launcher's ``status``. A run SLURM
         preempted is requeued (same id, it resumes) when the job allows it, by SLURM or else by
         the hook as the job's last act (``requeue_id``), and is not judged; one that may not be
-        requeued is a failure to retry, even after it saved."""
+        requeued is a failure to retry, even after it saved. With ``can_restart`` (the batch
+        script relaunches on EXIT_RESTART_IN_JOB), a failure a new process fixes is restarted
+        in place instead of judged, while orchestrator/in_job.py allows: True."""
         job = self.current
         if job is None or job.outcome is not None:
-            return
+            return False
         fields = self.slurm_fields(job)
-        job, ending = self.judge_one(job, status, ended_state(fields), True)
+        state = ended_state(fields)
+        job, ending = self.judge_one(job, status, state, True)
         preempted = self.preemption(fields) if ending.outcome != "finished" else None
+        restartable = can_restart and ending.retry and preempted is None
+        if restartable and self.restart_in_place(job, ending, state):
+            return True
         if preempted in (REQUEUED, REQUEUE):
             say(
                 f"job {job.index} (id {job.job_id}) was preempted: {ending.detail}; it is "
@@ -276,6 +290,40 @@ class ChainKeeper:
         if preempted == ENDED:
             ending = Ending("failed", f"preempted ({ending.detail})", retry=True)
         self.act([(job, ending)], ended_ids=set())
+        return False
+
+    def restart_in_place(self, job: JobRecord, ending: Ending, state: str) -> bool:
+        """Count an in-job restart of ``job`` and put its end record aside (the relaunched
+        training writes its own), or say why there is none (orchestrator/in_job.py)."""
+        where = f"step {job.step}" if job.step is not None else f"checkpoint {job.checkpoint_step}"
+        failure = f"{ending.detail} ({where})"
+        why_not = in_job.refusal(
+            cluster_state=state,
+            used=job.in_job_restarts,
+            allowed=self.manifest.restarts_in_job,
+            failure=failure,
+            restarted_for=job.restarted_for,
+            seconds_left=in_job.seconds_left(),
+            needed_s=in_job.checkpoint_interval_s(self.run_dir),
+        )
+        if why_not is not None:
+            if self.manifest.restarts_in_job:
+                say(f"job {job.index} (id {job.job_id}) is not restarted in place: {why_not}")
+            return False
+        job.in_job_restarts += 1
+        job.restarted_for = failure
+        record = job_end_path(self.run_dir, str(job.index), str(job.job_id))
+        if record.is_file():
+            aside = f"{record.stem}.restart{job.in_job_restarts - 1}{record.suffix}"
+            record.rename(record.with_name(aside))
+        self.manifest.save()
+        resume = job.checkpoint_step if job.checkpoint_step is not None else "none: from scratch"
+        say(
+            f"job {job.index} (id {job.job_id}) {ending.detail}: restarting the training in "
+            f"place ({job.in_job_restarts} of {self.manifest.restarts_in_job}), from the newest "
+            f"checkpoint (step {resume})"
+        )
+        return True
 
     def slurm_fields(self, job: JobRecord) -> dict[str, str]:
         """What SLURM says of the job the hook runs in (``scontrol show job``); empty when it
@@ -488,10 +536,16 @@ def find_job(manifest: Manifest, job_id: str | None) -> JobRecord | None:
 
 
 def run_hook(
-    mode: str, run_dir: Path, chain_id: str | None, job_id: str | None, status: int = 0
+    mode: str,
+    run_dir: Path,
+    chain_id: str | None,
+    job_id: str | None,
+    status: int = 0,
+    can_restart: bool = False,
 ) -> tuple[int, str | None]:
-    """One hook call (``status``: the launcher's, for ``end``): the exit code for the script,
-    and the id of a preempted job to requeue once the hook has said all it says."""
+    """One hook call (``status``: the launcher's, for ``end``; ``can_restart``: the script
+    relaunches the training on EXIT_RESTART_IN_JOB): the exit code for the script, and the id
+    of a preempted job to requeue once the hook has said all it says."""
     if load_chain(run_dir, chain_id) is None:
         return 0, None
     restarts = int(os.environ.get(RESTART_COUNT_ENV) or 0)  # before the scrub drops it
@@ -507,7 +561,8 @@ def run_hook(
         if mode == "start" and current is not None and restarts > current.restarts:
             keeper.note_requeue(restarts)
         if mode == "end":
-            keeper.judge_current(status)
+            if keeper.judge_current(status, can_restart):
+                return EXIT_RESTART_IN_JOB, None
         elif not keeper.has_ended:
             keeper.judge_earlier()
         if mode == "start" and keeper.has_ended:
@@ -526,9 +581,13 @@ def requeue(job_id: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m orchestrator.chain_hooks start | end STATUS | check RUN_DIR"
+    usage = (
+        "usage: python -m orchestrator.chain_hooks start | end STATUS [--restart-in-place] | "
+        "check RUN_DIR"
+    )
     mode = argv[0] if argv else ""
-    if mode == "end" and len(argv) == 2 and argv[1].isdigit():
+    restartable = argv[2:] in ([], [RESTART_FLAG])
+    if mode == "end" and 2 <= len(argv) <= 3 and argv[1].isdigit() and restartable:
         status = int(argv[1])
         run_dir = os.environ.get(job_env.RUN_DIR)
         record = requeue_id = None
@@ -537,7 +596,12 @@ def main(argv: list[str]) -> int:
                 job_id = os.environ.get("SLURM_JOB_ID", "")
                 record = read_job_end(run_dir, os.environ.get(job_env.JOB_INDEX, ""), job_id)
                 chain_id = os.environ.get(job_env.CHAIN_ID)
-                _, requeue_id = run_hook("end", Path(run_dir), chain_id, job_id, status)
+                can_restart = argv[2:] == [RESTART_FLAG]
+                code, requeue_id = run_hook(
+                    "end", Path(run_dir), chain_id, job_id, status, can_restart
+                )
+                if code == EXIT_RESTART_IN_JOB:
+                    return code  # no outcome line: the job goes on
         except Exception as error:  # the outcome line must come whatever failed
             say(f"hook failed: {type(error).__name__}: {error}")
         print(outcome_line(record, status), flush=True)

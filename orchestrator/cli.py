@@ -20,6 +20,7 @@ from orchestrator.errors import EXIT_CLOSED_PIPE, SchedulerError, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
+    DEFAULT_RESTARTS_IN_JOB,
     MANIFEST_NAME,
     JobRecord,
     Manifest,
@@ -122,6 +123,17 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         "end without a newer complete checkpoint; 0: never (default %(default)s)",
     )
     parser.add_argument(
+        "--restarts-in-job",
+        type=int,
+        default=DEFAULT_RESTARTS_IN_JOB,
+        metavar="K",
+        help="launch the training again inside the same job, from the newest checkpoint, when "
+        "it fails in a way a new process fixes (a hang, a lost peer, a rank killed, a code of "
+        "--retry-on-exit) and the job has a checkpoint interval's time left, up to K times; "
+        "the same failure twice, or a job the cluster ended, goes to --retries (slurm backend, "
+        "YAML recipes; default %(default)s)",
+    )
+    parser.add_argument(
         "--code",
         default=SNAPSHOT,
         metavar="snapshot|live|DIR",
@@ -174,6 +186,7 @@ def build_plan(
         retries=args.retries,
         retry_on_exit=args.retry_on_exit,
         max_stalled=args.max_stalled,
+        restarts_in_job=args.restarts_in_job,
         code=args.code,
         code_limit_mb=args.code_limit_mb,
     )
@@ -490,6 +503,8 @@ def job_reason(job: JobRecord, status: JobStatus | None) -> str:
         parts.append(f"replaces job {job.replaces}" + (f" ({job.reason})" if job.reason else ""))
     if job.restarts:
         parts.append(f"preempted and requeued {job.restarts}x")
+    if job.in_job_restarts:
+        parts.append(f"restarted in place {job.in_job_restarts}x")
     if status and status.reason:
         parts.append(status.reason)
     return "; ".join(parts)

@@ -25,6 +25,11 @@ from contract import job_env
 
 # Jobs in a row that may end without a newer checkpoint before the chain stops as stalled.
 DEFAULT_MAX_STALLED = 2
+# Launches of the training again inside one job after a failure a new process fixes
+# (orchestrator/in_job.py). Two: a failure that repeats at the same place is handed to the
+# chain after one restart whatever this is, so a second restart only ever serves a second,
+# different failure in the same job, which on a large allocation over hours is common.
+DEFAULT_RESTARTS_IN_JOB = 2
 MANIFEST_NAME = "manifest.json"
 JOURNAL_NAME = ".manifest.jobs"  # jobs accepted since the manifest's last full write
 LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
@@ -80,6 +85,10 @@ class JobRecord:
     checkpoint_step: int | None = None
     measured: bool = False
     restarts: int = 0  # times SLURM requeued the job (preempted under `requeue: true`)
+    # Times the batch script launched the training again inside the job (orchestrator/in_job.py),
+    # and the failure it last did so for: the same failure again goes to the chain's logic.
+    in_job_restarts: int = 0
+    restarted_for: str | None = None
 
 
 @dataclass
@@ -113,6 +122,9 @@ class Manifest:
     retries: int = 0  # --retries: replacement jobs the chain may queue for failed ones
     retry_on_exit: list[int] = field(default_factory=list)  # --retry-on-exit: codes worth one
     max_stalled: int = DEFAULT_MAX_STALLED  # --max-stalled (orchestrator.chain_hooks)
+    # --restarts-in-job: launches of the training again inside one job (orchestrator/in_job.py).
+    # A manifest written before it existed had none.
+    restarts_in_job: int = 0
     start_step: int | None = None  # the run dir's newest complete checkpoint at submission
     workdir: str | None = None  # where the jobs start (sbatch --chdir), for replacements
     code_mode: str | None = None  # snapshot, dir or live (orchestrator/snapshot.py)

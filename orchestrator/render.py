@@ -16,8 +16,8 @@ import shlex
 
 import jinja2
 
-from contract.job_end import EXIT_CHAIN_ENDED, EXITED_PREFIX
-from contract.job_env import PORT_BASE, PORT_SPAN, STOP_AT
+from contract.job_end import EXIT_CHAIN_ENDED, EXIT_RESTART_IN_JOB, EXITED_PREFIX, RESTART_FLAG
+from contract.job_env import IN_JOB_RESTART, PORT_BASE, PORT_SPAN, STOP_AT
 from orchestrator.errors import UsageError
 from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
 from orchestrator.resources import packaged_templates
@@ -55,6 +55,9 @@ CONTRACT = {
     "port_base": PORT_BASE,
     "port_span": PORT_SPAN,
     "exit_chain_ended": EXIT_CHAIN_ENDED,
+    "exit_restart_in_job": EXIT_RESTART_IN_JOB,
+    "in_job_restart_env": IN_JOB_RESTART,
+    "restart_flag": RESTART_FLAG,
     "exited_prefix": EXITED_PREFIX,
     "stop_at_env": STOP_AT,
     "launch_settle_s": LAUNCH_SETTLE_S,

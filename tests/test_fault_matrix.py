@@ -22,18 +22,16 @@ import os
 import re
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from contract.run_dir import MARKER, scan_checkpoints
 from tests.harness.chains import tiny_training_chain, wait_chain, wait_chain_quietly
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import run_tool
-from tests.harness.training import metrics
+from tests.harness.training import metrics, training_rank, wait_until
 from train.checkpoint import PAUSE_ENV, PAUSED_SUFFIX
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -71,34 +69,11 @@ def launch(
         "wandb.enabled=false",  # W&B is not what fails here; its start costs seconds a job
         *overrides,
         env=env,
-        # the planner is not under test here: its check costs ~6 s of CPU
-        launch_args=("--no-plan-check",),
+        # the planner is not under test here: its check costs ~6 s of CPU; these rows are the
+        # replacement rung, which a job reaches once its in-place restarts are spent (those are
+        # tests/test_in_job_restart.py's)
+        launch_args=("--no-plan-check", "--restarts-in-job", "0"),
     )
-
-
-def wait_until(condition, timeout: float, what: str):
-    """Poll ``condition`` every 0.1 s until it holds: well under a training step and under the
-    seconds a killed rank's job has to end, without a busier loop's squeue calls and process scans
-    taking the cores from the training it waits for."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def training_rank(run_dir: Path) -> psutil.Process | None:
-    """A rank of the run (a child of torchrun), not torchrun itself."""
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if f"run_dir={run_dir}" not in cmdline or "torchrun" in cmdline:
-            continue
-        parent = process.parent()
-        if "-m train" in cmdline and parent and "torchrun" in " ".join(parent.cmdline()):
-            return process
-    return None
 
 
 def complete_steps(checkpoints: Path) -> list[int]:

@@ -1,7 +1,8 @@
 """A rank that stops mid-training (SIGSTOP: it cannot act, its peer waits in a collective) ends
 the job within ``train.hang_timeout_s`` with exit code 5, not at the job's time limit, whichever
 rank it is and whether it stops in a step, a checkpoint save or validation; a stop signal shortens
-the wait; and the chain's next job resumes from the last checkpoint.
+the wait; and the job launches the training again in place, which resumes from the last
+checkpoint (orchestrator/in_job.py).
 
 The hangs here (four of 2-rank torchrun, one chain on the loopback cluster) mostly wait: for a
 watchdog, a stop signal's patience, torchrun's removal of a stopped rank. ``hung_runs`` starts
@@ -26,9 +27,8 @@ import psutil
 import pytest
 
 from contract.job_end import read_job_end
-from contract.slurm_states import END_STATES
 from orchestrator.chain_hooks import judge
-from tests.harness.chains import chain_status, launch_training, wait_chain
+from tests.harness.chains import launch_training, wait_chain
 from tests.harness.process import REPO, run_tool
 from tests.harness.training import metrics, wait_for_step
 from train.config import DebugConfig, TrainConfig, TrainLoopConfig, validate
@@ -50,7 +50,7 @@ HUNG_PHASE = {
     "rank1-save": ("save", 1, ("checkpoint.interval=2",)),
     "rank0-validation": ("validation", 0, ("eval.interval=2",)),
 }
-CHAIN_TEST = "test_a_chain_goes_on_after_a_rank_hangs"
+CHAIN_TEST = "test_a_job_restarts_its_training_in_place_after_a_rank_hangs"
 CHAIN_STEPS, CHAIN_INTERVAL = 12, 4  # the chain's train.max_steps and checkpoint.interval
 
 
@@ -183,8 +183,8 @@ def hang_in_a_phase(
 def hang_a_chain(tmp: Path, corpus: Path) -> tuple[Path, str, dict]:
     """A chain of 2 jobs whose job 0 has rank 1 SIGSTOPped after step 5, 7 steps before it
     would end: wait for the watchdog's line, kill the stopped rank (sooner than torchrun would:
-    timed by test_a_stopped_rank_ends_the_run), then for the chain's end. Its run dir, chain id
-    and final status."""
+    timed by test_a_stopped_rank_ends_the_run), then for job 0's training to step again (launched
+    again in place) and the chain's end. Its run dir, chain id and final status."""
     run_dir = tmp / "run"
     summary = launch_training(
         2,
@@ -208,12 +208,12 @@ def hang_a_chain(tmp: Path, corpus: Path) -> tuple[Path, str, dict]:
             time.sleep(0.5)
         stopped.kill()
         killed = time.monotonic()
-        while chain_status(chain)["jobs"][0]["state"] not in END_STATES:
+        while not any(row.get("in_job_restart") for row in metrics(run_dir)):
             assert time.monotonic() - killed < MARGIN_S, (
-                f"job 0 still runs {MARGIN_S} s after its watchdog fired and its stopped rank "
-                "was killed"
+                f"job 0 trains no step again {MARGIN_S} s after its watchdog fired and its "
+                "stopped rank was killed"
             )
-            time.sleep(1)
+            time.sleep(0.5)
         return run_dir, chain, wait_chain(chain, timeout=400)
     finally:
         with suppress(psutil.Error):
@@ -303,18 +303,23 @@ def test_a_rank_hung_in_a_save_or_validation_ends_the_run(hung_runs, case):
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_a_chain_goes_on_after_a_rank_hangs(hung_runs):
+def test_a_job_restarts_its_training_in_place_after_a_rank_hangs(hung_runs):
     """2 jobs of 2-rank training on the loopback cluster: a rank of job 0 stopped after step 5
-    ends job 0 within hang_timeout_s (its time limit is 10 minutes), FAILED with exit 5 named,
-    and job 1 resumes from the last checkpoint and finishes, losing at most one interval."""
+    ends job 0's training within hang_timeout_s (its time limit is 10 minutes) with exit 5
+    named; job 0 launches the training again in place (the hang's rung: no new job), which
+    resumes from the last checkpoint, losing at most one interval, and finishes; job 1, not
+    needed, is cancelled unstarted."""
     run_dir, chain, final = hung_runs[CHAIN_TEST].result()
-    assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED", "CANCELLED"], final
     logs = run_tool("orchestrator", "logs", chain).stdout
     assert HUNG_LINE in logs and "exitcode  : 5" in logs, logs[-3000:]
+    assert "(exit 5): a rank hung: restarting the training in place (1 of 2)" in logs
     resumed = re.search(rf"resumed from {run_dir}/checkpoints/step_(\d+) at step", logs)
     assert resumed, logs[-3000:]
     rows = [row for row in metrics(run_dir) if "loss" in row]
-    steps = {index: [row["step"] for row in rows if row["job_index"] == index] for index in (0, 1)}
+    before = [row["step"] for row in rows if not row.get("in_job_restart")]
+    after = [row["step"] for row in rows if row.get("in_job_restart") == 1]
     saved = int(resumed.group(1))
-    assert steps[0][-1] - saved <= CHAIN_INTERVAL, (saved, steps)
-    assert steps[1] == list(range(saved + 1, CHAIN_STEPS + 1)), (saved, steps)
+    assert {row["job_index"] for row in rows} == {0}
+    assert before[-1] - saved <= CHAIN_INTERVAL, (saved, before)
+    assert after == list(range(saved + 1, CHAIN_STEPS + 1)), (saved, after)

@@ -759,6 +759,8 @@ def test_a_node_lost_under_a_two_node_step_is_replaced_although_the_job_saved(
         run_tool("orchestrator", "logs", chain_id, "--job", str(index)).stdout for index in (0, 1)
     ]
     assert "to replace job 0: retry 1 of 1" in logs[0], logs[0][-3000:]
+    # A node SLURM has declared lost is never launched on again in place.
+    assert "is not restarted in place: the cluster ended the job (NODE_FAIL)" in logs[0]
     assert resumed_from(run_dir, saved) in logs[1]
     assert max(json.loads(line).get("step", 0) for line in metrics_lines(run_dir)) == 40
 

@@ -4,7 +4,8 @@ Every job of a chain shares one run directory, so every job appends to one ``met
 (flushed per line: a job killed by SLURM loses nothing it logged). The W&B run id is kept in the
 checkpoint and handed back to the next job, which resumes the same run (``resume="allow"``) and logs
 with ``step=``, so the curve is continuous across jobs; ``job_index`` and ``seed`` are logged per
-step so a dashboard can mark job boundaries. Only rank 0 writes; other ranks' calls return at once.
+step so a dashboard can mark job boundaries, and ``in_job_restart`` on the steps of a training
+launched again inside its job. Only rank 0 writes; other ranks' calls return at once.
 
 A dashboard must never kill training: when W&B fails, one warning is printed and ``metrics.jsonl``
 goes on. Secrets never leave the environment: keys that look secret are dropped from the config
@@ -73,12 +74,15 @@ def job_context(environ: Mapping[str, str], config: Mapping[str, Any]) -> dict[s
     ``ORCH_SEED``.
     """
     seed = environ.get(job_env.SEED)
-    return {
+    context = {
         "job_index": int(environ.get(job_env.JOB_INDEX, "0")),
         "seed": int(seed) if seed is not None else config.get("seed"),
         "slurm_job_id": environ.get("SLURM_JOB_ID"),
         "chain_id": environ.get(job_env.CHAIN_ID),
     }
+    if environ.get(job_env.IN_JOB_RESTART):  # launched again inside its job (the chain hook)
+        context["in_job_restart"] = int(environ[job_env.IN_JOB_RESTART])
+    return context
 
 
 def new_run_id() -> str:

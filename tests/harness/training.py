@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -142,3 +143,28 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
     state = torch.load(out, weights_only=False)
     model = state.get("model", state)
     return {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+
+
+def wait_until(condition, timeout: float, what: str):
+    """Poll ``condition`` every 0.1 s until it holds: well under a training step and under the
+    seconds a killed rank's job has to end, without a busier loop's squeue calls and process scans
+    taking the cores from the training it waits for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def training_rank(run_dir: Path) -> psutil.Process | None:
+    """A rank of the run (a child of torchrun), not torchrun itself."""
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if f"run_dir={run_dir}" not in cmdline or "torchrun" in cmdline:
+            continue
+        parent = process.parent()
+        if "-m train" in cmdline and parent and "torchrun" in " ".join(parent.cmdline()):
+            return process
+    return None
