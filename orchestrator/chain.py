@@ -29,6 +29,7 @@ from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
     DEFAULT_RESTARTS_IN_JOB,
+    ROLLED_BACK,
     JobRecord,
     Manifest,
     ThenRecord,
@@ -464,9 +465,15 @@ def _submit_jobs(
             if on_submitted is not None:
                 on_submitted(record)
             after = job_id
-    except (SchedulerError, KeyboardInterrupt) as error:
+    except KeyboardInterrupt as error:
         rollback(manifest, backend, error)
         raise
+    except SchedulerError as error:
+        said = rollback(manifest, backend, error)
+        raise SchedulerError(
+            f"submitting job {len(manifest.jobs) + 1} of {plan.total_jobs} failed: {error}. "
+            f"{said} Run the same auto_launch again once SLURM answers (`scontrol ping`)."
+        ) from error
 
 
 def last_first(job_ids: list[str]) -> list[str]:
@@ -475,15 +482,24 @@ def last_first(job_ids: list[str]) -> list[str]:
     return job_ids[::-1]
 
 
-def rollback(manifest: Manifest, backend: Backend, error: BaseException) -> None:
-    """Cancel what this chain queued and record why; the chain is never left half-submitted."""
+def rollback(manifest: Manifest, backend: Backend, error: BaseException) -> str:
+    """Cancel what this chain queued and record why; the chain is never left half-submitted:
+    a job the cancel could not reach (the controller down) finds the chain rolled back as it
+    starts and does not train (orchestrator.chain_hooks). What became of the queued jobs, in a
+    sentence."""
     queued = manifest.job_ids()
-    cancel_error = ""
     try:
         backend.cancel(last_first(queued))
+        said = f"The chain is rolled back: its {len(queued)} queued job(s) are cancelled."
     except SchedulerError as failure:
-        cancel_error = f"; cancelling {queued} also failed: {failure}"
-    manifest.status = "rolled_back"
+        said = (
+            f"The chain is rolled back, but cancelling its {len(queued)} queued job(s) "
+            f"({' '.join(queued)}) failed too ({str(failure).splitlines()[0]}): they will not "
+            "train (each finds the "
+            "chain rolled back as it starts); `scancel` them once SLURM answers."
+        )
+    manifest.status = ROLLED_BACK
     reason = str(error) or type(error).__name__
-    manifest.error = f"{reason} (cancelled {len(queued)} submitted job(s){cancel_error})"
+    manifest.error = f"{reason}. {said}"
     manifest.save()
+    return said

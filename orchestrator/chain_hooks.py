@@ -74,7 +74,7 @@ from orchestrator.backends.base import dependency_spec
 from orchestrator.backends.slurm import scontrol_fields
 from orchestrator.chain import THEN_DEPENDENCY, last_first, replacement_request
 from orchestrator.errors import SchedulerError
-from orchestrator.manifest import MANIFEST_NAME, JobRecord, Manifest, chain_lock
+from orchestrator.manifest import MANIFEST_NAME, ROLLED_BACK, JobRecord, Manifest, chain_lock
 from orchestrator.seeds import chain_seeds
 from orchestrator.slurm.commands import run_slurm
 
@@ -517,7 +517,8 @@ def replacement_seed(manifest: Manifest, index: int) -> int:
 
 def load_chain(run_dir: Path, chain_id: str | None) -> Manifest | None:
     """The manifest the hook may act on: this chain's (a run dir later reused by another chain
-    has that chain's), of the slurm backend, fully submitted."""
+    has that chain's), of the slurm backend; a rolled-back one only to keep its jobs from
+    training."""
     path = run_dir / MANIFEST_NAME
     if not path.is_file():
         say(f"no manifest in {run_dir}: nothing to look after")
@@ -526,7 +527,7 @@ def load_chain(run_dir: Path, chain_id: str | None) -> Manifest | None:
     if chain_id is not None and manifest.chain_id != chain_id:
         say(f"{run_dir} now belongs to chain {manifest.chain_id}: leaving it alone")
         return None
-    if manifest.backend != ACTIVE_BACKEND or manifest.status == "rolled_back":
+    if manifest.backend != ACTIVE_BACKEND:
         return None
     return manifest
 
@@ -554,6 +555,14 @@ def run_hook(
         manifest = load_chain(run_dir, chain_id)  # again, under the lock
         if manifest is None:
             return 0, None
+        if manifest.status == ROLLED_BACK:
+            if mode != "start":
+                return 0, None
+            say(
+                f"chain {manifest.chain_id} was rolled back as it was submitted "
+                f"({manifest.error}): this job, which its cancel did not reach, does not train"
+            )
+            return EXIT_CHAIN_ENDED, None
         current = find_job(manifest, job_id)
         if current is not None and current.then:
             return 0, None  # the --then job runs after the chain, whatever became of it

@@ -31,6 +31,9 @@ DEFAULT_MAX_STALLED = 2
 # different failure in the same job, which on a large allocation over hours is common.
 DEFAULT_RESTARTS_IN_JOB = 2
 MANIFEST_NAME = "manifest.json"
+# A chain whose submission failed part way: auto_launch cancelled what it had queued, and the
+# chain hook lets no job of it train should a cancel not have reached the scheduler.
+ROLLED_BACK = "rolled_back"
 JOURNAL_NAME = ".manifest.jobs"  # jobs accepted since the manifest's last full write
 LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
 

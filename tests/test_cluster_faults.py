@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +23,13 @@ import pytest
 
 from contract.slurm_states import END_STATES
 from orchestrator import cluster
+from orchestrator.manifest import MANIFEST_NAME, Manifest
+from orchestrator.retry import PATIENCE_ENV
+from orchestrator.seeds import chain_seeds
 from orchestrator.slurm.commands import QUERY_TIMEOUT_S
 from tests.harness.chains import write_sub
 from tests.harness.cluster import SESSION_ENV, cluster_cli
+from tests.harness.process import BIN as TOOLS
 from tests.harness.process import run_tool
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -294,3 +300,208 @@ def test_status_answers_while_accounting_is_down(faulty: Faulty, tmp_path: Path)
         return status["accounting_unreachable"] is None and sources == ["sacct", "sacct"]
 
     wait_for("the chain read from accounting again", accounted, timeout=30)
+
+
+# ---- the controller down while the chain talks to it (issue 39) ----
+
+# A YAML recipe's job (it runs the chain hook): it notes its seed, and fails (exit 3) where the
+# run dir says so, once.
+OUTAGE_JOB = """\
+echo "$SEED" >> "$ORCH_RUN_DIR/ran"
+if [ -e "$ORCH_RUN_DIR/fail_once" ]; then
+  rm "$ORCH_RUN_DIR/fail_once"
+  touch "$ORCH_RUN_DIR/failing"
+  while [ ! -e "$ORCH_RUN_DIR/controller_down" ]; do sleep 0.2; done
+  exit 3
+fi
+"""
+OUTAGE_S = 12  # down this long: past the 7.5 s five quick tries waited, well inside the patience
+
+
+def outage_recipe(tmp_path: Path) -> Path:
+    script = tmp_path / "job.sh"
+    script.write_text(OUTAGE_JOB)
+    recipe = tmp_path / "outage.yaml"
+    recipe.write_text(f'template: single\ntime: "00:05:00"\ncommand: [bash, {script}]\n')
+    return recipe
+
+
+def sbatch_that_waits(tmp_path: Path, call: int) -> tuple[dict[str, str], Path, Path]:
+    """A wrapper around the real sbatch (first on PATH in the returned environment) whose call
+    number ``call`` (0-based) touches ``asked`` and waits for ``down`` before it goes on, so
+    that the test can stop the controller between two submissions of one auto_launch."""
+    fake_bin, asked, down = tmp_path / "bin", tmp_path / "asked", tmp_path / "down"
+    fake_bin.mkdir()
+    real = shutil.which("sbatch")
+    counter = tmp_path / "count"
+    (fake_bin / "sbatch").write_text(
+        "#!/bin/bash\n"
+        f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n+1)) > {counter}\n"
+        f'if [ "$n" = {call} ]; then touch {asked}; '
+        f"while [ ! -e {down} ]; do sleep 0.1; done; fi\n"
+        f'exec {real} "$@"\n'
+    )
+    (fake_bin / "sbatch").chmod(0o755)
+    return {"PATH": f"{fake_bin}:{os.environ['PATH']}"}, asked, down
+
+
+def stop_controller(faulty: Faulty, job_id: str) -> None:
+    """SIGKILL slurmctld once it has saved the queue (as it would have within seconds)."""
+    save_controller_state(faulty.env, faulty.directory, job_id)
+    os.kill(cluster.daemon_pids(faulty.directory)["slurmctld"], signal.SIGKILL)
+
+
+def restart_controller_after(faulty: Faulty, seconds: float) -> threading.Thread:
+    def restart() -> None:
+        time.sleep(seconds)
+        again = cluster_cli("up", "--dir", faulty.directory)
+        assert again.returncode == 0, again.stderr
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    return thread
+
+
+def chain_jobs(env: dict[str, str], name: str) -> list[str]:
+    """Every job SLURM has of this job name, ended ones included (sacct: none is forgotten)."""
+    out = slurm(env, "sacct", "-X", "-n", "-P", f"--name={name}", "--format=JobID")
+    return out.split()
+
+
+def test_a_controller_down_while_auto_launch_submits_leaves_the_chain_whole(
+    faulty: Faulty, tmp_path: Path
+) -> None:
+    """slurmctld dies after auto_launch -n8 has queued two jobs and comes back OUTAGE_S later:
+    sbatch is retried, one line per retry, and the chain is its 8 jobs, in order, each with
+    its planned seed and dependency, none lost or doubled, each run once."""
+    recipe = outage_recipe(tmp_path)
+    wrapper, asked, down = sbatch_that_waits(tmp_path, 2)
+    run_dir = tmp_path / "run"
+    command = [str(TOOLS / "auto_launch"), "--json", "-n8", "--seed", "7"]
+    command += ["--run-dir", str(run_dir), "--name", "outage_submit", str(recipe)]
+    launched = subprocess.Popen(
+        command,
+        env={**os.environ, **faulty.env, **wrapper},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for("the third submission", asked.exists)
+    stop_controller(faulty, queued_ids(run_dir)[-1])
+    down.touch()
+    restarting = restart_controller_after(faulty, OUTAGE_S)
+    out, err = launched.communicate(timeout=300)
+    restarting.join()
+    assert launched.returncode == 0, err
+    retries = [line for line in err.splitlines() if "trying again in" in line]
+    assert retries and all("Unable to contact slurm controller" in line for line in retries), err
+    assert len(retries) < 12, err  # backoff, not a busy loop
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    jobs = manifest["jobs"]
+    assert [job["index"] for job in jobs] == list(range(8))
+    assert [job["seed"] for job in jobs] == chain_seeds(8, 7)
+    ids = [job["job_id"] for job in jobs]
+    assert [job["dependency"] for job in jobs[1:]] == [f"afterany:{i}" for i in ids[:-1]]
+    final = wait_chain(faulty.env, manifest["chain_id"], timeout=240)
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 8
+    assert sorted(chain_jobs(faulty.env, "outage_submit")) == sorted(ids)
+    assert (run_dir / "ran").read_text().split() == [str(seed) for seed in chain_seeds(8, 7)]
+    assert json.loads(out.strip().splitlines()[-1])["chain_id"] == manifest["chain_id"]
+
+
+def queued_ids(run_dir: Path) -> list[str]:
+    """The ids of the jobs auto_launch has queued so far (the manifest and its journal)."""
+    return Manifest.load(run_dir / MANIFEST_NAME).job_ids()
+
+
+def test_a_controller_down_while_a_jobs_end_hook_replaces_it(
+    faulty: Faulty, tmp_path: Path
+) -> None:
+    """Job 0 fails (exit 3, listed with --retry-on-exit) while slurmctld is down: its end hook's
+    sbatch of the replacement waits the outage out (one line per retry), and the chain ends
+    with exactly its two jobs."""
+    recipe = outage_recipe(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "fail_once").touch()
+    summary = json.loads(
+        run_tool(
+            "auto_launch",
+            "--json",
+            "-n1",
+            "--retries",
+            "1",
+            "--retry-on-exit",
+            "3",
+            "--restarts-in-job",
+            "0",
+            "--name",
+            "outage_hook",
+            "--run-dir",
+            str(run_dir),
+            str(recipe),
+            env=faulty.env,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    job0 = summary["jobs"][0]["job_id"]
+    wait_for("job 0 to start failing", (run_dir / "failing").exists, timeout=120)
+    stop_controller(faulty, job0)
+    (run_dir / "controller_down").touch()
+    restart_controller_after(faulty, OUTAGE_S).join()
+    final = wait_chain(faulty.env, summary["chain_id"], timeout=240)
+    jobs = json.loads((run_dir / "manifest.json").read_text())["jobs"]
+    assert [(job["outcome"], job["replaces"]) for job in jobs] == [
+        ("failed", None),
+        ("completed", 0),
+    ]
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
+    assert sorted(chain_jobs(faulty.env, "outage_hook")) == sorted(j["job_id"] for j in jobs)
+    log = run_tool("orchestrator", "logs", summary["chain_id"], "--job", "0", env=faulty.env)
+    retries = [line for line in log.stdout.splitlines() if "trying again in" in line]
+    assert retries and "Unable to contact slurm controller" in retries[0], log.stdout
+    assert "queued job 1" in log.stdout
+
+
+def test_a_controller_down_past_the_patience_rolls_the_chain_back_and_its_jobs_stay_idle(
+    faulty: Faulty, tmp_path: Path
+) -> None:
+    """With ORCH_SCHEDULER_PATIENCE_S=5 the controller stays down past it: auto_launch fails
+    with one error saying what became of the two jobs it had queued (their cancel failed too),
+    and exits 1; once the controller is back those jobs start and do not train; the same
+    auto_launch again queues the whole chain."""
+    recipe = outage_recipe(tmp_path)
+    wrapper, asked, down = sbatch_that_waits(tmp_path, 2)
+    run_dir = tmp_path / "run"
+    command = [str(TOOLS / "auto_launch"), "-n4", "--seed", "3", "--run-dir", str(run_dir)]
+    command += ["--name", "outage_bound", str(recipe)]
+    env = {**os.environ, **faulty.env, **wrapper, PATIENCE_ENV: "5"}
+    launched = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for("the third submission", asked.exists)
+    queued = queued_ids(run_dir)
+    stop_controller(faulty, queued[-1])
+    down.touch()
+    _, err = launched.communicate(timeout=120)
+    assert launched.returncode == 1, err
+    [error] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert err.strip().splitlines()[-1] == error, err  # one error, the last word
+    assert error.startswith("error: submitting job 3 of 4 failed: sbatch failed:"), error
+    assert "Unable to contact slurm controller" in error
+    assert "still failing after" in error and PATIENCE_ENV in error
+    assert f"cancelling its 2 queued job(s) ({' '.join(queued)}) failed too" in error
+    assert "they will not train" in error and "Run the same auto_launch again" in error
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "rolled_back"
+
+    restart_controller_after(faulty, 0).join()
+    wait_for("the rolled-back jobs to end", lambda: not set(queued) & set(queue(faulty.env)))
+    assert not (run_dir / "ran").exists()  # neither trained
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.out"))
+    assert logs.count("this job, which its cancel did not reach, does not train") == 2, logs
+    again = run_tool("auto_launch", *command[1:], env={**faulty.env, PATIENCE_ENV: "5"})
+    assert again.returncode == 0, again.stderr
+    final = wait_chain(faulty.env, json.loads((run_dir / "manifest.json").read_text())["chain_id"])
+    assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 4
+    assert (run_dir / "ran").read_text().split() == [str(seed) for seed in chain_seeds(4, 3)]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.errors import SchedulerError, SchedulerTimeout
-from orchestrator.retry import REJECTED_MARKERS, TRANSIENT_MARKERS, with_retries
+from orchestrator.retry import (
+    MAX_DELAY_S,
+    PATIENCE_ENV,
+    REJECTED_MARKERS,
+    TRANSIENT_MARKERS,
+    patience_s,
+    with_retries,
+)
 
 
 class Scripted:
@@ -72,3 +79,74 @@ def test_a_non_idempotent_call_retries_errors_that_prove_it_was_refused() -> Non
     with pytest.raises(SchedulerError, match="Socket timed out"):
         run(call, idempotent=False, transient_markers=REJECTED_MARKERS)
     assert call.calls == 1
+
+
+class Clock:
+    """A clock that only the fake sleep moves, with each call costing ``call_s``."""
+
+    def __init__(self, call_s: float = 0.0) -> None:
+        self.now = 0.0
+        self.call_s = call_s
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_controller_down_is_waited_out_for_the_patience_one_line_per_retry() -> None:
+    """sbatch against a dead controller (each try ~4 s) is retried with backoff capped at
+    MAX_DELAY_S until the patience runs out, then fails saying how long it waited."""
+    down = SchedulerError("sbatch failed: Unable to contact slurm controller (connect failure)")
+
+    class Down:
+        calls = 0
+
+        def __call__(self) -> str:
+            self.calls += 1
+            clock.now += 4.0
+            raise down
+
+    clock, lines, call = Clock(), [], Down()
+    with pytest.raises(SchedulerError, match=r"still failing after \d+ s of retries") as failed:
+        with_retries(
+            call,
+            transient_markers=REJECTED_MARKERS,
+            idempotent=False,
+            patience=60.0,
+            announce=lines.append,
+            sleep=clock.sleep,
+            clock=clock,
+        )
+    assert PATIENCE_ENV in str(failed.value) and "Unable to contact" in str(failed.value)
+    assert clock.slept[:5] == [0.5, 1.0, 2.0, 4.0, 8.0] and max(clock.slept) == MAX_DELAY_S
+    assert clock.now <= 60.0 + 4.0  # never a wait that starts past the patience
+    assert len(lines) == len(clock.slept) == call.calls - 1
+    assert lines[0].startswith("sbatch failed: Unable to contact slurm controller")
+    assert "trying again in 0.5 s (4 of 60 s)" in lines[0]
+
+
+def test_a_controller_back_within_the_patience_is_one_success() -> None:
+    down = SchedulerError("scontrol failed: Unable to contact slurm controller")
+    clock = Clock()
+    call = Scripted(*[down] * 6)
+    result = with_retries(
+        call,
+        transient_markers=TRANSIENT_MARKERS,
+        idempotent=True,
+        patience=120.0,
+        sleep=clock.sleep,
+        clock=clock,
+    )
+    assert result == "ok" and call.calls == 7
+
+
+def test_the_patience_comes_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(PATIENCE_ENV, "7.5")
+    assert patience_s() == 7.5
+    monkeypatch.setenv(PATIENCE_ENV, "soon")
+    with pytest.raises(Exception, match=f"{PATIENCE_ENV}='soon': give a number of seconds"):
+        patience_s()

@@ -27,7 +27,12 @@ from orchestrator.backends.submitit_common import (
 )
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.retry import REJECTED_MARKERS, with_retries
-from orchestrator.slurm.commands import controller_problem, run_slurm, update_dependency
+from orchestrator.slurm.commands import (
+    controller_problem,
+    run_slurm,
+    say_retry,
+    update_dependency,
+)
 from orchestrator.slurm.directives import parse_signal
 
 # Options the backend decides itself: the chain's job name (singleton depends on it), submitit's
@@ -71,7 +76,9 @@ class SubmititSlurmBackend(SubmititBackendBase):
             except (FailedJobError, FailedSubmissionError) as error:
                 raise SchedulerError(f"sbatch failed: {str(error).strip()}") from error
 
-        return with_retries(submit_once, transient_markers=REJECTED_MARKERS, idempotent=False)
+        return with_retries(
+            submit_once, transient_markers=REJECTED_MARKERS, idempotent=False, announce=say_retry
+        )
 
     def cancel(self, job_ids: list[str]) -> None:
         if job_ids:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 
 from orchestrator.errors import SchedulerError, SchedulerTimeout
-from orchestrator.retry import ATTEMPTS, TRANSIENT_MARKERS, with_retries
+from orchestrator.retry import TRANSIENT_MARKERS, with_retries
 from orchestrator.slurm.partitions import PARTITION_FORMAT, Partition, parse_partitions
 
 # Queries behind `orchestrator status`: it must answer within seconds even when the controller is
@@ -51,16 +52,23 @@ def run_slurm(
     timeout_s: float = 60,
     idempotent: bool = True,
     transient_markers: Sequence[str] = TRANSIENT_MARKERS,
-    attempts: int = ATTEMPTS,
+    attempts: int | None = None,
     env: dict[str, str] | None = None,
 ) -> str:
-    """Run a SLURM command and return its stdout; raise SchedulerError with its own message."""
+    """Run a SLURM command and return its stdout; raise SchedulerError with its own message.
+    A transient failure is tried again: ``attempts`` times, or (by default) for as long as
+    ``orchestrator.retry.patience_s()`` allows, one line on stderr per retry."""
     return with_retries(
         lambda: run_slurm_once(argv, timeout_s=timeout_s, env=env),
         transient_markers=transient_markers,
         idempotent=idempotent,
         attempts=attempts,
+        announce=say_retry if attempts is None else None,
     )
+
+
+def say_retry(line: str) -> None:
+    print(f"[orch] {line}", file=sys.stderr, flush=True)
 
 
 def run_slurm_once(
