@@ -360,6 +360,19 @@ class ChainKeeper:
             "from the newest checkpoint"
         )
 
+    def queue_due_replacements(self) -> None:
+        """``start``/``check``: queue the replacements an earlier hook could not (SLURM's
+        controller was down past the patience), after the chain's last job."""
+        due = [job for job in self.manifest.jobs if job.replacement_due]
+        if not due or self.has_ended:
+            return
+        tail = max((o for o in self.manifest.jobs if not o.then), key=lambda o: o.index)
+        state = self.backend.statuses([str(tail.job_id)])[str(tail.job_id)].state
+        ended_ids = {str(tail.job_id)} if state in ENDED_STATES else set()
+        for job in due:
+            self.replace(job, Ending("failed", str(job.replacement_due), retry=True), ended_ids)
+            self.manifest.save()
+
     def judge_earlier(self) -> None:
         """``start``/``check``: every other job of the chain that SLURM says has ended."""
         waiting = [
@@ -421,7 +434,7 @@ class ChainKeeper:
     def note_if_incomplete(self) -> None:
         """The chain's last job has ended, training unfinished, and nothing is queued."""
         chain_jobs = [job for job in self.manifest.jobs if not job.then]
-        if any(job.outcome is None for job in chain_jobs):
+        if any(job.outcome is None or job.replacement_due for job in chain_jobs):
             return
         last = max(chain_jobs, key=lambda job: job.index)
         if not last.measured or last.outcome not in ("stopped", "failed"):
@@ -466,7 +479,17 @@ class ChainKeeper:
         after = None if str(tail.job_id) in ended_ids else str(tail.job_id)
         seed = replacement_seed(self.manifest, index)
         request = replacement_request(self.manifest, index, seed, after)
-        job_id = self.backend.submit(request)
+        try:
+            job_id = self.backend.submit(request)
+        except SchedulerError as error:
+            job.replacement_due = ending.detail
+            say(
+                f"could not queue the replacement of job {job.index} ({error}); the chain's next "
+                "hook run queues it: a later job's start, or by hand `python -m "
+                f"orchestrator.chain_hooks check {self.run_dir}`"
+            )
+            return
+        job.replacement_due = None
         self.manifest.jobs.append(
             JobRecord(
                 index=index,
@@ -573,6 +596,7 @@ def run_hook(
             if keeper.judge_current(status, can_restart):
                 return EXIT_RESTART_IN_JOB, None
         elif not keeper.has_ended:
+            keeper.queue_due_replacements()
             keeper.judge_earlier()
         if mode == "start" and keeper.has_ended:
             say(f"chain {manifest.status} ({manifest.ended}): this job does not train")

@@ -92,6 +92,9 @@ class JobRecord:
     # and the failure it last did so for: the same failure again goes to the chain's logic.
     in_job_restarts: int = 0
     restarted_for: str | None = None
+    # A failure whose replacement SLURM did not take (its controller down past the patience):
+    # why the job failed, until a later hook run (a job's start, `chain_hooks check`) queues it.
+    replacement_due: str | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -505,3 +506,57 @@ def test_a_controller_down_past_the_patience_rolls_the_chain_back_and_its_jobs_s
     final = wait_chain(faulty.env, json.loads((run_dir / "manifest.json").read_text())["chain_id"])
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 4
     assert (run_dir / "ran").read_text().split() == [str(seed) for seed in chain_seeds(4, 3)]
+
+
+def test_a_replacement_the_controller_refused_past_the_patience_is_queued_by_the_next_hook(
+    faulty: Faulty, tmp_path: Path
+) -> None:
+    """Job 0 fails while slurmctld is down, and its end hook gives up on the replacement's
+    sbatch after a 3-s patience, saying so; once the controller is back, the chain hook's next
+    run (`check`, as no later job exists to start) queues it, and the chain finishes."""
+    recipe = outage_recipe(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "fail_once").touch()
+    launched = run_tool(
+        "auto_launch",
+        "--json",
+        "-n1",
+        "--retries",
+        "1",
+        "--retry-on-exit",
+        "3",
+        "--restarts-in-job",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        str(recipe),
+        env={**faulty.env, PATIENCE_ENV: "3"},  # sbatch --export=ALL: the job's hook has it
+    )
+    assert launched.returncode == 0, launched.stderr
+    summary = json.loads(launched.stdout.strip().splitlines()[-1])
+    job0 = summary["jobs"][0]["job_id"]
+    wait_for("job 0 to start failing", (run_dir / "failing").exists, timeout=120)
+    stop_controller(faulty, job0)
+    (run_dir / "controller_down").touch()
+    log = next((run_dir / "logs").glob("*.out"))
+    wait_for("the hook to give up", lambda: "could not queue the replacement" in log.read_text())
+    restart_controller_after(faulty, 0).join()
+    [job] = Manifest.load(run_dir / MANIFEST_NAME).jobs
+    assert job.outcome == "failed" and "listed in --retry-on-exit" in (job.replacement_due or "")
+    wait_for("job 0 to end", lambda: job0 not in queue(faulty.env))
+    checked = subprocess.run(
+        [sys.executable, "-m", "orchestrator.chain_hooks", "check", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **faulty.env},
+    )
+    assert "queued job 1" in checked.stdout, checked.stdout + checked.stderr
+    final = wait_chain(faulty.env, summary["chain_id"], timeout=240)
+    assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
+    jobs = Manifest.load(run_dir / MANIFEST_NAME).jobs
+    assert [(j.outcome, j.replaces, j.replacement_due) for j in jobs] == [
+        ("failed", None, None),
+        ("completed", 0, None),
+    ]
