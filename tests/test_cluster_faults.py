@@ -450,7 +450,11 @@ def test_a_controller_down_while_a_jobs_end_hook_replaces_it(
     wait_for("job 0 to start failing", (run_dir / "failing").exists, timeout=120)
     stop_controller(faulty, job0)
     (run_dir / "controller_down").touch()
-    restart_controller_after(faulty, OUTAGE_S).join()
+    # Back only once the hook's sbatch has met the outage (a loaded machine may take longer
+    # than any fixed outage to get the hook that far).
+    log = next((run_dir / "logs").glob("*.out"))
+    wait_for("the hook's sbatch to retry", lambda: "trying again in" in log.read_text())
+    restart_controller_after(faulty, 0).join()
     final = wait_chain(faulty.env, summary["chain_id"], timeout=240)
     jobs = json.loads((run_dir / "manifest.json").read_text())["jobs"]
     assert [(job["outcome"], job["replaces"]) for job in jobs] == [
