@@ -79,7 +79,7 @@ def test_a_killed_rank_restarts_in_place_as_an_uninterrupted_run_from_its_checkp
     batch script launches the training again in the same job, which resumes from that
     checkpoint and finishes, one job, one restart on record (manifest, status, metrics rows).
     Its losses equal, bit for bit, those of a run started from a copy of that checkpoint.
-    Timed against the job's own first launch (batch start to first step) on the same machine:
+    Timed against the job's own first launch (submission to first step) on the same machine:
     the restart, from the kill to its first step, pays a launch plus the old step's teardown."""
     run_dir = tmp_path / "run"
     overrides = (f"train.max_steps={MAX_STEPS}", f"checkpoint.interval={INTERVAL}")
@@ -126,7 +126,9 @@ def test_a_killed_rank_restarts_in_place_as_an_uninterrupted_run_from_its_checkp
     # The baseline: the job's own first launch, from its submission to its first step.
     first_launch_s = min(row["time"] for row in rows if "loss" in row) - submitted
     print(f"restart in place {restart_s:.1f} s; first launch {first_launch_s:.1f} s")
-    assert restart_s < first_launch_s + 10, (restart_s, first_launch_s)
+    # The restart pays a launch and the old step's teardown (2 s alone), on a machine whose load
+    # may change between the two: twice the launch and 10 s more, never torchrun's 30-s kill.
+    assert restart_s < 2 * first_launch_s + 10, (restart_s, first_launch_s)
 
 
 # A command of its own that fails as a lost peer does (exit 6) on its first FAILS launches of
