@@ -601,7 +601,7 @@ def _wait_until_serving(info: ClusterInfo, timeout_s: float, restarted: list[str
     """Poll sinfo until every node takes jobs; fail early when a daemon has died.
 
     A ``restarted`` node that its registration left DOWN (ReturnToService covers the usual
-    causes) is resumed once, so a restarted slurmd always brings its node back.
+    causes) is resumed, once SLURM takes it, so a restarted slurmd always brings its node back.
     """
     directory = Path(info.directory)
     started = time.monotonic()
@@ -624,8 +624,14 @@ def _wait_until_serving(info: ClusterInfo, timeout_s: float, restarted: list[str
             say(f"  {report}")
             last_report = report
         for node in sorted(to_resume & {node for node, state in states.items() if state == "down"}):
-            _query(["scontrol", "update", f"nodename={node}", "state=resume"], info.conf)
-            to_resume.discard(node)
+            try:
+                _query(["scontrol", "update", f"nodename={node}", "state=resume"], info.conf)
+                to_resume.discard(node)
+            except SchedulerError as error:
+                # Refused while a job lost with the node is still completing on it: the next
+                # poll asks again.
+                if "Invalid node state specified" not in str(error):
+                    raise
         stuck = [node for node in info.nodes if states.get(node) in STUCK_STATES]
         if elapsed > timeout_s or stuck or (dead and elapsed > PID_FILE_GRACE_S):
             why = f"daemons not running: {', '.join(dead)}" if dead else f"nodes: {report}"
