@@ -327,6 +327,20 @@ def outage_recipe(tmp_path: Path) -> Path:
     return recipe
 
 
+def failing_once(env: dict[str, str], tmp_path: Path, run_dir: Path, *args: str) -> dict:
+    """A 1-job chain of the outage recipe whose job fails once (exit 3, listed for a retry),
+    replaced under --retries 1 rather than restarted in place; auto_launch's summary."""
+    run_dir.mkdir()
+    (run_dir / "fail_once").touch()
+    launched = run_tool(
+        "auto_launch", "--json", "-n1", "--retries", "1", "--retry-on-exit", "3",
+        "--restarts-in-job", "0", *args, "--run-dir", str(run_dir), str(outage_recipe(tmp_path)),
+        env=env,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr
+    return json.loads(launched.stdout.strip().splitlines()[-1])
+
+
 def sbatch_that_waits(tmp_path: Path, call: int) -> tuple[dict[str, str], Path, Path]:
     """A wrapper around the real sbatch (first on PATH in the returned environment) whose call
     number ``call`` (0-based) touches ``asked`` and waits for ``down`` before it goes on, so
@@ -421,31 +435,8 @@ def test_a_controller_down_while_a_jobs_end_hook_replaces_it(
     """Job 0 fails (exit 3, listed with --retry-on-exit) while slurmctld is down: its end hook's
     sbatch of the replacement waits the outage out (one line per retry), and the chain ends
     with exactly its two jobs."""
-    recipe = outage_recipe(tmp_path)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "fail_once").touch()
-    summary = json.loads(
-        run_tool(
-            "auto_launch",
-            "--json",
-            "-n1",
-            "--retries",
-            "1",
-            "--retry-on-exit",
-            "3",
-            "--restarts-in-job",
-            "0",
-            "--name",
-            "outage_hook",
-            "--run-dir",
-            str(run_dir),
-            str(recipe),
-            env=faulty.env,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    summary = failing_once(faulty.env, tmp_path, run_dir, "--name", "outage_hook")
     job0 = summary["jobs"][0]["job_id"]
     wait_for("job 0 to start failing", (run_dir / "failing").exists, timeout=120)
     stop_controller(faulty, job0)
@@ -518,27 +509,9 @@ def test_a_replacement_the_controller_refused_past_the_patience_is_queued_by_the
     """Job 0 fails while slurmctld is down, and its end hook gives up on the replacement's
     sbatch after a 3-s patience, saying so; once the controller is back, the chain hook's next
     run (`check`, as no later job exists to start) queues it, and the chain finishes."""
-    recipe = outage_recipe(tmp_path)
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "fail_once").touch()
-    launched = run_tool(
-        "auto_launch",
-        "--json",
-        "-n1",
-        "--retries",
-        "1",
-        "--retry-on-exit",
-        "3",
-        "--restarts-in-job",
-        "0",
-        "--run-dir",
-        str(run_dir),
-        str(recipe),
-        env={**faulty.env, PATIENCE_ENV: "3"},  # sbatch --export=ALL: the job's hook has it
-    )
-    assert launched.returncode == 0, launched.stderr
-    summary = json.loads(launched.stdout.strip().splitlines()[-1])
+    # sbatch --export=ALL: the job's hook has the patience too
+    summary = failing_once({**faulty.env, PATIENCE_ENV: "3"}, tmp_path, run_dir)
     job0 = summary["jobs"][0]["job_id"]
     wait_for("job 0 to start failing", (run_dir / "failing").exists, timeout=120)
     stop_controller(faulty, job0)
