@@ -51,7 +51,10 @@ print-%:
 
 # Debian packages: SLURM and munge for the loopback cluster, slurmdbd and MariaDB for its
 # accounting (`cluster up --accounting`, used by the tests), espeak-ng and sox for the corpus,
-# OpenSSH's server (and client) for the test of launches over SSH (`auto_launch --host`).
+# OpenSSH's server (and client) for the test of launches over SSH (`auto_launch --host`), and
+# that test's second Unix user, who logs in there and cannot read this user's files (an
+# unlocked account without a password: it logs in with the test's key only).
+REMOTE_TEST_USER := orch-remote
 setup-system:
 	@missing=""; \
 	for tool in slurmctld slurmd sbatch munged slurmdbd mariadbd mariadb-install-db espeak-ng sox sshd ssh ssh-keygen; do \
@@ -63,6 +66,15 @@ setup-system:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); \
 	  else \
 	    echo "error: missing$$missing; run as root: apt-get install -y $(SYSTEM_PACKAGES)" >&2; \
+	    exit 2; \
+	  fi; \
+	fi
+	@if ! id -u $(REMOTE_TEST_USER) >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "adding the Unix user $(REMOTE_TEST_USER) (the SSH launch test's login-node user)"; \
+	    useradd --create-home --shell /bin/sh $(REMOTE_TEST_USER) && usermod -p '*' $(REMOTE_TEST_USER); \
+	  else \
+	    echo "error: no user $(REMOTE_TEST_USER); run as root: useradd --create-home --shell /bin/sh $(REMOTE_TEST_USER) && usermod -p '*' $(REMOTE_TEST_USER)" >&2; \
 	    exit 2; \
 	  fi; \
 	fi

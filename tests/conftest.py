@@ -23,6 +23,7 @@ from tests.harness.cluster import (
     LoopbackCluster,
     cluster_cli,
     down_clusters_of_dead_sessions,
+    open_to_every_user,
 )
 from tests.harness.corpora import LIBRISPEECH_UTTERANCES, TINY_CORPUS
 from tests.harness.disk import tmpfs
@@ -99,6 +100,7 @@ def slurm_cluster(
     down_clusters_of_dead_sessions()
     os.environ[SESSION_ENV] = str(os.getpid())
     directory = tmp_path_factory.mktemp("slurm")
+    open_to_every_user(directory)
     started = cluster_cli(
         "up", "--nodes", "2", "--cpus-per-node", "4", "--accounting", "--dir", str(directory)
     )

@@ -6,12 +6,12 @@ and a queued job behind; a login node with another version of the toolkit, or no
 PATH ssh gets, that fails deep inside with a traceback; a value with a space or a ``$(...)``
 that the remote shell split or ran.
 
-The ``sshd`` fixture starts Debian's OpenSSH server on 127.0.0.1 at a free port with a host key
-of its own, accepting a test key, with a client config of its own that the launches use through
-``ORCH_SSH="ssh -F CONFIG"``. The remote session gets the loopback cluster's ``SLURM_CONF`` and
-an ``ORCH_HOME`` of its own through ``SetEnv``/``AcceptEnv``, and finds the toolkit through
-``ORCH_REMOTE_BIN`` (this venv's bin). The code goes to a separate remote root: the jobs can
-only have run the copy that went over.
+The ``sshd`` fixture is a "login node" (tests/harness/login_node.py): Debian's OpenSSH server on
+127.0.0.1 where the test key logs in as a second Unix user, with its own home, ORCH_HOME and code
+copies, who cannot read the launching user's files (the project, its run dirs, the local
+ORCH_HOME: pytest's temporary tree is mode 0700). So a laptop path that leaks into the remote
+side fails there. That user runs the toolkit from an environment built from the project's wheel
+that it can read but not write, and submits to the loopback cluster as itself.
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ import getpass
 import json
 import os
 import shlex
-import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,11 +39,8 @@ from orchestrator.remote import (
 )
 from tests.harness.chains import launch_json, wait_chain, write_sub
 from tests.harness.cluster import LoopbackCluster, queue_ids
-from tests.harness.process import BIN, run_tool
-
-HOST = "orch-login"  # the test sshd, by the alias of the test's ssh config
-CLOSED = "orch-closed"  # 127.0.0.1 at a port nothing listens on
-SSHD_INSTALL = "make setup-system (apt-get install -y openssh-server)"
+from tests.harness.login_node import CLOSED, HOST, LoginNode, login_node
+from tests.harness.process import run_tool
 
 BODY = """
 cat message.txt
@@ -89,91 +83,15 @@ def test_the_remote_shell_takes_every_value_literally(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-# a real sshd on 127.0.0.1 ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sshd:
-    directory: Path
-    remote_home: Path  # the host's ORCH_HOME
-    env: dict[str, str]  # what the local commands get: ORCH_SSH, ORCH_REMOTE_BIN
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def keygen(path: Path) -> None:
-    subprocess.run(
-        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "orch-test", "-f", str(path)],
-        check=True,
-        timeout=30,
-    )
-
-
-def wait_listening(port: int, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"sshd exited ({server.returncode}):\n{log.read_text()}", pytrace=False)
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    pytest.fail(f"sshd not listening on port {port} after 10 s:\n{log.read_text()}")
+# a login node on 127.0.0.1, as another user -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def sshd(
-    tmp_path_factory: pytest.TempPathFactory, slurm_cluster: LoopbackCluster
-) -> Iterator[Sshd]:
-    server_binary = shutil.which("sshd") or "/usr/sbin/sshd"
-    if not Path(server_binary).is_file() or not shutil.which("ssh-keygen"):
-        pytest.fail(f"OpenSSH's server is not installed: run {SSHD_INSTALL}", pytrace=False)
-    directory = tmp_path_factory.mktemp("ssh")
-    keygen(directory / "host_key")
-    keygen(directory / "client_key")
-    (directory / "authorized_keys").write_text((directory / "client_key.pub").read_text())
-    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
-    port, closed = free_port(), free_port()
-    remote_home = directory / "remote_home"
-    (directory / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {directory}/host_key\n"
-        f"PidFile {directory}/sshd.pid\nAuthorizedKeysFile {directory}/authorized_keys\n"
-        "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-        "KbdInteractiveAuthentication no\nStrictModes no\nUsePAM no\nPrintMotd no\n"
-        "AcceptEnv SLURM_CONF ORCH_HOME\n"
-    )
-    client = (
-        f"  HostName 127.0.0.1\n  User {getpass.getuser()}\n"
-        f"  IdentityFile {directory}/client_key\n  IdentitiesOnly yes\n  IdentityAgent none\n"
-        f"  UserKnownHostsFile {directory}/known_hosts\n  GlobalKnownHostsFile /dev/null\n"
-        "  StrictHostKeyChecking accept-new\n  LogLevel ERROR\n"
-    )
-    (directory / "ssh_config").write_text(
-        f"Host {HOST}\n  Port {port}\n{client}"
-        f"  SetEnv SLURM_CONF={slurm_cluster.conf} ORCH_HOME={remote_home}\n"
-        f"Host {CLOSED}\n  Port {closed}\n{client}"
-    )
-    log = directory / "sshd.log"
-    with open(log, "w") as sink:
-        server = subprocess.Popen(
-            [server_binary, "-D", "-e", "-f", str(directory / "sshd_config")],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_listening(port, server, log)
-        env = {"ORCH_SSH": f"ssh -F {directory}/ssh_config", "ORCH_REMOTE_BIN": str(BIN)}
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in env.items():
-                patch.setenv(name, value)  # the orchestrator commands run by wait_chain too
-            yield Sshd(directory, remote_home, env)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+def sshd(slurm_cluster: LoopbackCluster) -> Iterator[LoginNode]:
+    with login_node(slurm_cluster.conf) as node, pytest.MonkeyPatch.context() as patch:
+        for name, value in node.env.items():
+            patch.setenv(name, value)  # the orchestrator commands run by wait_chain too
+        yield node
 
 
 def git(tree: Path, *args: str) -> str:
@@ -203,12 +121,13 @@ def chain_index(home: Path) -> set[str]:
 
 
 @pytest.mark.slurm
-def test_a_chain_launched_over_ssh_runs_the_code_that_went_over(sshd, project, tmp_path):
+def test_a_chain_launched_over_ssh_runs_the_code_that_went_over(sshd, project):
     token = f"sent from the laptop {time.time_ns()}"
     (project / "message.txt").write_text(token + "\n")  # untracked, uncommitted: it must go over
-    remote_root = tmp_path / "remote root"  # a space: every path is quoted on the host
+    remote_root = sshd.area / "remote root"  # a space: every path is quoted on the host
     summary = launch_json(
-        "--host", HOST, "--remote-dir", str(remote_root), "-n2", "--run-dir", "runs/r1", "run.sub",
+        "--host", HOST, "--remote-dir", sshd.remote_path("remote root"), "-n2",
+        "--run-dir", "runs/r1", "run.sub",
         cwd=project,
     )  # fmt: skip
     chain = summary["chain_id"]
@@ -240,11 +159,12 @@ def test_a_chain_launched_over_ssh_runs_the_code_that_went_over(sshd, project, t
 
 
 @pytest.mark.slurm
-def test_a_dry_run_over_ssh_renders_there_and_leaves_nothing(sshd, project, tmp_path):
-    remote_root = tmp_path / "remote"
+def test_a_dry_run_over_ssh_renders_there_and_leaves_nothing(sshd, project):
+    remote_root = sshd.area / "dry"
     before = queue_ids()
     done = run_tool(
-        "auto_launch", "--host", HOST, "--remote-dir", str(remote_root), "--dry-run", "run.sub",
+        "auto_launch", "--host", HOST, "--remote-dir", sshd.remote_path("dry"), "--dry-run",
+        "run.sub",
         cwd=project,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -253,10 +173,11 @@ def test_a_dry_run_over_ssh_renders_there_and_leaves_nothing(sshd, project, tmp_
 
 
 @pytest.mark.slurm
-def test_bad_input_found_on_the_host_is_its_one_line_and_leaves_no_copy(sshd, project, tmp_path):
-    remote_root = tmp_path / "remote"
+def test_bad_input_found_on_the_host_is_its_one_line_and_leaves_no_copy(sshd, project):
+    remote_root = sshd.area / "bad input"
     done = run_tool(
-        "auto_launch", "--host", HOST, "--remote-dir", str(remote_root), "missing.sub",
+        "auto_launch", "--host", HOST, "--remote-dir", sshd.remote_path("bad input"),
+        "missing.sub",
         cwd=project,
     )  # fmt: skip
     assert done.returncode == 2
@@ -273,7 +194,8 @@ def test_an_unreachable_host_is_one_line_within_seconds_and_queues_nothing(sshd,
     before, indexed = queue_ids(), chain_index(home)
     started = time.monotonic()
     reachable = run_tool(
-        "auto_launch", "--host", HOST, "--remote-dir", str(tmp_path / "baseline"), "missing.sub",
+        "auto_launch", "--host", HOST, "--remote-dir", sshd.remote_path("baseline"),
+        "missing.sub",
         cwd=project,
     )  # fmt: skip
     baseline = time.monotonic() - started
@@ -297,8 +219,8 @@ def test_an_unreachable_host_is_one_line_within_seconds_and_queues_nothing(sshd,
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("toolkit", ["missing", "other version"])
-def test_a_host_without_this_toolkit_is_one_line_naming_the_fix(sshd, project, tmp_path, toolkit):
-    fake_bin = tmp_path / "bin"
+def test_a_host_without_this_toolkit_is_one_line_naming_the_fix(sshd, project, toolkit):
+    fake_bin = sshd.area / f"bin, {toolkit}"  # where the remote user can read it
     fake_bin.mkdir()
     if toolkit == "other version":
         fake = fake_bin / "orchestrator"
@@ -307,25 +229,39 @@ def test_a_host_without_this_toolkit_is_one_line_naming_the_fix(sshd, project, t
         expected = f"version 0.0.1, this one {__version__}"
     else:
         expected = "the toolkit is not on --remote-bin"
-    remote_root = tmp_path / "remote"
+    remote_root = f"copies, {toolkit}"
     done = run_tool(
-        "auto_launch", "--host", HOST, "--remote-dir", str(remote_root), "run.sub",
+        "auto_launch", "--host", HOST, "--remote-dir", sshd.remote_path(remote_root), "run.sub",
         cwd=project, env={"ORCH_REMOTE_BIN": str(fake_bin)},
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert expected in done.stderr and "--remote-bin DIR" in done.stderr, done.stderr
-    assert not remote_root.exists()
+    assert not (sshd.area / remote_root).exists()
 
 
 @pytest.mark.slurm
-def test_a_copy_that_cannot_be_written_is_one_line_and_queues_nothing(sshd, project, tmp_path):
-    in_the_way = tmp_path / "a file"  # the remote root cannot be made
-    in_the_way.write_text("")
+def test_a_copy_that_cannot_be_written_is_one_line_and_queues_nothing(sshd, project):
+    (sshd.area / "a file").write_text("")  # the remote root cannot be made under it
     before = queue_ids()
     done = run_tool(
-        "auto_launch", "--host", HOST, "--remote-dir", str(in_the_way / "launches"), "run.sub",
+        "auto_launch", "--host", HOST, "--remote-dir", sshd.remote_path("a file/launches"),
+        "run.sub",
         cwd=project,
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "copying the code to" in done.stderr and "Not a directory" in done.stderr
     assert queue_ids() == before
+
+
+@pytest.mark.slurm
+def test_the_login_node_user_cannot_read_the_launching_users_files(sshd, project):
+    """What makes the tests above catch a leaked laptop path: on the host, the project, the
+    laptop's ORCH_HOME are out of reach; the toolkit there is its own, read-only."""
+    for path in (project / "run.sub", Path(os.environ["ORCH_HOME"])):
+        probe = Remote(HOST).run(f"test -r {shlex.quote(str(path))} || echo unreadable")
+        assert (probe.returncode, probe.stdout.strip()) == (0, "unreadable"), (path, probe)
+    whoami = Remote(HOST, str(sshd.bin_dir)).run(
+        'id -un; touch "$(command -v orchestrator)" 2>&1 || true'
+    )
+    assert whoami.stdout.splitlines()[0] == sshd.user != getpass.getuser()
+    assert "Permission denied" in whoami.stdout

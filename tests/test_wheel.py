@@ -13,39 +13,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness.process import REPO, missing_capability
+from tests.harness.process import REPO
+from tests.harness.wheel import OFFLINE, build_wheel, run, wheelhouse
 
 pytestmark = pytest.mark.slow
-
-OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-
-
-def run(argv: list[str | Path], cwd: Path, env: dict[str, str] | None = None) -> str:
-    completed = subprocess.run(
-        [str(word) for word in argv],
-        cwd=cwd,
-        env={**os.environ, **OFFLINE} if env is None else env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert completed.returncode == 0, f"{argv}:\n{completed.stdout}\n{completed.stderr}"
-    return completed.stdout
-
-
-def wheelhouse() -> Path:
-    """``make setup``'s wheelhouse for the environment that runs the tests."""
-    where = run(["make", "-s", "-C", REPO, f"VENV={sys.prefix}", "print-WHEELHOUSE"], REPO)
-    found = Path(where.strip())
-    if not (found / ".complete").is_file():
-        missing_capability(f"no wheelhouse at {found}: run make setup")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +28,7 @@ def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin folder of a fresh environment holding torch, the wheel and its dependencies, and
     no other project file."""
     root = tmp_path_factory.mktemp("wheel")
-    source = root / "source"
-    files = run(["git", "ls-files", "-z", "-co", "--exclude-standard"], REPO).split("\0")
-    for name in filter(None, files):
-        if (REPO / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, source / name)
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-         root / "dist", source], root)  # fmt: skip
-    [wheel] = (root / "dist").glob("*.whl")
+    wheel = build_wheel(root)
     # Offline; no byte-compiling of torch's thousands of files (what is imported compiles then).
     offline = ["--no-index", "--find-links", str(wheelhouse()), "--no-compile"]
     venv = root / "venv"

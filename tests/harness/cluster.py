@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,17 @@ def down_clusters_of_dead_sessions() -> None:
         owner = environ.get(SESSION_ENV, "")
         if owner.isdigit() and not processes.alive(int(owner)):
             cluster.down(directory)
+
+
+def open_to_every_user(directory: Path) -> None:
+    """Let every Unix user use the cluster in ``directory``, as on a real one: its files
+    readable, the way to them traversable (not listable). slurmstepd runs a job's script from
+    the spool in there as the job's user, and that user's commands read slurm.conf."""
+    directory.chmod(0o755)
+    for parent in directory.parents:
+        if parent == Path(tempfile.gettempdir()) or parent == parent.parent:
+            break
+        parent.chmod(parent.stat().st_mode | 0o011)
 
 
 def queue_ids() -> list[str]:
