@@ -9,6 +9,7 @@ never from ``orchestrator`` or ``hydra_plugins``; ``orchestrator`` imports from 
 - ``contract.job_end``: the trainer's exit codes, its end-of-job record, the log's outcome line.
 - ``contract.slurm_states``: which SLURM job states mean the job has ended.
 - ``contract.credentials``: the one rule for names that look like they hold a credential.
+- ``contract.spelling``: the one rule for the name a misspelt one probably meant.
 - ``contract.gpus``: the GPU table (the planner prices layouts with it, the trainer's MFU too).
 - ``contract.configs``: where the packaged Hydra configs live and the entrypoints' names.
 """

@@ -7,11 +7,14 @@ writes it too where there is none yet: rank 0 may be the rank that was lost.
 
     {"reason": "max_steps" | "signal" | "budget" | "diverged" | "error",
      "step": N, "finished": bool, "saved": bool, "signal": "SIGTERM" | "SIGUSR1" | null,
-     "exit_code": N}
+     "exit_code": N, "error": "data: ... does not exist; make the corpus ..." | null}
 
-``saved`` means the state at ``step`` is in a complete checkpoint. The batch script's hook
-(``orchestrator.chain_hooks``) reads it: finished cancels the chain's queued jobs, diverged stops
-the chain, a saved stop is no failure, an error (or no record at all: killed, node lost) is one.
+``saved`` means the state at ``step`` is in a complete checkpoint. ``error`` is the trainer's own
+``error:`` line (its first line, without the prefix) where it stopped on one: what the chain's
+status, its ``[local]`` line and ``orchestrator logs`` show instead of the launcher's traceback.
+The batch script's hook (``orchestrator.chain_hooks``) reads it: finished cancels the chain's
+queued jobs, diverged stops the chain, a saved stop is no failure, an error (or no record at
+all: killed, node lost) is one.
 
 The job's log ends with the outcome line (``outcome_line``, printed by the hook, or by the batch
 script where no hook runs): ``orchestrator status`` reads it back (``read_outcome``) when SLURM
@@ -42,6 +45,8 @@ EXIT_CHAIN_ENDED = 100  # the chain hook's `start`: the chain has ended, this jo
 EXIT_RESTART_IN_JOB = 101
 RESTART_FLAG = "--restart-in-place"  # the batch script's `end` argument: it relaunches on 101
 REASONS = ("max_steps", "signal", "budget", "diverged", "error")
+ERROR_PREFIX = "error: "  # how the trainer's one-line errors start, in a log
+MAX_ERROR_CHARS = 1000  # of the error line a record keeps
 
 
 def job_end_path(run_dir: Path | str, job_index: str, job_id: str) -> Path:
@@ -65,8 +70,10 @@ def job_end_record(
     signalled: bool,
     signal_name: str | None,
     diverged: bool,
+    error: str | None = None,
 ) -> dict[str, Any]:
-    """The record of a trainer that returned ``exit_code`` (0: it saved on its way out)."""
+    """The record of a trainer that returned ``exit_code`` (0: it saved on its way out), and
+    said ``error`` (its ``error:`` line) if it stopped on one."""
     finished = exit_code == 0 and step >= max_steps
     if diverged:
         reason = "diverged"
@@ -83,7 +90,14 @@ def job_end_record(
         "saved": exit_code == 0,
         "signal": signal_name if reason == "signal" else None,
         "exit_code": exit_code,
+        "error": one_line(error) if error else None,
     }
+
+
+def one_line(error: str) -> str:
+    """An error message as the record keeps it: its first line, without ``error:``, bounded."""
+    first = (error.strip().splitlines() or [""])[0].removeprefix(ERROR_PREFIX).strip()
+    return first if len(first) <= MAX_ERROR_CHARS else first[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def write_job_end(run_dir: Path | str, record: dict[str, Any], replace: bool = True) -> Path | None:

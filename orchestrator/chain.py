@@ -29,7 +29,10 @@ from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
     DEFAULT_RESTARTS_IN_JOB,
+    ENDED_STATUSES,
     ROLLED_BACK,
+    SUBMITTED,
+    SUBMITTING,
     JobRecord,
     Manifest,
     ThenRecord,
@@ -402,26 +405,35 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
     )
 
 
+# What a backend that runs each job to its end in ``submit`` (the local one) calls after each:
+# the chain's judgement (orchestrator.chain_hooks.judge_local_job), which may end the chain.
+JudgeJob = Callable[[Manifest, JobRecord, Backend], None]
+
+
 def submit_chain(
     plan: ChainPlan,
     backend: Backend,
     on_submitted: Callable[[JobRecord], None] | None = None,
+    judge: JudgeJob | None = None,
 ) -> Manifest:
     """Submit every job of the plan in order; roll back the chain if any submission fails.
 
     The chain lock is held throughout: a job that ends meanwhile runs its chain hook only once
-    the manifest is whole (the local backend's hooks leave the manifest alone).
+    the manifest is whole. The local backend's jobs leave the manifest alone: ``judge`` does
+    their part here, and once it has ended the chain the planned jobs after it do not run (the
+    --then job still does).
     """
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     (plan.run_dir / LOGS_DIR).mkdir(exist_ok=True)
     with chain_lock(plan.run_dir):
-        return _submit_chain(plan, backend, on_submitted)
+        return _submit_chain(plan, backend, on_submitted, judge)
 
 
 def _submit_chain(
     plan: ChainPlan,
     backend: Backend,
     on_submitted: Callable[[JobRecord], None] | None,
+    judge: JudgeJob | None,
 ) -> Manifest:
     if plan.code is not None:
         freeze(plan.code)
@@ -429,8 +441,9 @@ def _submit_chain(
     manifest = new_manifest(plan, backend.label)
     manifest.save(durable=False)
     register_chain(manifest)
-    _submit_jobs(plan, backend, manifest, on_submitted)
-    manifest.status = "submitted"
+    _submit_jobs(plan, backend, manifest, on_submitted, judge)
+    if manifest.status == SUBMITTING:
+        manifest.status = SUBMITTED
     manifest.save()
     return manifest
 
@@ -447,10 +460,15 @@ def _submit_jobs(
     backend: Backend,
     manifest: Manifest,
     on_submitted: Callable[[JobRecord], None] | None,
+    judge: JudgeJob | None = None,
 ) -> None:
     after: str | None = None
+    not_run = 0
     try:
         for index in range(plan.total_jobs):
+            if manifest.status in ENDED_STATUSES and not plan.is_then(index):
+                not_run += 1
+                continue
             request = plan.request(index, after)
             job_id = backend.submit(request)
             record = JobRecord(
@@ -464,7 +482,9 @@ def _submit_jobs(
             manifest.record_job(record)
             if on_submitted is not None:
                 on_submitted(record)
-            after = job_id
+            if judge is not None:
+                judge(manifest, record, backend)
+            after = manifest.jobs[-1].job_id  # a replacement the judgement ran comes last
     except KeyboardInterrupt as error:
         rollback(manifest, backend, error)
         raise
@@ -474,6 +494,8 @@ def _submit_jobs(
             f"submitting job {len(manifest.jobs) + 1} of {plan.total_jobs} failed: {error}. "
             f"{said} Run the same auto_launch again once SLURM answers (`scontrol ping`)."
         ) from error
+    if not_run:
+        manifest.ended = f"{manifest.ended}; {not_run} more planned job(s) not run"
 
 
 def last_first(job_ids: list[str]) -> list[str]:

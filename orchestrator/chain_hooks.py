@@ -44,9 +44,9 @@ outcome as the log's last line (orchestrator/backends/run_dir.py reads it).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -70,15 +70,34 @@ from contract.run_dir import newest_complete_step
 from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_REASONS, ENDING_STATES
 from orchestrator import in_job
 from orchestrator.backends import registry
-from orchestrator.backends.base import dependency_spec
+from orchestrator.backends.base import Backend, dependency_spec
+from orchestrator.backends.local import LocalBackend
 from orchestrator.backends.slurm import scontrol_fields
-from orchestrator.chain import THEN_DEPENDENCY, last_first, replacement_request
+from orchestrator.chain import THEN_DEPENDENCY, JudgeJob, last_first, replacement_request
+from orchestrator.chain_status import run_order, signal_name
 from orchestrator.errors import SchedulerError
-from orchestrator.manifest import MANIFEST_NAME, ROLLED_BACK, JobRecord, Manifest, chain_lock
+from orchestrator.manifest import (
+    BLOCKED,
+    CANCELLED,
+    COMPLETE,
+    DIVERGED,
+    ENDED_STATUSES,
+    FAILED,
+    INCOMPLETE,
+    MANIFEST_NAME,
+    ROLLED_BACK,
+    STALLED,
+    JobRecord,
+    Manifest,
+    chain_lock,
+)
 from orchestrator.seeds import chain_seeds
 from orchestrator.slurm.commands import run_slurm
 
 ACTIVE_BACKEND = "slurm"  # the backend whose chains the hook looks after
+# Backends whose chains are judged: the hook's, and the local one's, by auto_launch as it runs
+# each job (judge_local_job).
+JUDGED_BACKENDS = (ACTIVE_BACKEND, LocalBackend.label)
 # A job has ended, or is ending (its dependants may already start).
 ENDED_STATES = END_STATES + ENDING_STATES
 # What SLURM sets for the job the hook runs in: the replacement it submits must not inherit it.
@@ -94,7 +113,7 @@ KEPT_VARIABLES = ("SLURM_CONF",)  # which cluster to talk to
 
 
 # Trainer exits a new job would only repeat: no replacement is queued for them.
-BLOCKED = {
+BLOCKING_EXITS = {
     EXIT_CONFIG: "the trainer's config or layout is refused",
     EXIT_NOT_SAVED: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
 }
@@ -104,10 +123,7 @@ TRANSIENT = {
     EXIT_PEER_LOST: "a rank lost a peer",
 }
 # Outcomes that end the whole chain (its queued jobs are cancelled), and the status each gives it.
-CHAIN_ENDINGS = {"finished": "complete", "diverged": "diverged", "blocked": "blocked"}
-STALLED = "stalled"  # --max-stalled jobs in a row without a newer checkpoint
-INCOMPLETE = "incomplete"  # the last job ended, training unfinished, nothing queued
-ENDED_STATUSES = (*CHAIN_ENDINGS.values(), STALLED, INCOMPLETE)
+CHAIN_ENDINGS = {"finished": COMPLETE, "diverged": DIVERGED, "blocked": BLOCKED}
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,12 @@ class Ending:
     outcome: str  # finished, stopped, completed, failed, blocked, diverged, not_started
     detail: str
     retry: bool = False
+    said: str | None = None  # the trainer's error line, from its end-of-job record
+
+    @property
+    def line(self) -> str:
+        """What the chain's lines and status say: the detail, then the trainer's own error."""
+        return f"{self.detail}; error: {self.said}" if self.said else self.detail
 
 
 RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"  # set by SLURM in a requeued job: its requeues so far
@@ -153,12 +175,12 @@ def judge(
     if state == "TIMEOUT":
         return Ending("failed", "reached its time limit before saving", retry=True)
     if record is not None:
-        code = record.get("exit_code")
-        if code in BLOCKED:
-            return Ending(
-                "blocked", f"{BLOCKED[code]} (exit {code}); no retry: fix it and queue again"
-            )
-        return failure(f"training failed at step {step} (exit {code})", code, retry_on_exit)
+        code, said = record.get("exit_code"), record.get("error")
+        if code in BLOCKING_EXITS:
+            why = f"{BLOCKING_EXITS[code]} (exit {code}); no retry: fix it and queue again"
+            return Ending("blocked", why, said=said)
+        ending = failure(f"training failed at step {step} (exit {code})", code, retry_on_exit)
+        return dataclasses.replace(ending, said=said)
     if status is not None:
         if status == 0:
             return Ending("completed", "exited with status 0")
@@ -199,13 +221,6 @@ def failure(said: str, code: Any, retry_on_exit: tuple[int, ...]) -> Ending:
         "failed",
         f"{said}; not retried: a new job would fail alike (--retry-on-exit {code} retries it)",
     )
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def stalled_jobs(manifest: Manifest) -> list[JobRecord]:
@@ -398,14 +413,14 @@ class ChainKeeper:
         if not endings:
             return
         for job, ending in endings:
-            job.outcome = ending.outcome
-            say(f"job {job.index} (id {job.job_id}) {ending.detail}")
+            job.outcome, job.why = ending.outcome, ending.line
+            say(f"job {job.index} (id {job.job_id}) {ending.line}")
         self.manifest.save()
         for job, ending in endings:
             if job.then or self.has_ended:
                 continue
             if ending.outcome in CHAIN_ENDINGS:
-                self.end_chain(job, CHAIN_ENDINGS[ending.outcome], ending.detail)
+                self.end_chain(job, CHAIN_ENDINGS[ending.outcome], ending.line)
             elif ending.retry:
                 self.stop_if_stalled()  # a stalled chain spends no more retries
                 if not self.has_ended:
@@ -413,7 +428,7 @@ class ChainKeeper:
         if not self.has_ended:
             self.stop_if_stalled()
         if not self.has_ended:
-            self.note_if_incomplete()
+            self.settle()
         self.manifest.save()
 
     def stop_if_stalled(self) -> None:
@@ -431,22 +446,36 @@ class ChainKeeper:
             f"--max-stalled {limit}): look at their logs before queueing more",
         )
 
-    def note_if_incomplete(self) -> None:
-        """The chain's last job has ended, training unfinished, and nothing is queued."""
+    def settle(self) -> None:
+        """When every job of the chain has ended and nothing more is queued, its status says
+        how: the last job that ran (the latest submitted) failed: FAILED; it stopped after
+        saving with the training unfinished: INCOMPLETE (both name the step reached and the
+        command that continues); none ran: CANCELLED; else COMPLETE."""
         chain_jobs = [job for job in self.manifest.jobs if not job.then]
         if any(job.outcome is None or job.replacement_due for job in chain_jobs):
             return
-        last = max(chain_jobs, key=lambda job: job.index)
-        if not last.measured or last.outcome not in ("stopped", "failed"):
-            return  # a command of its own that keeps no record: unknown whether it is unfinished
+        if sum(job.replaces is None for job in chain_jobs) < self.manifest.num_jobs:
+            return  # a local chain's planned jobs still to run
+        ran = [job for job in chain_jobs if job.outcome != "not_started"]
+        last = max(ran or chain_jobs, key=run_order)
         steps = [job.step for job in chain_jobs if job.step is not None]
         reached = f"step {max(steps)}" if steps else "no recorded step"
-        self.manifest.status = INCOMPLETE
-        self.manifest.ended = (
-            f"job {last.index} (id {last.job_id}), the last, ended with training unfinished at "
-            f"{reached}; continue it with: {continue_command(self.manifest)}"
-        )
-        say(f"chain {INCOMPLETE}: {self.manifest.ended}")
+        that_ran = " that ran" if ran and len(ran) < len(chain_jobs) else ""
+        which = f"job {last.index} (id {last.job_id}), the last{that_ran},"
+        more = f"; continue it with: {continue_command(self.manifest)}"
+        if last.outcome == "failed":
+            status, ended = FAILED, f"{which} {last.why}"
+            if last.measured:
+                ended += f" (training at {reached}){more}"
+        elif last.outcome == "stopped" and last.measured:
+            status = INCOMPLETE
+            ended = f"{which} ended with training unfinished at {reached}{more}"
+        elif last.outcome == "not_started":
+            status, ended = CANCELLED, f"{which} was cancelled before it started"
+        else:
+            status, ended = COMPLETE, f"every job ended; {which} {last.why or last.outcome}"
+        self.manifest.status, self.manifest.ended = status, ended
+        say(f"chain {status}: {ended}")
 
     def end_chain(self, job: JobRecord, status: str, detail: str) -> None:
         """Cancel the chain's queued jobs (the --then job stays: it runs after the chain)."""
@@ -462,20 +491,21 @@ class ChainKeeper:
         for other in pending:
             other.outcome = "not_started"
         self.manifest.status = status
-        self.manifest.ended = (
-            f"job {job.index} (id {job.job_id}): {detail}; "
-            f"cancelled {len(ids)} queued job(s){(': ' + ' '.join(ids)) if ids else ''}"
-        )
+        cancelled = f"; cancelled {len(ids)} queued job(s): {' '.join(ids)}" if ids else ""
+        self.manifest.ended = f"job {job.index} (id {job.job_id}): {detail}{cancelled}"
         say(f"chain {status}: {self.manifest.ended}")
 
     def replace(self, job: JobRecord, ending: Ending, ended_ids: set[str]) -> None:
         """Queue one replacement at the end of the chain, while retries remain."""
         used = sum(other.replaces is not None for other in self.manifest.jobs)
-        if used >= self.manifest.retries:
-            say(f"job {job.index} is not replaced: {used} of {self.manifest.retries} retries used")
+        allowed = self.manifest.retries
+        if used >= allowed:
+            if allowed:
+                say(f"job {job.index} is not replaced: {used} of {allowed} retries used")
             return
-        index = max(other.index for other in self.manifest.jobs) + 1
-        tail = max((o for o in self.manifest.jobs if not o.then), key=lambda o: o.index)
+        planned = self.manifest.num_jobs + (self.manifest.then is not None)
+        index = max(planned, *(other.index + 1 for other in self.manifest.jobs))
+        tail = max((o for o in self.manifest.jobs if not o.then), key=run_order)
         after = None if str(tail.job_id) in ended_ids else str(tail.job_id)
         seed = replacement_seed(self.manifest, index)
         request = replacement_request(self.manifest, index, seed, after)
@@ -516,6 +546,29 @@ class ChainKeeper:
         self.backend.set_dependency(then.job_id, spec)
         then.dependency = spec
         say(f"the --then job (id {then.job_id}) now waits for job {new_tail}")
+
+
+def judge_for(backend: Backend) -> JudgeJob | None:
+    """What ``submit_chain`` calls after each job of ``backend``: the local backend's chains are
+    judged as they run; the hook judges SLURM's (submitit's have no judgement)."""
+    return judge_local_job if isinstance(backend, LocalBackend) else None
+
+
+def judge_local_job(manifest: Manifest, job: JobRecord, backend: Backend) -> None:
+    """The local backend has just run ``job`` to its end (auto_launch holds the chain lock):
+    judge it as the end hook judges a SLURM job. A replacement (--retries) runs at once, inside
+    this judgement, and is judged in turn. No restart in place: the local backend runs the
+    training once per job."""
+    while True:
+        status = backend.statuses([str(job.job_id)])[str(job.job_id)]
+        keeper = ChainKeeper(manifest, job)
+        submitted = len(manifest.jobs)
+        started = any(keeper.run_dir.glob(backend.log_glob(str(job.job_id))))  # afterok: not run
+        _, ending = keeper.judge_one(job, status.exit_code, status.state, started)
+        keeper.act([(job, ending)], ended_ids={str(job.job_id)})
+        if len(manifest.jobs) == submitted:
+            return
+        job = manifest.jobs[-1]
 
 
 def continue_command(manifest: Manifest) -> str:

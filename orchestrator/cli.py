@@ -10,20 +10,33 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from contract.job_end import read_job_end
 from contract.slurm_states import REQUEUE_GRACE_S, has_ended
 from orchestrator import __version__, remote
 from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, Backend, JobStatus
 from orchestrator.backends.local import LocalBackend
 from orchestrator.chain import ChainPlan, ThenJob, last_first, submit_chain, write_scripts
-from orchestrator.errors import EXIT_CLOSED_PIPE, SchedulerError, UsageError
+from orchestrator.chain_hooks import judge_for
+from orchestrator.chain_status import ChainStatus, chain_status, trainer_error
+from orchestrator.errors import (
+    EXIT_CHAIN_FAILED,
+    EXIT_CLOSED_PIPE,
+    EXIT_INTERRUPTED,
+    SchedulerError,
+    UsageError,
+)
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import (
+    CANCELLED,
     DEFAULT_MAX_STALLED,
     DEFAULT_RESTARTS_IN_JOB,
+    FAILED_STATUSES,
     MANIFEST_NAME,
+    SUBMITTED,
     JobRecord,
     Manifest,
+    chain_lock,
     find_manifests,
     list_chains,
     list_sweeps,
@@ -37,14 +50,23 @@ from orchestrator.snapshot import DEFAULT_LIMIT_MB, SNAPSHOT
 
 def _run(handler, args: argparse.Namespace) -> int:
     try:
-        code = handler(args)
+        code = _reported(handler, args)
         sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
         return code
     except BrokenPipeError:
-        # The reader went away (``| head``): end quietly, as shell tools do on SIGPIPE, with
-        # stdout pointed at /dev/null so that the interpreter's last flush cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader went away (``| head``; with ``2>&1 | head`` also before an error line):
+        # end quietly, as shell tools do on SIGPIPE, with stdout and stderr pointed at
+        # /dev/null so that the interpreter's last flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, sys.stderr.fileno())
         return EXIT_CLOSED_PIPE
+
+
+def _reported(handler, args: argparse.Namespace) -> int:
+    """The handler's exit code; bad input, a failing scheduler and Ctrl-C said on stderr."""
+    try:
+        return handler(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return UsageError.exit_code
@@ -53,7 +75,7 @@ def _run(handler, args: argparse.Namespace) -> int:
         return SchedulerError.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def say(line: str) -> None:
@@ -247,7 +269,7 @@ def summary(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
         "chain_id": manifest.chain_id,
         "run_dir": manifest.run_dir,
         "backend": manifest.backend,
-        "status": manifest.status,
+        "status": chain_status(manifest, statuses).status,
         "code": {
             "mode": manifest.code_mode,
             "dir": manifest.code_dir,
@@ -311,11 +333,14 @@ def auto_launch(args: argparse.Namespace) -> int:
                 f"seed {record.seed}, {record.dependency or 'no dependency'}"
             )
 
-    manifest = submit_chain(plan, backend, on_submitted=announce)
+    manifest = submit_chain(plan, backend, on_submitted=announce, judge=judge_for(backend))
     statuses = backend.statuses(manifest.job_ids())
+    ended = chain_status(manifest, statuses)
+    # A chain that ran here has ended: its status is the launch's outcome.
+    code = EXIT_CHAIN_FAILED if backend.runs_here and ended.status in FAILED_STATUSES else 0
     if args.json:
         print(json.dumps(summary(manifest, statuses)))
-        return 0
+        return code
     print(f"chain {manifest.chain_id} ({backend.label}): {jobs_label(manifest)} job(s)")
     print(f"run dir  {manifest.run_dir}")
     if plan.code is not None:
@@ -333,7 +358,14 @@ def auto_launch(args: argparse.Namespace) -> int:
         for job in manifest.jobs
     ]
     print_table(rows, ["index", "job_id", "seed", "dependency", "state", "start_estimate"])
-    return 0
+    if backend.runs_here:
+        print(status_line(ended))
+    return code
+
+
+def status_line(found: ChainStatus) -> str:
+    """``failed: job 1 (id 7), the last, ...``: a chain's status and, once ended, how."""
+    return f"{found.status}: {found.why}" if found.why else found.status
 
 
 def launch_on_host(args: argparse.Namespace) -> int:
@@ -396,12 +428,16 @@ def cmd_list(args: argparse.Namespace) -> int:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
         # a chain launched with --host: a local copy of its manifest, the run dir on the host
         where = f"{entry['host']}:" if entry.get("host") else ""
+        status = manifest.status
+        if status == SUBMITTED and not where:  # running, queued, or ended unjudged: ask
+            statuses = backend_for(manifest).statuses(manifest.job_ids())
+            status = chain_status(manifest, statuses).status
         rows.append(
             [
                 manifest.chain_id,
                 manifest.backend,
                 jobs_label(manifest),
-                manifest.status,
+                status,
                 created,
                 where + manifest.run_dir,
             ]
@@ -457,15 +493,18 @@ def status_payload(
     """What ``status`` says about a chain: ``--json`` prints it, the table is drawn from it."""
     payload = summary(manifest, statuses)
     payload["error"] = manifest.error
-    payload["ended"] = manifest.ended
+    payload["ended"] = chain_status(manifest, statuses).why
     payload["controller_unreachable"] = unreachable
     payload["accounting_unreachable"] = accounting_unreachable
     progress = last_progress(manifest)
     for row, job in zip(payload["jobs"], manifest.jobs, strict=True):
         status = statuses.get(row["job_id"])
+        record = read_job_end(manifest.run_dir, str(job.index), str(job.job_id))
         row["nodes"] = status.nodes if status else ""
-        row["reason"] = job_reason(job, status)
-        row["exit_code"] = status.exit_code if status else None
+        row["error"] = record.get("error") if record else None
+        row["reason"] = job_reason(job, status, row["error"])
+        # the training's own status: the batch shell's may be its end signal's (143)
+        row["exit_code"] = record["exit_code"] if record else status.exit_code if status else None
         row["elapsed"] = status.elapsed if status else ""
         row["source"] = status.source if status else ""
         row["last_step"], row["last_loss"] = progress.get(job.index, (None, None))
@@ -493,12 +532,14 @@ def accounting_notice(unreachable: str) -> str:
     )
 
 
-def job_reason(job: JobRecord, status: JobStatus | None) -> str:
-    """The scheduler's reason, after what the chain hook made of the job (its outcome, and for
-    a replacement the job it replaces)."""
+def job_reason(job: JobRecord, status: JobStatus | None, error: str | None = None) -> str:
+    """The scheduler's reason, after what the chain's judgement made of the job (its outcome,
+    the trainer's ``error:`` line, and for a replacement the job it replaces)."""
     parts = []
     if job.outcome:
         parts.append(job.outcome)
+    if error:
+        parts.append(f"error: {error}")
     if job.replaces is not None:
         parts.append(f"replaces job {job.replaces}" + (f" ({job.reason})" if job.reason else ""))
     if job.restarts:
@@ -596,6 +637,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         statuses = backend.statuses(manifest.job_ids())
         live = [job_id for job_id, status in statuses.items() if not has_ended(status.state)]
         backend.cancel(last_first(live))
+        with chain_lock(Path(manifest.run_dir)):  # the hooks judge no more jobs of it
+            current = Manifest.load(manifest.path)
+            if current.status == SUBMITTED:
+                current.status, current.ended = CANCELLED, f"cancelled by hand ({len(live)} job(s))"
+                current.save()
         print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
     return 0
 
@@ -630,6 +676,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 print("(no log yet)")
             else:
                 sys.stdout.write(path.read_text(errors="replace"))
+            said = trainer_error(manifest.run_dir, job)
+            if said:
+                print(f"==> job {job.index} ended on the training's error: {said} <==")
     return 0
 
 

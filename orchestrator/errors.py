@@ -1,6 +1,13 @@
 """The two kinds of failure a user sees: bad input (exit 2) and a failing scheduler (exit 1);
-and the quiet end when the reader of the output went away."""
+and the quiet ends: interrupted, or the reader of the output went away. The codes' one table
+for users is in docs/local_and_cluster.md#exit-codes (tests/test_exit_codes.py holds them to it).
+"""
 
+# auto_launch of a chain that ran on this machine (the local backend) and failed: its status
+# (failed, blocked, diverged, stalled) and why are the last lines printed.
+EXIT_CHAIN_FAILED = 3
+# 128 + SIGINT: what a shell tool exits with when Ctrl-C stopped it.
+EXIT_INTERRUPTED = 130
 # 128 + SIGPIPE: what a shell tool exits with when its reader closed the pipe (``| head``).
 EXIT_CLOSED_PIPE = 141
 

@@ -31,9 +31,23 @@ DEFAULT_MAX_STALLED = 2
 # different failure in the same job, which on a large allocation over hours is common.
 DEFAULT_RESTARTS_IN_JOB = 2
 MANIFEST_NAME = "manifest.json"
-# A chain whose submission failed part way: auto_launch cancelled what it had queued, and the
-# chain hook lets no job of it train should a cancel not have reached the scheduler.
-ROLLED_BACK = "rolled_back"
+# A chain's status (``Manifest.status``). auto_launch sets SUBMITTING, then SUBMITTED, or
+# ROLLED_BACK: its submission failed part way, what it had queued is cancelled, and the chain
+# hook lets no job of it train should a cancel not have reached the scheduler. The chain's
+# judgement (orchestrator/chain_hooks.py) sets one of ENDED_STATUSES when it ends, and
+# `orchestrator cancel` CANCELLED. QUEUED and RUNNING are never stored: `status` and `list`
+# derive them from the jobs' states while a chain is SUBMITTED (orchestrator/chain_status.py).
+SUBMITTING, SUBMITTED, ROLLED_BACK = "submitting", "submitted", "rolled_back"
+COMPLETE = "complete"  # training finished (or, for a command of its own, every job completed)
+DIVERGED = "diverged"  # the training diverged: no retry
+BLOCKED = "blocked"  # a failure a new job would repeat (the config refused, no disk): no retry
+STALLED = "stalled"  # --max-stalled jobs in a row without a newer checkpoint
+INCOMPLETE = "incomplete"  # the last job stopped after saving, training unfinished
+FAILED = "failed"  # the last job failed, and nothing replaces it
+CANCELLED = "cancelled"  # by `orchestrator cancel`, or no job of it ran
+ENDED_STATUSES = (COMPLETE, DIVERGED, BLOCKED, STALLED, INCOMPLETE, FAILED, CANCELLED)
+FAILED_STATUSES = (DIVERGED, BLOCKED, STALLED, FAILED)  # a local chain's auto_launch exits 3
+QUEUED, RUNNING = "queued", "running"
 JOURNAL_NAME = ".manifest.jobs"  # jobs accepted since the manifest's last full write
 LOCK_NAME = ".chain.lock"  # held by whoever rewrites a submitted chain's manifest
 
@@ -80,6 +94,7 @@ class JobRecord:
     # Set once by the chain hook when the job has ended (orchestrator.chain_hooks): finished,
     # stopped, completed, failed, blocked, diverged or not_started. Its idempotency key.
     outcome: str | None = None
+    why: str | None = None  # the outcome's line ("training failed at step 3 (exit 1): error: ...")
     replaces: int | None = None  # a replacement (--retries): the index of the failed job
     reason: str | None = None  # a replacement: why the job it replaces failed
     # Set with the outcome: the training's last step (its end-of-job record), the newest complete
@@ -121,7 +136,7 @@ class Manifest:
     git_sha: str | None
     git_dirty: bool | None
     created: float
-    status: str = "submitting"
+    status: str = SUBMITTING
     error: str | None = None
     sweep_id: str | None = None
     then: ThenRecord | None = None
@@ -136,7 +151,7 @@ class Manifest:
     code_mode: str | None = None  # snapshot, dir or live (orchestrator/snapshot.py)
     code_dir: str | None = None  # ORCH_CODE_DIR: the snapshot or --code DIR (None: live)
     code_diff: str | None = None  # the snapshot's uncommitted changes (RUN_DIR/code.diff)
-    ended: str | None = None  # why the chain is complete or diverged (its queued jobs cancelled)
+    ended: str | None = None  # why the chain ended, in a line (ENDED_STATUSES)
     jobs: list[JobRecord] = field(default_factory=list)
 
     @property

@@ -86,6 +86,7 @@ from pydantic import (
 from contract import job_env
 from contract.credentials import looks_secret
 from contract.gpus import GPU_KEYS
+from contract.spelling import closest
 from orchestrator.errors import UsageError
 from orchestrator.slurm.time_limit import parse_time_minutes
 
@@ -344,8 +345,10 @@ def describe(error: dict[str, Any], model: type[BaseModel]) -> tuple[str, str]:
     key = location[0] + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in location[1:])
     hint = _description(model, location)
     if kind == "extra_forbidden":
-        fields = ", ".join(_model_at(model, location[:-1]).model_fields)
-        return key, f"unknown field; the fields are {fields}"
+        fields = list(_model_at(model, location[:-1]).model_fields)
+        match = closest(location[-1], fields)
+        meant = f" (did you mean {match}?)" if match else ""
+        return key, f"unknown field{meant}; the fields are {', '.join(fields)}"
     if kind == "missing":
         return key, f"missing; give {hint}" if hint else "missing"
     if kind in _SHAPE_ERRORS and hint:

@@ -20,6 +20,7 @@ import yaml
 
 from orchestrator.backends.base import Backend
 from orchestrator.chain import ChainPlan, ThenJob, new_chain_id, rollback, submit_chain
+from orchestrator.chain_hooks import judge_for
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import Manifest, register_sweep
@@ -151,7 +152,7 @@ def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Mani
         for item in planned:
             item.plan.run_dir.mkdir(parents=True, exist_ok=True)
             item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
-            manifests.append(submit_chain(item.plan, backend))
+            manifests.append(submit_chain(item.plan, backend, judge=judge_for(backend)))
     except (SchedulerError, KeyboardInterrupt) as error:
         for manifest in manifests:
             rollback(manifest, backend, error)

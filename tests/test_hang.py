@@ -284,8 +284,9 @@ def test_a_stopped_rank_ends_the_run(hung_runs, case):
     assert took > expected - 5, f"the watchdog fired after {took:.0f} s, before its timeout"
     record = read_job_end(ended.run_dir, "0", JOB_ID)
     assert record is not None and record["exit_code"] == 5, record
+    assert f"error: {record['error']}" == errors[0].rstrip()  # what the chain's status shows
     ending = judge(record, returncode, "", True)
-    assert ending.outcome == "failed" and ending.retry, ending
+    assert ending.outcome == "failed" and ending.retry and errors[0] in ending.line, ending
 
 
 @pytest.mark.parametrize("case", HUNG_PHASE)

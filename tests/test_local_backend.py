@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.errors import EXIT_CHAIN_FAILED
+from orchestrator.manifest import FAILED
 from tests.harness.chains import launch_json, write_sub
 from tests.harness.process import run_tool
 from tests.harness.recorded_jobs import read_jsonl
@@ -57,21 +59,19 @@ def test_local_chain_keeps_the_contract(tmp_path):
 
 
 def test_local_afterok_stops_after_a_failure(tmp_path):
+    """The chain ends failed, on its job that failed, and auto_launch says so (exit 3)."""
     recipe = write_sub(tmp_path / "env.sub", ENV_BODY)
     summary = launch_json(
-        "-n3",
-        "--backend",
-        "local",
-        "--dependency",
-        "afterok",
-        "--run-dir",
-        str(tmp_path / "run"),
+        "-n3", "--backend", "local", "--dependency", "afterok", "--run-dir", str(tmp_path / "run"),
         str(recipe),
-        env={"FAIL_AT": "1"},
-    )
+        env={"FAIL_AT": "1"}, exit_code=EXIT_CHAIN_FAILED,
+    )  # fmt: skip
     assert [job["state"] for job in summary["jobs"]] == ["COMPLETED", "FAILED", "CANCELLED"]
+    assert summary["status"] == FAILED
     status = run_tool("orchestrator", "status", summary["chain_id"])
     assert "DependencyNeverSatisfied" in status.stdout
+    assert "failed: job 1 (id " in status.stdout
+    assert "the last that ran, exited with status 4" in status.stdout
 
 
 def test_local_signal_arrives_before_the_time_limit(tmp_path):
@@ -91,8 +91,10 @@ def test_local_signal_arrives_before_the_time_limit(tmp_path):
 
 
 def test_local_time_limit_ends_the_job(tmp_path):
+    """A job its time limit ends before it saved fails the chain: auto_launch exits 3."""
     recipe = write_sub(tmp_path / "slow.sub", "sleep 30\n", directives="#SBATCH --time=0:03")
     summary = launch_json(
-        "-n1", "--backend", "local", "--run-dir", str(tmp_path / "r"), str(recipe)
-    )
-    assert summary["jobs"][0]["state"] == "TIMEOUT"
+        "-n1", "--backend", "local", "--run-dir", str(tmp_path / "r"), str(recipe),
+        exit_code=EXIT_CHAIN_FAILED,
+    )  # fmt: skip
+    assert summary["jobs"][0]["state"] == "TIMEOUT" and summary["status"] == FAILED

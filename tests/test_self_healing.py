@@ -19,10 +19,11 @@ import pytest
 from contract.job_end import job_end_record, outcome_line, read_outcome
 from orchestrator import cluster, processes
 from orchestrator.backends.run_dir import run_dir_status
-from orchestrator.chain_hooks import BLOCKED, ChainKeeper, ended_state, judge, stalled_jobs
+from orchestrator.chain_hooks import BLOCKING_EXITS, ChainKeeper, ended_state, judge, stalled_jobs
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.seeds import chain_seeds
 from tests.harness.chains import (
+    STAND_IN_TRAINER,
     launch_json,
     launch_training,
     tiny_training_chain,
@@ -48,27 +49,6 @@ if [ "$n" -lt "${FAILURES:-0}" ]; then status=1; fi
 "$ORCH_PYTHON" -m orchestrator.chain_hooks end "$status" ||
   echo "[orch] training exited with status $status"
 exit "$status"
-"""
-
-
-# Plays a trainer that follows the end-of-job contract (contract/job_end.py): each job leaves
-# the checkpoint step $SAVE (none when empty) and an end-of-job record of exit $CODE at that step
-# (a saved budget stop when CODE is 0).
-TRAINER_BODY = """
-hook=0
-"$ORCH_PYTHON" -m orchestrator.chain_hooks start || hook=$?
-if [ "$hook" = 100 ]; then exit 0; fi
-step=${SAVE:-0}
-saved_dir="$ORCH_RUN_DIR/checkpoints/step_$step"
-if [ -n "${SAVE:-}" ]; then mkdir -p "$saved_dir" && touch "$saved_dir/COMPLETE"; fi
-saved=false; reason=error; if [ "$CODE" = 0 ]; then saved=true; reason=budget; fi
-mkdir -p "$ORCH_RUN_DIR/job_ends"
-record='{"reason": "%s", "step": %s, "finished": false, "saved": %s, "exit_code": %s}'
-printf "$record" "$reason" "$step" "$saved" "$CODE" \\
-  > "$ORCH_RUN_DIR/job_ends/$ORCH_JOB_INDEX-$SLURM_JOB_ID.json"
-"$ORCH_PYTHON" -m orchestrator.chain_hooks end "$CODE" ||
-  echo "[orch] training exited with status $CODE"
-exit "$CODE"
 """
 
 
@@ -112,6 +92,7 @@ def test_end_records_map_to_chain_outcomes():
         "saved": True,
         "signal": None,
         "exit_code": 0,
+        "error": None,
     }
     stopped = job_end_record(
         0, step=5, max_steps=8, signalled=True, signal_name="SIGTERM", diverged=False
@@ -262,8 +243,9 @@ def test_jobs_that_save_nothing_newer_stall_the_chain(tmp_path):
 def test_incomplete_names_the_step_and_the_command_that_continues(tmp_path):
     keeper = keeper_for(tmp_path, 0, [222, 522])
     keeper.manifest.jobs.pop()  # nothing more queued: job 1 was the last
+    keeper.manifest.num_jobs = 2
     keeper.manifest.jobs[-1].outcome = "stopped"
-    keeper.note_if_incomplete()
+    keeper.settle()
     assert keeper.manifest.status == "incomplete"
     assert "ended with training unfinished at step 522" in keeper.manifest.ended
     assert keeper.manifest.ended.endswith(
@@ -286,7 +268,6 @@ def test_run_dir_reads_a_clean_stop_from_the_log(tmp_path):
     [
         (["--retries", "1"], "true\n", "never runs the chain hook"),
         (["--retries", "1", "--dependency", "afterok"], HOOKED_BODY, "afterany or singleton"),
-        (["--retries", "1", "--backend", "local"], HOOKED_BODY, "needs the slurm backend"),
         (["--retries", "-1"], HOOKED_BODY, "give 0..1000"),
         (["--retries", "1", "--retry-on-exit", "1,x"], HOOKED_BODY, "give exit codes 1..255"),
         (["--retry-on-exit", "1"], HOOKED_BODY, "give --retries K too"),
@@ -327,7 +308,7 @@ def test_failed_jobs_are_replaced_until_one_succeeds(slurm_cluster, tmp_path):
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "FAILED", "COMPLETED"], final
     manifest = manifest_of(run_dir)
     jobs = manifest["jobs"]
-    assert manifest["retries"] == 3 and manifest["status"] == "submitted"
+    assert manifest["retries"] == 3 and manifest["status"] == "complete"
     assert [job["outcome"] for job in jobs] == ["failed", "failed", "completed"]
     assert [job["replaces"] for job in jobs] == [None, 0, 1]
     assert jobs[1]["reason"] == (
@@ -352,7 +333,7 @@ def test_a_chain_without_progress_stalls_and_an_unfinished_one_says_how_to_go_on
     cancelled, not run, and no third replacement spent. The second's only job stops on its
     budget after saving step 5: the chain is incomplete, its line naming the step and the
     command that queues more."""
-    recipe = write_sub(tmp_path / "trainer.sub", TRAINER_BODY)
+    recipe = write_sub(tmp_path / "trainer.sub", STAND_IN_TRAINER)
     stalls, stops = tmp_path / "stalls", tmp_path / "stops"
     stalled = launch_json(
         "-n3",
@@ -515,6 +496,7 @@ def test_finished_training_cancels_the_queued_rest(slurm_cluster, tmp_path, corp
         "saved": True,
         "signal": None,
         "exit_code": 0,
+        "error": None,
     }
     assert_never_ran(run_dir, ids[1:])
 
@@ -568,10 +550,11 @@ def test_unsavable_checkpoints_block_the_chain_without_retries(
     manifest = manifest_of(run_dir)
     ids = [job["job_id"] for job in manifest["jobs"]]
     assert manifest["status"] == "blocked"
-    assert manifest["ended"] == (
-        f"job 0 (id {ids[0]}): {BLOCKED[4]} (exit 4); no retry: fix it and queue again; "
-        f"cancelled 2 queued job(s): {ids[1]} {ids[2]}"
+    assert manifest["ended"].startswith(
+        f"job 0 (id {ids[0]}): {BLOCKING_EXITS[4]} (exit 4); no retry: fix it and queue again; "
+        "error: checkpoints cannot be saved: read-only file system"
     )
+    assert manifest["ended"].endswith(f"; cancelled 2 queued job(s): {ids[1]} {ids[2]}")
     assert [(job["outcome"], job["replaces"]) for job in manifest["jobs"]] == [
         ("blocked", None),
         ("not_started", None),
@@ -584,7 +567,8 @@ def test_unsavable_checkpoints_block_the_chain_without_retries(
     assert "blocked" in status[0], status
     assert any(line.startswith("warning: the run dir's disk is read-only") for line in status)
     [row] = [line for line in status if line.split()[:2] == ["0", ids[0]]]
-    assert row.split()[3] == "FAILED" and row.endswith("blocked"), row
+    assert row.split()[3] == "FAILED" and row.split()[6] == "4", row  # the trainer's exit
+    assert "blocked; error: checkpoints cannot be saved: read-only file system" in row, row
 
 
 @pytest.mark.slurm

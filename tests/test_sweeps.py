@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.job_end import EXIT_CONFIG
 from tests.harness.chains import wait_chain
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import REPO, run_tool
@@ -247,10 +248,6 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
             ["error: --retries needs --dependency afterany or singleton"],
         ),
         (
-            ["hydra/launcher=chain_local", "hydra.launcher.retries=1", "optim.lr=1,2"],
-            ["error: --retries needs the slurm backend", "would run on local"],
-        ),
-        (
             # An hour of audio per batch through the 1B LLM: no host holds its activations.
             [
                 "hydra/launcher=chain_loopback",
@@ -272,7 +269,6 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
         "too-big",
         "bad-then",
         "retries-afterok",
-        "retries-local",
         "cannot-fit",
     ],
 )
@@ -298,8 +294,13 @@ def test_bad_settings_stop_before_anything_is_queued(
 
 
 @pytest.mark.slurm
-def test_unknown_launcher_preset_is_hydras_clear_error(empty_queue, corpus, tmp_path):
-    done = multirun(tmp_path / "sweep", corpus, "hydra/launcher=no_such_preset", "optim.lr=1,2")
-    assert done.returncode == 1
-    assert "Could not find 'hydra/launcher/no_such_preset'" in done.stderr, done.stderr[-3000:]
+def test_a_misspelt_launcher_preset_is_one_error_with_the_one_meant(empty_queue, corpus, tmp_path):
+    """Hydra's reason on one line, the preset it probably meant, and a bad config's exit code."""
+    done = multirun(tmp_path / "sweep", corpus, "hydra/launcher=chain_loopbak", "optim.lr=1,2")
+    assert done.returncode == EXIT_CONFIG, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: In 'hydra/config': Could not find 'hydra/launcher/chain_loopbak'; did you mean "
+        "hydra/launcher=chain_loopback?"
+    ], done.stderr[-3000:]
     assert queue_ids() == []

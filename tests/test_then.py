@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.manifest import orch_home
+from orchestrator.errors import EXIT_CHAIN_FAILED
+from orchestrator.manifest import FAILED, orch_home
 from orchestrator.seeds import chain_seeds
 from tests.harness.chains import launch_json, wait_chain, write_sub
 from tests.harness.process import run_tool
@@ -89,8 +90,10 @@ def test_then_job_runs_after_a_chain_that_failed(tmp_path):
         str(evaluate),
         str(train),
         env={**NO_SLURM, "FAIL_AT": "0"},
+        exit_code=EXIT_CHAIN_FAILED,
     )
     assert [job["state"] for job in summary["jobs"]] == ["FAILED", "CANCELLED", "COMPLETED"]
+    assert summary["status"] == FAILED
     assert summary["jobs"][2]["dependency"] == f"afterany:{summary['jobs'][1]['job_id']}"
     ran = [r["recipe"] for r in read_jsonl(run_dir / "jobs.jsonl")]
     assert ran == ["train", "evaluate"]

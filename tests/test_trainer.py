@@ -87,6 +87,7 @@ def test_a_refused_config_exits_2_with_one_error_line_and_trains_nothing(tmp_pat
     assert len(errors) == 1 and "fewer than pp" in errors[0], completed.stderr[-2000:]
     record = read_job_end(run_dir, "0", "77")
     assert record is not None and (record["reason"], record["exit_code"]) == ("error", 2)
+    assert f"error: {record['error']}" == errors[0]  # what the chain's status shows
     assert not (run_dir / "checkpoints").exists()
 
 

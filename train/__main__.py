@@ -8,8 +8,8 @@ stops every rank with one ``error:`` line and exit code 2, before any process gr
 training that diverges (``train.nonfinite_limit`` consecutive non-finite steps) exits 3 without
 saving; a rank that makes no progress for ``train.hang_timeout_s`` (a peer stopped or stuck)
 exits 5 without saving (train/watchdog.py); a rank whose collective fails (a peer died, a link
-broke) exits 6; a key the schema does not know, or a value of the wrong type, is Hydra's own
-error (exit 1).
+broke) exits 6. A key the schema does not know, or a value of the wrong type, is a bad config
+too: Hydra's reason on one ``error:`` line, with the key it probably meant, and exit code 2.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from contract.job_end import (
     job_end_record,
     write_job_end,
 )
-from train.config import ConfigError, TrainConfig, register
+from train.config import ConfigError, TrainConfig, refuse_uncomposable, register
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
 
@@ -43,10 +43,16 @@ REFUSAL_GRACE_S = 30.0  # how long a refusing rank other than 0 leaves rank 0 to
 
 
 def record_job_end(
-    cfg: TrainConfig, trainer: Trainer | None, stop: StopRequest, code: int, replace: bool = True
+    cfg: TrainConfig,
+    trainer: Trainer | None,
+    stop: StopRequest,
+    code: int,
+    replace: bool = True,
+    error: str | None = None,
 ) -> None:
-    """Tell the chain how this job ended (contract/job_end.py): the batch script's hook decides
-    from it whether the chain is complete, diverged, or needs a replacement job."""
+    """Tell the chain how this job ended (contract/job_end.py), and the ``error`` line it said:
+    the batch script's hook decides from it whether the chain is complete, diverged, or needs a
+    replacement job, and the chain's status shows the line."""
     record = job_end_record(
         code,
         step=trainer.step if trainer is not None else 0,
@@ -54,6 +60,7 @@ def record_job_end(
         signalled=trainer is not None and trainer.signalled,
         signal_name=stop.signal_name,
         diverged=code == EXIT_DIVERGED,
+        error=error or (trainer.error if trainer is not None else None),
     )
     write_job_end(cfg.run_dir, record, replace)
 
@@ -89,7 +96,7 @@ def main(raw: DictConfig) -> None:
     except ConfigError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-            record_job_end(cfg, None, stop, EXIT_CONFIG)
+            record_job_end(cfg, None, stop, EXIT_CONFIG, error=str(error))
         else:
             # Rank 0 says why. A peer that exited first would have the launcher stop rank 0
             # before its line (seen at 4 ranks on 2 cores: rank 0 still importing); so wait for
@@ -99,30 +106,31 @@ def main(raw: DictConfig) -> None:
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer: Trainer | None = None
     code = 1  # what an exception leaves
+    said: str | None = None  # the error line the job ends on
     try:
         trainer = Trainer(cfg, prepared, device, stop)
         code = trainer.run()
     except TrainingDiverged as error:
         if dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        code = EXIT_DIVERGED
+        code, said = EXIT_DIVERGED, str(error)
     except Exception as error:
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        said = f"{type(error).__name__}: {first_line} (the traceback is in the job's log)"
         if not lost_a_peer(error):
             raise
         traceback.print_exc()
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]
-        print(
-            f"error: rank {dist.get_rank()}: a collective failed ({first_line}): another rank "
+        said = (
+            f"rank {dist.get_rank()}: a collective failed ({first_line}): another rank "
             f"died or its connection broke. Exiting with code {EXIT_PEER_LOST}: the next job of "
-            "the chain resumes from the last checkpoint; the other ranks' logs say why",
-            file=sys.stderr,
-            flush=True,
+            "the chain resumes from the last checkpoint; the other ranks' logs say why"
         )
+        print(f"error: {said}", file=sys.stderr, flush=True)
         code = EXIT_PEER_LOST
     finally:
         rank = dist.get_rank()
         if rank == 0 or code == EXIT_PEER_LOST:
-            record_job_end(cfg, trainer, stop, code, replace=rank == 0)
+            record_job_end(cfg, trainer, stop, code, replace=rank == 0, error=said)
         dist.destroy_process_group()
     # Return on success: a SystemExit, even exit(0), keeps submitit from recording the result.
     if code:
@@ -130,4 +138,4 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    refuse_uncomposable(main)

@@ -7,23 +7,33 @@ before anything starts. ``validate`` checks what types cannot, in one clear line
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from contract.job_end import EXIT_CONFIG
 from contract.job_env import SEED_LIMIT
+from contract.spelling import closest
 from train.data_layout import ON_LAYOUT_CHANGE, REFUSE
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from train.parallel_dims import STRATEGIES
+from train.sources import read_sources
 from train.watchdog import STOPPABLE
 
 AC_MODES = ("none", "full", "selective")
+DEFAULT_RUN_DIR = "runs/local"  # a single run's, under the directory it starts in
 MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
 
 
@@ -193,7 +203,7 @@ class DebugConfig:
 @dataclass
 class TrainConfig:
     seed: int = 0  # the job seed; recipes pass the chain's $1
-    run_dir: str = "runs/local"  # recipes pass $ORCH_RUN_DIR, shared by every job of a chain
+    run_dir: str = DEFAULT_RUN_DIR  # recipes pass $ORCH_RUN_DIR, shared by every job of a chain
     strategy: str = "fsdp2"
     compile: bool = False  # torch.compile each block, fullgraph (an MoE block around its dispatch)
     # What compiles the graphs: inductor generates kernels; aot_eager runs dynamo's guards and
@@ -229,9 +239,12 @@ def member_seed() -> int:
 
 
 def default_run_dir() -> str:
-    """The default run dir: Hydra's output dir (``hydra.run.dir``, or the member's sweep subdir)."""
-    if not HydraConfig.initialized():
-        return "runs/local"
+    """The default run dir: a multirun member's sweep subdir (Hydra's output dir there), else
+    ``DEFAULT_RUN_DIR``. A single run's Hydra output dir is ``.`` (the configs' ``hydra.run.dir``),
+    not the default run dir: Hydra creates its output dir wherever the run starts, which left an
+    empty ``runs/local`` behind a run told to train elsewhere."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return DEFAULT_RUN_DIR
     return str(HydraConfig.get().runtime.output_dir)
 
 
@@ -324,5 +337,73 @@ def validate(cfg: TrainConfig) -> None:
         )
 
 
+def check_data(cfg: TrainConfig) -> None:
+    """``validate``, and every data source the config names found (local paths exist, object
+    storage answers): torch-free, so that auto_launch's plan check refuses a missing corpus
+    or source with the trainer's own line before anything is queued."""
+    validate(cfg)
+    if cfg.data.input_cfg is not None:
+        read_sources(cfg.data.input_cfg, "data.input_cfg")
+    if cfg.eval.interval and cfg.eval.sets:
+        sets = cfg.eval.sets
+        read_sources(sets if isinstance(sets, str | dict) else list(sets), "eval.sets")
+
+
 class ConfigError(ValueError):
     """A bad config or layout, found before training starts: exit code 2."""
+
+
+def composition_problem(error: Exception) -> str:
+    """A config Hydra or OmegaConf could not compose, as one line: Hydra's words and the
+    OmegaConf reason they wrap (Hydra prints them on lines of their own, with a hint to append
+    the key with ``+``, which a schema's key never wants), and what a misspelt key or config
+    name probably meant."""
+    if isinstance(error, OverrideParseException):
+        return f"{error.override}: {_first_line(error)}"
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, name = (error.missing_cfg_file or "").rpartition("/")
+        match = closest(name, error.options)
+        hint = (
+            f"did you mean {group}={match}?"
+            if match
+            else f"the options: {', '.join(error.options)}"
+        )
+        return f"{_first_line(error)}; {hint}"
+    if isinstance(error, OmegaConfBaseException):
+        return f"{_first_line(error)}{_key_hint(error)}"
+    cause = error.__cause__
+    if not isinstance(cause, OmegaConfBaseException):
+        return _first_line(error)
+    return f"{_first_line(error).rstrip('.')}: {_first_line(cause)}{_key_hint(cause)}"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _key_hint(error: OmegaConfBaseException) -> str:
+    """For a key the schema does not have, the key it most likely meant, else the keys there."""
+    schema, key, full_key = error.object_type, error.key, error.full_key
+    unknown_key = isinstance(error, (ConfigAttributeError, ConfigKeyError))
+    if not (unknown_key and dataclasses.is_dataclass(schema) and isinstance(key, str)):
+        return ""
+    keys = [item.name for item in dataclasses.fields(schema)]
+    parent = full_key[: -len(key)] if isinstance(full_key, str) and full_key.endswith(key) else ""
+    match = closest(key, keys)
+    if match:
+        return f"; did you mean {parent}{match}?"
+    return f"; the keys of {parent.rstrip('.') or 'the config'}: {', '.join(keys)}"
+
+
+def refuse_uncomposable(main: Callable[[], None]) -> None:
+    """Run a ``@hydra.main`` entrypoint, refusing a config Hydra cannot compose (a misspelt key,
+    a value of the wrong type, an unknown config) as every bad config is refused: one ``error:``
+    line, exit 2, where Hydra's own report is several lines and exit 1. Hydra lets its errors
+    through only under HYDRA_FULL_ERROR, so this sets it: any other error then shows its whole
+    traceback (exit 1). Every rank says it: a peer's exit may end rank 0 before it could."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except CompactHydraException as error:
+        print(f"error: {composition_problem(error)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)

@@ -50,7 +50,7 @@ from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
 from contract.job_end import EXIT_CONFIG
 from contract.run_dir import EVAL_DIR, step_name
 from train.checkpoint import CheckpointError, CheckpointManager
-from train.config import ConfigError, ParallelConfig
+from train.config import ConfigError, ParallelConfig, refuse_uncomposable
 from train.conversation import conversation_of
 from train.data import encoded, pad_segments
 from train.decode import Stages, greedy_decode, initialize_sharding
@@ -506,4 +506,4 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    refuse_uncomposable(main)

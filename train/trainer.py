@@ -291,6 +291,7 @@ class Trainer:
         stop_in = cfg.debug.stop_in if cfg.debug.stop_rank == self.rank else None
         self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank, stop_in, self.record_hang)
         self.signalled = False  # a stop signal (not a budget) ended training
+        self.error: str | None = None  # the error line training stopped on, for the job's record
         self.coords = mesh_coordinates(dims, self.rank)
         self.step = 0
         self.tokens_seen = 0
@@ -665,9 +666,9 @@ class Trainer:
             f"targets ({each}; {time.perf_counter() - started:.1f} s)"
         )
 
-    def record_hang(self, step: int) -> None:
-        """The end-of-job record of a job this rank's watchdog ends (exit 5), which the chain
-        retries: written by any rank, as the hung one may be rank 0."""
+    def record_hang(self, step: int, line: str) -> None:
+        """The end-of-job record of a job this rank's watchdog ends (exit 5) saying ``line``,
+        which the chain retries: written by any rank, as the hung one may be rank 0."""
         record = job_end_record(
             EXIT_HUNG,
             step=step,
@@ -675,6 +676,7 @@ class Trainer:
             signalled=False,
             signal_name=None,
             diverged=False,
+            error=line,
         )
         write_job_end(self.run_dir, record, replace=self.rank == 0)
 
@@ -758,6 +760,7 @@ class Trainer:
 
     def not_saved(self, error: CheckpointSaveError) -> int:
         """One error line (rank 0) and the exit code of a checkpoint that cannot be saved."""
+        self.error = str(error)
         if self.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return EXIT_NOT_SAVED

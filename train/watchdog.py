@@ -73,7 +73,8 @@ class Watchdog:
     ``timeout_s`` 0 turns it off. Enter it from the main thread (it sets the signal wakeup fd).
     ``stop_in`` (a ``STOPPABLE`` name) is a test's fault (``debug.stop_in``): the rank stops
     itself with SIGSTOP as it begins its first phase of that kind, a real hang at a chosen point.
-    ``on_hang(step)`` runs just before the exit (the trainer writes the job's end-of-job record).
+    ``on_hang(step, line)`` runs just before the exit with the error line said (the trainer writes
+    the job's end-of-job record).
     """
 
     def __init__(
@@ -81,7 +82,7 @@ class Watchdog:
         timeout_s: float,
         rank: int,
         stop_in: str | None = None,
-        on_hang: Callable[[int], None] | None = None,
+        on_hang: Callable[[int, str], None] | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
@@ -171,5 +172,5 @@ class Watchdog:
         os.write(2, line.encode())
         if self._on_hang is not None:
             with contextlib.suppress(Exception):  # the exit must come whatever the record does
-                self._on_hang(last.step)
+                self._on_hang(last.step, line)
         os._exit(EXIT_HUNG)

@@ -20,7 +20,7 @@ class ChainSettings:
     ``auto_launch -n N`` makes. ``recipe``: a YAML recipe whose settings are used as they are and
     whose ``command`` is replaced by the member's. ``then``: a recipe each member's chain ends
     with, as ``auto_launch --then`` (e.g. an evaluation of the member's run). ``retries``: as
-    ``auto_launch --retries``, replacement jobs each member's chain may queue (slurm backend).
+    ``auto_launch --retries``, replacement jobs each member's chain may queue.
     ``plan_check``: price each member's layout with the planner and refuse, before anything is
     queued, one that cannot fit the memory its ranks get. ``code``: as ``auto_launch --code``,
     what each member's jobs run (``snapshot``: the git work tree frozen into the member's run

@@ -63,7 +63,7 @@ def validate_members(
 ) -> list[Any]:
     """Build each member's trainer config and run the trainer's checks for ``world_size`` ranks;
     the configs (train.config.TrainConfig), in order."""
-    from train.config import ConfigError
+    from train.config import ConfigError, composition_problem
     from train.layout import training_layout
 
     configs = []
@@ -79,8 +79,7 @@ def validate_members(
         except (ValueError, ConfigError) as error:
             raise UsageError(f"{label}: {error} (on {world_size} rank(s))") from error
         except Exception as error:  # Hydra's and OmegaConf's own config errors
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else error
-            raise UsageError(f"{label}: {first_line}") from error
+            raise UsageError(f"{label}: {composition_problem(error)}") from error
     return configs
 
 

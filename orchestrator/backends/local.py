@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 from contract import job_env
+from contract.job_end import read_job_end
 from orchestrator.backends.base import BatchScriptBackend, JobRequest, JobStatus
 from orchestrator.manifest import atomic_write_json, orch_home
 from orchestrator.processes import group_and_descendants, terminate
 from orchestrator.slurm.directives import parse_sbatch_directives, parse_signal
-from orchestrator.slurm.time_limit import parse_time_minutes
+from orchestrator.slurm.time_limit import format_elapsed, parse_time_minutes
 
 KILL_WAIT_S = 10
 
@@ -174,8 +175,13 @@ class LocalBackend(BatchScriptBackend):
         code = process.returncode
         if state == "RUNNING":
             state = "COMPLETED" if code == 0 else "FAILED"
-        self._say(f"job {job_id}: {state} (exit {code}) after {elapsed:.1f} s")
-        return JobStatus(job_id, state, nodes="localhost", exit_code=code)
+        run_dir, index = request.env.get(job_env.RUN_DIR), request.env.get(job_env.JOB_INDEX, "")
+        record = read_job_end(run_dir, index, job_id) if run_dir else None
+        said = f": error: {record['error']}" if record and record.get("error") else ""
+        self._say(f"job {job_id}: {state} (exit {code}) after {elapsed:.1f} s{said}")
+        return JobStatus(
+            job_id, state, nodes="localhost", exit_code=code, elapsed=format_elapsed(elapsed)
+        )
 
     def _supervise(
         self,

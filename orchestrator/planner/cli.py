@@ -319,7 +319,6 @@ def print_result(result: PlanResult, shown: list[Estimate], elapsed: float) -> N
             print(f"  does not fit: {item.layout.describe()}: {item.reason}")
     best = result.best
     if best is None:
-        print("no layout fits: more GPUs, a GPU with more memory, or a smaller batch")
         return
     print(f"best: {best.reasoning}")
     print("as Hydra overrides:")
@@ -342,7 +341,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(json.dumps(result_json(result, result.estimates, 0.0)))
         else:
             print_result(result, result.estimates, 0.0)
-        return 0 if result.best is not None else UsageError.exit_code
+        check_fits(result)
+        return 0
     started = time.perf_counter()
     result = plan(request)
     elapsed = time.perf_counter() - started
@@ -353,7 +353,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result_json(result, shown, elapsed)))
     else:
         print_result(result, shown, elapsed)
-    return 0 if result.best is not None else UsageError.exit_code
+    check_fits(result)
+    return 0
+
+
+def check_fits(result: PlanResult) -> None:
+    """No layout fits: a request nothing can serve is bad input (exit 2), said on one line with
+    why the leanest layout does not fit, after the table (or JSON) that shows them all."""
+    if result.best is not None:
+        return
+    cluster = result.request.cluster
+    what = f"{cluster.gpus} x {cluster.gpu.key} ({cluster.memory_bytes / GIB:.0f} GiB each)"
+    if not result.estimates:
+        raise UsageError(f"no layout of the model runs on {what}; try another number of GPUs")
+    leanest = result.estimates[0]  # those that do not fit come leanest first
+    which = "the leanest, " if len(result.estimates) > 1 else ""
+    raise UsageError(
+        f"no layout fits {what}: {which}{leanest.layout.describe()}, {leanest.reason}; use "
+        "more GPUs, a GPU with more memory, or a smaller batch"
+    )
 
 
 @dataclass(frozen=True)

@@ -231,27 +231,33 @@ def plan_check_job(
     name: str,
     skip_hint: str,
 ) -> bool:
-    """The plan check of one training job; False when the rank's memory is unknown (skipped,
-    with one line saying so)."""
+    """The plan check of one training job: its layout fits, and the data it names is there;
+    False when the rank's memory is unknown (that part skipped, with one line saying so). A
+    config the trainer would refuse (a misspelt override, a layout that cannot be built, a
+    missing corpus) is the recipe's or its arguments' error, named so, not the check's."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from train.config import check_data, composition_problem
+
+    try:
+        cfg = training()
+    except (CompactHydraException, OmegaConfBaseException, ValueError) as error:
+        raise UsageError(f"{name}: the trainer's config: {composition_problem(error)}") from error
     capacity = capacity_for(
         resources.gpus_per_node, resources.tasks_per_node, resources.gpu, partition
     )
     if capacity is None:
         announce_skipped(name)
-        return False
-    from train.config import ConfigError
-
-    try:
-        cfg = training()
-        nodes, tasks = resources.nodes, resources.tasks_per_node
-        check_training_fits(cfg, nodes, tasks, capacity, name, skip_hint)
-    except (ConfigError, ValueError) as error:
-        raise UsageError(f"plan check: {name}: {error}; fix the recipe") from error
-    except UsageError:
-        raise
-    except Exception as error:  # Hydra's and OmegaConf's own config errors
-        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise UsageError(
-            f"plan check: {name}: the trainer's config does not compose: {first}"
-        ) from error
-    return True
+    else:
+        try:
+            check_training_fits(
+                cfg, resources.nodes, resources.tasks_per_node, capacity, name, skip_hint
+            )
+        except ValueError as error:  # the trainer's ConfigError included
+            raise UsageError(f"{name}: the trainer's config: {error}") from error
+    try:  # the data it reads, as the trainer's preflight would find it in the job
+        check_data(cfg)
+    except ValueError as error:
+        raise UsageError(f"{name}: the trainer's config: {error}") from error
+    return capacity is not None

@@ -31,3 +31,12 @@ def parse_time_minutes(text: str) -> float | None:
     raise UsageError(
         f"time limit {text!r} is not a SLURM time: use M, M:S, H:M:S, D-H, D-H:M or D-H:M:S"
     )
+
+
+def format_elapsed(seconds: float) -> str:
+    """``seconds`` as SLURM prints a job's elapsed time: [D-]HH:MM:SS."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    clock = f"{hours:02d}:{minutes:02d}:{secs:02d}"
+    return f"{days}-{clock}" if days else clock

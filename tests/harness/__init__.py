@@ -8,6 +8,7 @@ both). Its modules, none importing a later one of this list:
 - ``process``: the repository, its tools and modules run as a user runs them; a missing capability
 - ``cluster``: the loopback SLURM cluster's handle, command line and queue
 - ``chains``: chains launched as a user launches them, and the waits for their jobs
+- ``exit_codes``: the docs' one table of exit codes, a SLURM that refuses every job, Ctrl-C
 - ``recorded_jobs``: recipes whose jobs record what they saw, and the checks of the records
 - ``disk``: small real file systems to fill up
 - ``training``: the trainer run on the test corpus, and its metrics rows and weights

@@ -13,10 +13,13 @@ from tests.harness.cluster import queue_ids
 from tests.harness.process import REPO, run_tool
 
 
-def launch_json(*args: str, cwd: Path | None = None, env: dict | None = None) -> dict:
-    """Run auto_launch --json and return its summary (its last line)."""
+def launch_json(
+    *args: str, cwd: Path | None = None, env: dict | None = None, exit_code: int = 0
+) -> dict:
+    """Run auto_launch --json, expecting ``exit_code`` (3: a local chain that failed), and
+    return its summary (its last line)."""
     completed = run_tool("auto_launch", "--json", *args, cwd=cwd, env=env)
-    assert completed.returncode == 0, completed.stderr + completed.stdout
+    assert completed.returncode == exit_code, completed.stderr + completed.stdout
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
@@ -65,6 +68,34 @@ def tiny_training_chain(
         cwd=REPO,
         env=env,
     )
+
+
+# A stand-in for the trainer in a .sub, as cheap as a shell: it runs the chain hook as the
+# rendered scripts do, and ends as $CODE says with the end-of-job record a trainer writes
+# (contract/job_end.py): a complete checkpoint at step $SAVE where set (the step reached, of
+# $MAX_STEPS, default 8: finished when they meet), and $ERROR as its error line.
+STAND_IN_TRAINER = """
+hook=0
+"$ORCH_PYTHON" -m orchestrator.chain_hooks start || hook=$?
+if [ "$hook" = 100 ]; then exit 0; fi
+step=${SAVE:-0}
+saved_dir="$ORCH_RUN_DIR/checkpoints/step_$step"
+if [ -n "${SAVE:-}" ]; then mkdir -p "$saved_dir" && touch "$saved_dir/COMPLETE"; fi
+"$ORCH_PYTHON" -c '
+import os
+from contract.job_end import job_end_record, write_job_end
+record = job_end_record(
+    int(os.environ["CODE"]), step=int(os.environ.get("SAVE") or 0),
+    max_steps=int(os.environ.get("MAX_STEPS") or 8), signalled=False, signal_name=None,
+    diverged=False, error=os.environ.get("ERROR"),
+)
+write_job_end(os.environ["ORCH_RUN_DIR"], record)
+'
+if [ -n "${ERROR:-}" ]; then echo "error: $ERROR" >&2; fi
+"$ORCH_PYTHON" -m orchestrator.chain_hooks end "$CODE" ||
+  echo "[orch] training exited with status $CODE"
+exit "$CODE"
+"""
 
 
 def write_sub(path: Path, body: str, directives: str = "#SBATCH --time=00:05:00") -> Path:

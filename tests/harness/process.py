@@ -40,6 +40,27 @@ def run_tool(
     )
 
 
+def run_into_closed_pipe(
+    tool: str, *args: str, stderr_too: bool = False, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``TOOL ARGS | head`` (``2>&1 | head`` with ``stderr_too``) whose reader is gone before the
+    tool prints anything: the pipe's read end closed before the tool starts. Only stderr is
+    captured, and not with ``stderr_too``: the closed pipe takes it."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [str(BIN / tool), *args],
+            stdout=write,
+            stderr=write if stderr_too else subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=timeout,
+        )
+    finally:
+        os.close(write)
+
+
 def run_script(
     script: Path, *args: str, env: dict | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
@@ -76,10 +97,8 @@ NOT_WRITTEN_BY_TESTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_
 def checkout_paths() -> set[str]:
     """Every file in the checkout (relative), less ``NOT_WRITTEN_BY_TESTS``: taken before and
     after a session, the difference is what tests wrote outside their temporary folders
-    (``data/`` and ``runs/`` are ignored by git, so git cannot tell). Files only: Hydra makes its
-    output folder (``hydra.run.dir``, ``runs/local``) for every ``python -m train`` started in
-    the checkout, even with ``run_dir=`` elsewhere, and that empty folder holds nothing a later
-    run could read."""
+    (``data/`` and ``runs/`` are ignored by git, so git cannot tell). Files only: an empty folder
+    holds nothing a later run could read."""
     found = set()
     for folder, folders, files in os.walk(REPO):
         folders[:] = [
