@@ -3,8 +3,8 @@
 Reading and drawing are split: ``plot_data`` turns the chains' ``metrics.jsonl`` into plain series
 (steps, losses, tokens/s, the jobs each series is made of, validation losses, pooled and per
 validation set, the run's evaluations, pooled and per test set), which tests check against the
-files; ``draw`` only renders them. matplotlib is imported inside ``draw``, so the other
-commands never pay for it.
+files; ``figure_of`` only draws them, as a figure whose axes tests read back, and ``draw`` writes
+it. matplotlib is imported inside the drawing functions, so the other commands never pay for it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contract.run_dir import METRICS_FILE
 from orchestrator.errors import UsageError
@@ -35,7 +35,13 @@ from orchestrator.results import (
     validations,
 )
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 SET_MARKERS = ("^", "v", "D", "P", "X", "*", "<", ">")  # one per named set; pooled: o and s
+WER_COLOR = "C3"  # one chain's WER: a colour its loss (C0) never has
+LABEL_ROW = 0.1  # of the loss axes' height: one chain's row of job labels, at the top
 
 
 @dataclass(frozen=True)
@@ -178,12 +184,37 @@ def default_output(name: str) -> Path:
     return Path(find_manifests(name)[0].run_dir) / "plot.png"
 
 
-def draw(data: PlotData, out: Path) -> Path:
-    """Render loss and tokens/s against step, job boundaries dashed, each job's seed named;
-    validation losses as dotted points on the loss axes, each evaluation's WER as a square on a
-    WER axis at the right, the latest WER in the legend. Where there are several validation or
-    test sets, each set gets a line of its own (its own marker, the chain's colour) beside the
-    pooled one. The loss axis is logarithmic."""
+def plain_log_labels(axes: Axes) -> None:
+    """Label the log-scaled y axis in plain numbers (0.5, 3, 20), where matplotlib writes
+    5x10^0 once the axis spans less than a decade. Which ticks get a label stays matplotlib's
+    choice."""
+    from matplotlib.ticker import LogFormatter
+
+    class PlainLogFormatter(LogFormatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    axes.yaxis.set_major_formatter(PlainLogFormatter())
+    axes.yaxis.set_minor_formatter(PlainLogFormatter())
+
+
+def leave_top(axes: Axes, fraction: float) -> None:
+    """Raise the top of the y axis so the data fill its lower ``1 - fraction`` (in the axis's
+    own scale, log or linear): the job labels drawn in that top band cover no curve."""
+    scale = axes.yaxis.get_transform()
+    bottom, top = scale.transform(axes.get_ylim())
+    raised = bottom + (top - bottom) / (1 - fraction)
+    axes.set_ylim(top=scale.inverted().transform([raised])[0])
+
+
+def figure_of(data: PlotData) -> Figure:
+    """Loss and tokens/s against step, job boundaries dashed, each job's index and seed in a
+    band at the top of the loss axes that no curve enters; validation losses as dotted points
+    on the loss axes; each evaluation's WER as a square on a WER axis of its own at the right,
+    from 0, every line in the legend, the WER line's label with the latest WER. One chain's WER
+    has a colour of its own; in a sweep each member keeps its colour for all its lines. Where
+    there are several validation or test sets, each set gets a line of its own (its own marker)
+    beside the pooled one. The loss axis is logarithmic, labelled in plain numbers."""
     from matplotlib.figure import Figure  # the Agg canvas: no display, no pyplot state
 
     figure = Figure(figsize=(10, 7), layout="constrained")
@@ -191,12 +222,16 @@ def draw(data: PlotData, out: Path) -> Path:
     colors = [f"C{i % 10}" for i in range(len(data.series))]
     names = sorted({name for s in data.series for name in [*s.val_sets, *s.wer_sets]})
     markers = {name: SET_MARKERS[i % len(SET_MARKERS)] for i, name in enumerate(names)}
+    one_chain = len(data.series) == 1
     wer_axes = None
     if any(series.evaluated for series in data.series):
         wer_axes = loss_axes.twinx()
-        wer_axes.set_ylabel("WER % (squares)")
+        axis_color = WER_COLOR if one_chain else "black"
+        wer_axes.set_ylabel("WER %", color=axis_color)
+        wer_axes.tick_params(axis="y", colors=axis_color)
     for row, (series, color) in enumerate(zip(data.series, colors, strict=True)):
-        loss_axes.plot(series.steps, series.losses, color=color, label=series.legend_label)
+        wer_color = WER_COLOR if one_chain else color
+        loss_axes.plot(series.steps, series.losses, color=color, label=f"{series.label} loss")
         if series.val_steps:
             loss_axes.plot(
                 series.val_steps,
@@ -221,19 +256,20 @@ def draw(data: PlotData, out: Path) -> Path:
             wer_axes.plot(
                 [evaluation.step for evaluation in series.evaluated],
                 [100 * evaluation.wer for evaluation in series.evaluated],
-                color=color,
+                color=wer_color,
                 linestyle="-.",
                 marker="s",
-                markersize=5,
+                markersize=6,
+                label=series.legend_label,
             )
         for name, points in series.wer_sets.items():
             wer_axes.plot(
                 points.steps,
                 [100 * wer for wer in points.values],
-                color=color,
+                color=wer_color,
                 linestyle="-.",
                 marker=markers[name],
-                markersize=5,
+                markersize=6,
                 label=f"{series.label} WER {name}",
             )
         speed_axes.plot(series.steps, series.tokens_per_s, color=color, label=series.label)
@@ -243,7 +279,7 @@ def draw(data: PlotData, out: Path) -> Path:
         for job in series.jobs:
             loss_axes.annotate(
                 f"job {job.job_index}\nseed {job.seed}",
-                xy=(job.first_step, 1 - 0.1 * row),
+                xy=(job.first_step, 1 - LABEL_ROW * row),
                 xycoords=("data", "axes fraction"),
                 xytext=(3, -3),
                 textcoords="offset points",
@@ -253,15 +289,27 @@ def draw(data: PlotData, out: Path) -> Path:
             )
     loss_axes.set_ylabel("loss")
     loss_axes.set_yscale("log")
+    plain_log_labels(loss_axes)
+    band = LABEL_ROW * len(data.series)
+    leave_top(loss_axes, band)
     speed_axes.set_ylabel("tokens/s")
     speed_axes.set_xlabel("step")
     loss_axes.set_title(data.title)
     handles, labels = loss_axes.get_legend_handles_labels()
-    if wer_axes is not None:  # the per-set WER lines are labelled on their own axes
+    legend_axes = loss_axes
+    if wer_axes is not None:
+        wer_axes.set_ylim(bottom=0)
+        leave_top(wer_axes, band)
         wer_handles, wer_labels = wer_axes.get_legend_handles_labels()
         handles, labels = handles + wer_handles, labels + wer_labels
-    loss_axes.legend(handles, labels, loc="lower left", fontsize=8)
+        legend_axes = wer_axes  # drawn above the loss axes: the WER points do not cover it
+    legend_axes.legend(handles, labels, loc="lower left", fontsize=8)
+    return figure
+
+
+def draw(data: PlotData, out: Path) -> Path:
+    """Write ``figure_of(data)`` to ``out`` as a PNG."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
+    figure_of(data).savefig(out, dpi=100)
     return out

@@ -3,7 +3,8 @@
 Two real 2-job chains run through ``auto_launch --backend local`` (2 ranks under torchrun each):
 chain A with a W&B API key in the environment and WANDB_MODE=offline, chain B with another
 learning rate and W&B off. A sweep made of both is registered by hand. Per-set validation losses
-and WERs are read from files written here in the documented format (tests/test_results.py's).
+and WERs, and the figure's axes read back (limits, colours, labels), come from files written here
+in the documented format (tests/test_results.py's).
 """
 
 from __future__ import annotations
@@ -12,12 +13,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from PIL import Image
 
 from orchestrator.dashboard import build_workspace, load_spec
 from orchestrator.manifest import find_manifest, register_sweep
-from orchestrator.plot import draw, plot_data
+from orchestrator.plot import WER_COLOR, draw, figure_of, plot_data
 from tests.harness.chains import launch_json
 from tests.harness.process import REPO, run_tool
 from tests.harness.results import make_chain, status_json, train_row, val_row, write_eval
@@ -293,3 +300,90 @@ def test_status_and_plot_show_each_validation_and_test_set(tmp_path: Path) -> No
     }
     out = draw(plot_data(chain_id), tmp_path / "sets.png")
     assert read_png(out).size == (1000, 700)
+
+
+def falling_loss(chain_id: str) -> list[dict]:
+    """Three jobs of 10 steps whose loss falls from 5.4 to 2.6, less than a decade, as in the
+    demo's chain: the highest point is the first, under job 0's label."""
+    return [train_row(chain_id, step, (step - 1) // 10, 5.5 * 0.975**step) for step in range(1, 31)]
+
+
+def drawn(data_name: str) -> tuple[Figure, dict[str, Axes]]:
+    """The figure of ``data_name``, laid out and drawn as a PNG would be, and its axes by y
+    label."""
+    figure = figure_of(plot_data(data_name))
+    FigureCanvasAgg(figure).draw()
+    return figure, {axes.get_ylabel(): axes for axes in figure.axes}
+
+
+def line(axes: Axes, label: str) -> Line2D:
+    """The one line of ``axes`` labelled ``label``."""
+    (found,) = [line for line in axes.get_lines() if line.get_label() == label]
+    return found
+
+
+def test_plot_reads_at_a_glance(tmp_path: Path) -> None:
+    """The demo's chain as the plot found it (issue 40): a 644% WER on its own axis from 0, in a
+    colour of its own, square-marked and in the legend; plain numbers on the log loss axis; the
+    job labels above every point of both curves."""
+    chain_id = "glance-chain"
+    run_dir = make_chain(tmp_path, chain_id, falling_loss(chain_id))
+    write_eval(run_dir, 30, 6.4465)
+    figure, axes = drawn(chain_id)
+    assert list(axes) == ["loss", "tokens/s", "WER %"]
+    loss_axes, wer_axes = axes["loss"], axes["WER %"]
+
+    loss = line(loss_axes, f"{chain_id} loss")
+    wer = line(wer_axes, f"{chain_id}: WER 644.65% (step 30)")
+    assert list(wer.get_xdata()) == [30] and list(wer.get_ydata()) == [pytest.approx(644.65)]
+    assert wer.get_marker() == "s"
+    assert to_rgba(wer.get_color()) == to_rgba(WER_COLOR) != to_rgba(loss.get_color())
+    assert to_rgba(wer_axes.yaxis.label.get_color()) == to_rgba(WER_COLOR)
+    assert {to_rgba(label.get_color()) for label in wer_axes.get_yticklabels()} == {
+        to_rgba(WER_COLOR)
+    }
+    bottom, top = wer_axes.get_ylim()
+    assert bottom == 0 and top > 644.65
+
+    legend = wer_axes.get_legend()  # on the top axes: no WER point is drawn over it
+    assert [text.get_text() for text in legend.get_texts()] == [loss.get_label(), wer.get_label()]
+    assert [to_rgba(handle.get_color()) for handle in legend.legend_handles] == [
+        to_rgba(loss.get_color()),
+        to_rgba(WER_COLOR),
+    ]
+
+    ticks = loss_axes.get_yticklabels() + loss_axes.get_yticklabels(minor=True)
+    shown = [float(text) for tick in ticks if (text := tick.get_text())]  # no 5x10^0
+    low, high = loss_axes.get_ylim()
+    assert len([value for value in shown if low <= value <= high]) >= 2, shown
+    assert all(float(tick.get_text()) >= 0 for tick in wer_axes.get_yticklabels())
+
+    renderer = figure.canvas.get_renderer()
+    labels = [text for text in loss_axes.texts if text.get_text().startswith("job ")]
+    assert [label.get_text() for label in labels] == [
+        f"job {index}\nseed {10 + index}" for index in (0, 1, 2)
+    ]
+    under_labels = min(label.get_window_extent(renderer).y0 for label in labels)
+    for axes_of, curve in ((loss_axes, loss), (wer_axes, wer)):
+        points = axes_of.transData.transform(np.column_stack(curve.get_data()))
+        assert points[:, 1].max() < under_labels, axes_of.get_ylabel()
+
+
+def test_a_sweeps_wer_keeps_each_members_colour(tmp_path: Path) -> None:
+    """Overlaid chains tell their WERs apart by the member's colour, on one WER axis from 0."""
+    members = []
+    for index, wer in enumerate((0.3, 0.6)):
+        chain_id = f"glance-sweep-{index}"
+        run_dir = make_chain(tmp_path, chain_id, falling_loss(chain_id))
+        write_eval(run_dir, 30, wer)
+        members.append(
+            {"chain_id": chain_id, "run_dir": str(run_dir), "overrides": [f"lr={index}"]}
+        )
+    register_sweep("glance-sweep", members)
+    _, axes = drawn("glance-sweep")
+    wer_axes = axes["WER %"]
+    for index, wer in enumerate((30.0, 60.0)):
+        loss = line(axes["loss"], f"lr={index} loss")
+        member_wer = line(wer_axes, f"lr={index}: WER {wer:.2f}% (step 30)")
+        assert to_rgba(member_wer.get_color()) == to_rgba(loss.get_color()) == to_rgba(f"C{index}")
+    assert wer_axes.get_ylim()[0] == 0
