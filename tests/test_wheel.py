@@ -87,7 +87,12 @@ def test_the_installed_wheel_works_from_an_empty_directory(
 
     # A YAML recipe copied here renders with the packaged distributed template.
     shutil.copy(shipped / "train_tiny_fsdp2.yaml", here / "mine.yaml")
-    dry = run([venv_bin / "auto_launch", "--dry-run", "--backend", "local", "mine.yaml"], here, env)
+    dry = run(
+        [venv_bin / "auto_launch", "--dry-run", "--backend", "local", "mine.yaml", "--",
+         f"data.corpus={corpus}"],
+        here,
+        env,
+    )  # fmt: skip
     assert "#SBATCH --nodes=1" in dry and "torchrun" in dry
 
     # The shipped smoke recipe, found by its name, runs a 2-job chain on this machine.
