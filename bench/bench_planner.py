@@ -92,7 +92,8 @@ def predict(preset: str, sequences: int, frames: int, tokens: int, ac: str) -> f
 def time_plan() -> float:
     from contract.gpus import gpu_preset
     from orchestrator.planner.cluster import Cluster
-    from orchestrator.planner.search import PlanRequest, plan
+    from orchestrator.planner.request import PlanRequest
+    from orchestrator.planner.search import plan
     from orchestrator.planner.shapes import model_preset
 
     request = PlanRequest(

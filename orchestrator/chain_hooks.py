@@ -72,7 +72,7 @@ from orchestrator import in_job
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend, dependency_spec
 from orchestrator.backends.local import LocalBackend
-from orchestrator.backends.slurm import scontrol_fields
+from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.chain import THEN_DEPENDENCY, JudgeJob, last_first, replacement_request
 from orchestrator.chain_status import run_order, signal_name
 from orchestrator.errors import SchedulerError
@@ -92,12 +92,9 @@ from orchestrator.manifest import (
     chain_lock,
 )
 from orchestrator.seeds import chain_seeds
-from orchestrator.slurm.commands import run_slurm
+from orchestrator.slurm.commands import requeue_job, show_job
 
-ACTIVE_BACKEND = "slurm"  # the backend whose chains the hook looks after
-# Backends whose chains are judged: the hook's, and the local one's, by auto_launch as it runs
-# each job (judge_local_job).
-JUDGED_BACKENDS = (ACTIVE_BACKEND, LocalBackend.label)
+ACTIVE_BACKEND = SlurmBackend.label  # the backend whose chains the hook looks after
 # A job has ended, or is ending (its dependants may already start).
 ENDED_STATES = END_STATES + ENDING_STATES
 # What SLURM sets for the job the hook runs in: the replacement it submits must not inherit it.
@@ -344,7 +341,7 @@ class ChainKeeper:
         """What SLURM says of the job the hook runs in (``scontrol show job``); empty when it
         does not answer (the trainer's record and the launcher's status judge it alone)."""
         try:
-            return scontrol_fields(str(job.job_id))
+            return show_job(str(job.job_id))
         except SchedulerError as error:
             say(f"could not ask SLURM how job {job.job_id} ends: {error}")
             return {}
@@ -661,7 +658,7 @@ def requeue(job_id: str) -> None:
     """Put a preempted running job back in the queue: SLURM ends this run (the hook's process
     with it), so it is the hook's very last act."""
     try:
-        run_slurm(["scontrol", "requeue", job_id])
+        requeue_job(job_id)
     except SchedulerError as error:
         say(f"could not requeue job {job_id} ({error}): the chain's next job resumes instead")
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
-from orchestrator.chain_hooks import JUDGED_BACKENDS
 from orchestrator.errors import UsageError
 from orchestrator.preflight import check_local_resources
 from orchestrator.slurm.commands import probe_partitions
@@ -91,10 +90,10 @@ def site_for(kind: type[Backend]) -> Site:
 
 
 def check_retries(retries: int, site: Site) -> None:
-    if retries and site.backend.label not in JUDGED_BACKENDS:
+    if retries and not site.backend.judged:
         raise UsageError(
-            f"--retries needs the {' or '.join(JUDGED_BACKENDS)} backend, whose chains replace "
-            f"their failed jobs; this chain would run on {site.backend.label}"
+            f"--retries needs the {' or '.join(registry.judged_labels())} backend, whose chains "
+            f"replace their failed jobs; this chain would run on {site.backend.label}"
         )
 
 

@@ -22,6 +22,7 @@ from orchestrator.errors import UsageError
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.recipe import parse_recipe
 from orchestrator.render import render_recipe
+from tests.harness.graphs import circles
 from tests.harness.process import REPO
 from train.metrics import scrub_secrets
 
@@ -87,6 +88,33 @@ def imported_modules(path: Path) -> set[str]:
             found.add(module)
             found.update(f"{module}.{alias.name}" for alias in node.names)
     return found
+
+
+def product_modules() -> dict[str, Path]:
+    """Every module of the product's packages by full name (a package by its own)."""
+    modules = {}
+    for package in ALLOWED:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def test_the_product_imports_no_circle() -> None:
+    """No chain of imports leads from a module of the product back to itself, counting imports
+    inside functions and under TYPE_CHECKING: each module reads, tests and changes from its
+    dependencies up (a type two modules share lives in a third)."""
+    modules = product_modules()
+    graph = {
+        name: {other for other in imported_modules(path) if other in modules and other != name}
+        for name, path in modules.items()
+    }
+    assert circles(graph) == []
+
+
+def test_circles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
 
 
 def imported_test_modules(path: Path) -> set[str]:

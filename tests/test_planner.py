@@ -15,7 +15,8 @@ import pytest
 
 from contract.gpus import gpu_preset
 from orchestrator.planner.cluster import Cluster
-from orchestrator.planner.search import LONG_SEQUENCE, NEAR_TIE, PlanRequest, plan
+from orchestrator.planner.request import PlanRequest
+from orchestrator.planner.search import LONG_SEQUENCE, NEAR_TIE, plan
 from orchestrator.planner.shapes import model_preset
 from tests.harness.process import run_tool
 

@@ -16,7 +16,8 @@ from contract.gpus import gpu_preset
 from orchestrator.planner.cli import price_row
 from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.measured import MEMORY_BOUND, PRICED, SPEED_BOUND, load, parse_layout
-from orchestrator.planner.search import Layout, PlanRequest, plan, price
+from orchestrator.planner.request import Layout, PlanRequest
+from orchestrator.planner.search import plan, price
 from orchestrator.planner.shapes import model_preset
 from orchestrator.planner.speed import attention_share, matmul_share
 from tests.harness.process import run_tool

@@ -25,7 +25,6 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from contract.job_end import EXIT_CONFIG
 from contract.job_env import SEED_LIMIT
 from contract.spelling import closest
-from train.data_layout import ON_LAYOUT_CHANGE, REFUSE
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from train.parallel_dims import STRATEGIES
@@ -33,6 +32,10 @@ from train.sources import read_sources
 from train.watchdog import STOPPABLE
 
 AC_MODES = ("none", "full", "selective")
+# data.on_layout_change: what a resume does when the data layout its position was saved under
+# changed (train/data_layout.py).
+REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"
+ON_LAYOUT_CHANGE = (REFUSE, RESTART_EPOCH, CONTINUE)
 DEFAULT_RUN_DIR = "runs/local"  # a single run's, under the directory it starts in
 MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
 

@@ -25,15 +25,11 @@ Torch-free: the trainer's preflight (``train.layout``) compares layouts before a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from train.config import CONTINUE, RESTART_EPOCH, TrainConfig
 from train.sources import Source, read_sources
 
-if TYPE_CHECKING:
-    from train.config import TrainConfig
-
-REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"
-ON_LAYOUT_CHANGE = (REFUSE, RESTART_EPOCH, CONTINUE)
 DATA_LAYOUT = "data_layout"  # its key in the checkpoint's trainer state
 
 

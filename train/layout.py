@@ -14,6 +14,7 @@ from pathlib import Path
 
 from contract.run_dir import STATE_FILE, complete_checkpoints
 from train.config import (
+    REFUSE,
     ConfigError,
     LoraConfig,
     ModelConfig,
@@ -21,7 +22,7 @@ from train.config import (
     model_from_record,
     validate,
 )
-from train.data_layout import DATA_LAYOUT, REFUSE, data_layout, layout_changes, refusal
+from train.data_layout import DATA_LAYOUT, data_layout, layout_changes, refusal
 from train.models.freeze import frozen_names
 from train.models.inventory import inventory
 from train.models.lora import freeze_rules, with_lora

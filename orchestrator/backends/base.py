@@ -65,6 +65,9 @@ class Backend(Protocol):
     option: ClassVar[str]  # the --backend value that picks it
     auto: ClassVar[bool]  # whether --backend auto considers it
     runs_here: ClassVar[bool]  # runs the jobs on this machine rather than through SLURM
+    # Its chains are judged as their jobs end (orchestrator/chain_hooks.py): by each job's hook
+    # on SLURM, by auto_launch on the local backend; only those replace failed jobs (--retries).
+    judged: ClassVar[bool]
     # Why the scheduler did not answer the last statuses() call, whose states then came from
     # accounting or the run dir; None when it answered (or there is no scheduler to ask).
     unreachable: str | None

@@ -94,6 +94,7 @@ class LocalBackend(BatchScriptBackend):
     option = "local"
     auto = True  # when no SLURM controller answers
     runs_here = True
+    judged = True  # by auto_launch, as each job ends (chain_hooks.judge_local_job)
 
     def command_line(self, request: JobRequest, after: str | None) -> list[str]:
         script = self.script_of(request)

@@ -28,6 +28,11 @@ OPTIONS = ("auto", *dict.fromkeys(backend.option for backend in BACKENDS))
 OLD_LABELS = {"submitit": SubmititSlurmBackend.label}
 
 
+def judged_labels() -> list[str]:
+    """The backends whose chains are judged as their jobs end (``Backend.judged``)."""
+    return [backend.label for backend in BACKENDS if backend.judged]
+
+
 def by_label(label: str) -> type[Backend]:
     """The backend a manifest's ``backend`` field names."""
     label = OLD_LABELS.get(label, label)

@@ -22,8 +22,10 @@ from orchestrator.retry import REJECTED_MARKERS, is_transient
 from orchestrator.slurm.commands import (
     QUERY_ATTEMPTS,
     QUERY_TIMEOUT_S,
+    cancel_jobs,
     controller_problem,
     run_slurm,
+    show_job,
     update_dependency,
 )
 
@@ -40,11 +42,22 @@ def export_option(env: dict[str, str]) -> str:
     return ",".join(["ALL", *(f"{name}={value}" for name, value in sorted(env.items()))])
 
 
-class SlurmBackend(BatchScriptBackend):
+class SlurmQueue:
+    """What both SLURM backends do to queued jobs: cancel them, and re-point a dependency."""
+
+    def cancel(self, job_ids: list[str]) -> None:
+        cancel_jobs(job_ids)
+
+    def set_dependency(self, job_id: str, spec: str) -> None:
+        update_dependency(job_id, spec)
+
+
+class SlurmBackend(SlurmQueue, BatchScriptBackend):
     label = "slurm"
     option = "slurm"
     auto = True  # when a SLURM controller answers
     runs_here = False
+    judged = True  # by each job's chain hook
 
     def __init__(self, run_dir: Path | None = None) -> None:
         self.run_dir = run_dir  # where a job's log and metrics tell what SLURM cannot
@@ -93,13 +106,6 @@ class SlurmBackend(BatchScriptBackend):
             return f"rejected: {error}"
         return "accepted"
 
-    def cancel(self, job_ids: list[str]) -> None:
-        if job_ids:
-            run_slurm(["scancel", *job_ids])
-
-    def set_dependency(self, job_id: str, spec: str) -> None:
-        update_dependency(job_id, spec)
-
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
         """squeue for queued jobs; sacct for the others where accounting exists; scontrol for
         those sacct lacks (recently finished); the run dir for what SLURM cannot tell.
@@ -136,7 +142,7 @@ class SlurmBackend(BatchScriptBackend):
         for job_id in rest:
             status = accounted.get(job_id)
             if status is None or (not has_ended(status.state) and not self.unreachable):
-                fields = {} if self.unreachable else scontrol_fields(job_id)
+                fields = {} if self.unreachable else show_job(job_id)
                 if fields:
                     status = status_from_fields(job_id, fields)
             found[job_id] = status or run_dir_status(
@@ -165,26 +171,6 @@ def squeue_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
             source="squeue",
         )
     return found
-
-
-def scontrol_fields(job_id: str) -> dict[str, str]:
-    """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
-    try:
-        output = run_slurm(
-            ["scontrol", "show", "job", "-o", job_id],
-            timeout_s=QUERY_TIMEOUT_S,
-            attempts=QUERY_ATTEMPTS,
-        )
-    except SchedulerError as error:
-        if "Invalid job id" in str(error):
-            return {}
-        raise
-    fields: dict[str, str] = {}
-    for word in output.split():
-        name, sep, value = word.partition("=")
-        if sep:
-            fields[name] = value
-    return fields
 
 
 def exit_status(exit_code: str) -> int | None:

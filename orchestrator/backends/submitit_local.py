@@ -49,6 +49,7 @@ class SubmititLocalBackend(SubmititBackendBase):
     label = "submitit:local"
     executor = "local"
     runs_here = True
+    judged = False
 
     def __init__(self, folder: Path, executor_params: dict[str, Any] | None = None) -> None:
         super().__init__(folder, executor_params)

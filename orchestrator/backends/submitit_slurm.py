@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
-from orchestrator.backends.slurm import scontrol_fields, status_from_fields
+from orchestrator.backends.slurm import SlurmQueue, status_from_fields
 from orchestrator.backends.submitit_common import (
     SubmititBackendBase,
     check_request,
@@ -27,12 +27,7 @@ from orchestrator.backends.submitit_common import (
 )
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.retry import REJECTED_MARKERS, with_retries
-from orchestrator.slurm.commands import (
-    controller_problem,
-    run_slurm,
-    say_retry,
-    update_dependency,
-)
+from orchestrator.slurm.commands import controller_problem, say_retry, show_job
 from orchestrator.slurm.directives import parse_signal
 
 # Options the backend decides itself: the chain's job name (singleton depends on it), submitit's
@@ -40,10 +35,11 @@ from orchestrator.slurm.directives import parse_signal
 OWN_DIRECTIVES = ("job-name", "output", "error", "open-mode", "dependency", "chdir")
 
 
-class SubmititSlurmBackend(SubmititBackendBase):
+class SubmititSlurmBackend(SlurmQueue, SubmititBackendBase):
     label = "submitit:slurm"
     executor = "slurm"
     runs_here = False
+    judged = False
 
     def submit(self, request: JobRequest) -> str:
         check_request(request)
@@ -80,13 +76,6 @@ class SubmititSlurmBackend(SubmititBackendBase):
             submit_once, transient_markers=REJECTED_MARKERS, idempotent=False, announce=say_retry
         )
 
-    def cancel(self, job_ids: list[str]) -> None:
-        if job_ids:
-            run_slurm(["scancel", *job_ids])
-
-    def set_dependency(self, job_id: str, spec: str) -> None:
-        update_dependency(job_id, spec)
-
     def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
         """scontrol's view, or submitit's result file; only the result file while the
         controller does not answer (``unreachable`` says why)."""
@@ -94,7 +83,7 @@ class SubmititSlurmBackend(SubmititBackendBase):
         return {job_id: self._status(job_id) for job_id in job_ids}
 
     def _status(self, job_id: str) -> JobStatus:
-        fields = {} if self.unreachable else scontrol_fields(job_id)
+        fields = {} if self.unreachable else show_job(job_id)
         if fields:
             return status_from_fields(job_id, fields)
         known = "controller unreachable" if self.unreachable else "no longer known to SLURM"

@@ -20,15 +20,8 @@ from orchestrator.planner.measured import (
     load,
     parse_layout,
 )
-from orchestrator.planner.search import (
-    AC_MODES,
-    Estimate,
-    Layout,
-    PlanRequest,
-    PlanResult,
-    plan,
-    price,
-)
+from orchestrator.planner.request import AC_MODES, Estimate, Layout, PlanRequest, PlanResult
+from orchestrator.planner.search import plan, price
 from orchestrator.planner.shapes import model_names, model_preset, with_overrides
 from train.models.freeze import frozen_names
 from train.models.hf_config import decoder_fields

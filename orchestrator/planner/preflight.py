@@ -34,7 +34,8 @@ from contract.configs import PACKAGED_CONFIG_MODULE, TRAIN_CONFIG, TRAIN_MODULE
 from contract.gpus import GPU, gpu_preset
 from orchestrator.errors import UsageError
 from orchestrator.planner.cluster import GIB, Cluster
-from orchestrator.planner.search import Estimate, Layout, PlanRequest, plan, price
+from orchestrator.planner.request import Estimate, Layout, PlanRequest
+from orchestrator.planner.search import plan, price
 from orchestrator.slurm.partitions import Partition
 
 if TYPE_CHECKING:

@@ -23,7 +23,6 @@ inside the node first; PP across nodes once TP fills a node; CP for long sequenc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from functools import cache
 
 from orchestrator.planner.activations import (
@@ -34,132 +33,24 @@ from orchestrator.planner.activations import (
     activation_terms,
     in_flight,
 )
-from orchestrator.planner.cluster import GIB, Cluster
+from orchestrator.planner.cluster import GIB
+from orchestrator.planner.request import Estimate, Layout, PlanRequest, PlanResult
 from orchestrator.planner.speed import step_time
 from orchestrator.planner.state import GroupedInventory, group, held, state_bytes, uses_fsdp
 from train.flops import sequence_flops
 from train.models.inventory import inventory, stage_param_counts
 from train.models.shape import SALMConfig
-from train.parallel_dims import ParallelDims, sequence_multiple
+from train.parallel_dims import sequence_multiple
 from train.pipeline_plan import PipelinePlan, plan_pipeline
 
-AC_MODES = ("none", "selective", "full")
 FRAMEWORK_BYTES = 1.5 * GIB  # CUDA context, communicators, workspaces
 HOST_FRAMEWORK_BYTES = 0.5 * GIB  # a CPU rank's Python, torch and gloo
 FRAGMENTATION = 0.05  # of everything else, for the caching allocator
 LONG_SEQUENCE = 32768  # decoder positions from which CP is the flowchart's answer
 NEAR_TIE = 0.05  # step times within 5% of the fastest: the flowchart chooses among them
-FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 FULL_STATE_BYTES = 16  # fp32 weight + gradient + two Adam moments per parameter
 WEIGHT_BYTES = 4  # the fp32 weight alone (a frozen parameter)
 AUDIO_PREFIXES = ("encoder.", "projector.")  # what --llm-only leaves out
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    model: SALMConfig
-    seconds: float  # audio per sequence
-    tokens: int  # transcript tokens per sequence
-    global_batch: int  # sequences per optimizer step
-    cluster: Cluster
-    ac_modes: tuple[str, ...] = AC_MODES
-    mixed_precision: bool = True  # bf16 compute (FSDP2's mixed precision)
-    on_gpu: bool = True  # False: a CPU recipe checked against host memory
-    strategy: str = "fsdp2"  # or ddp (whole replicas)
-    frozen: frozenset[str] = frozenset()  # parameter names model.freeze leaves frozen
-    compiled: bool = True  # torch.compile per block (the GPU recipes' default); False: eager
-    llm_only: bool = False  # the LLM alone: no encoder or projector (text-only training)
-
-    @property
-    def frames(self) -> int:
-        return max(0, round(self.seconds * FRAMES_PER_SECOND))
-
-    @property
-    def element_bytes(self) -> int:
-        return 2 if self.mixed_precision and self.on_gpu else 4
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    cp: int
-    pp: int
-    ep: int
-    microbatch: int  # sequences per microbatch and data-parallel rank
-    microbatches: int  # per optimizer step: pipeline microbatches or gradient accumulation
-    ac: str
-    schedule: str = "1f1b"
-    stages_per_rank: int = 0  # 0: the schedule's default (parallel.pp_stages_per_rank)
-    pp_split: tuple[int, ...] = ()  # LLM blocks per stage; empty: balanced (parallel.pp_split)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def dims(self, world: int) -> ParallelDims:
-        return ParallelDims.of(world, self)
-
-    def overrides(self, seconds: float) -> list[str]:
-        """Hydra overrides for the trainer (``data.max_duration`` is per microbatch)."""
-        lines = [
-            f"parallel.dp_replicate={self.dp_replicate}",
-            f"parallel.dp_shard={self.dp_shard}",
-            f"parallel.tp={self.tp}",
-            f"parallel.cp={self.cp}",
-            f"parallel.pp={self.pp}",
-            f"parallel.ep={self.ep}",
-        ]
-        if self.pp > 1:
-            lines.append(f"parallel.pp_microbatches={self.microbatches}")
-            per_rank = seconds * self.microbatch * self.microbatches
-        else:
-            lines.append(f"train.grad_accum={self.microbatches}")
-            per_rank = seconds * self.microbatch
-        if per_rank > 0:  # the trainer's batches are seconds of audio per data-parallel rank
-            lines.append(f"data.max_duration={per_rank:g}")
-        lines.append(f"activation_checkpointing={self.ac}")
-        return lines
-
-    def describe(self) -> str:
-        return (
-            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
-            f"cp={self.cp} pp={self.pp} ep={self.ep} microbatches={self.microbatches} "
-            f"(of {self.microbatch} seq) ac={self.ac}"
-        )
-
-
-@dataclass
-class Estimate:
-    layout: Layout
-    memory: dict[str, float]  # bytes per GPU by kind, and "total"
-    fits: bool
-    step_time_s: float
-    mfu: float
-    reasoning: str
-    penalty: int  # flowchart rules broken (0 for the flowchart's own answer)
-    reason: str = ""  # why it does not fit
-    times: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class PlanResult:
-    request: PlanRequest
-    params: int
-    trainable: int  # the parameters model.freeze leaves training
-    estimates: list[Estimate]  # feasible first (best first), then those that do not fit
-    fits_one_gpu: bool
-    one_gpu_bytes: float
-
-    @property
-    def feasible(self) -> list[Estimate]:
-        return [e for e in self.estimates if e.fits]
-
-    @property
-    def best(self) -> Estimate | None:
-        feasible = self.feasible
-        return feasible[0] if feasible else None
 
 
 def divisors(n: int) -> list[int]:

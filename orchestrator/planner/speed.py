@@ -38,7 +38,7 @@ from train.models.shape import SALMConfig, audio_positions, encoder_frames, llm_
 from train.parallel_dims import sequence_multiple
 
 if TYPE_CHECKING:
-    from orchestrator.planner.search import Layout, PlanRequest
+    from orchestrator.planner.request import Layout, PlanRequest
 
 # bench/bench_kernels.py, H100 80GB HBM3 (SXM, 700 W), torch 2.11, 2026-11-26: bf16 matmuls of
 # 2,048-16,384 rows reach 52-58% of the datasheet peak at width 1,024, 65-70% at 2,048, 71-80%

@@ -27,6 +27,37 @@ def update_dependency(job_id: str, spec: str) -> None:
     run_slurm(["scontrol", "update", f"JobId={job_id}", f"Dependency={spec}"])
 
 
+def cancel_jobs(job_ids: list[str]) -> None:
+    """``scancel`` the jobs, in the order given (a chain's: last first)."""
+    if job_ids:
+        run_slurm(["scancel", *job_ids])
+
+
+def requeue_job(job_id: str) -> None:
+    """Put a running job back in the queue with the same id (SLURM ends its current run)."""
+    run_slurm(["scontrol", "requeue", job_id])
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
+    try:
+        output = run_slurm(
+            ["scontrol", "show", "job", "-o", job_id],
+            timeout_s=QUERY_TIMEOUT_S,
+            attempts=QUERY_ATTEMPTS,
+        )
+    except SchedulerError as error:
+        if "Invalid job id" in str(error):
+            return {}
+        raise
+    fields: dict[str, str] = {}
+    for word in output.split():
+        name, sep, value = word.partition("=")
+        if sep:
+            fields[name] = value
+    return fields
+
+
 def probe_partitions() -> list[Partition] | None:
     """The cluster's partitions, or None when no SLURM controller answers.
 

@@ -5,7 +5,10 @@ only from here, never from each other or from the conftest, so that a test modul
 without breaking another; the harness imports no test module (tests/test_contract.py checks
 both). Its modules, none importing a later one of this list:
 
+- ``graphs``, ``readme``: circles in a directed graph; the commands README shows
 - ``process``: the repository, its tools and modules run as a user runs them; a missing capability
+- ``wheel``: the project's wheel, built as a user's pip builds it
+- ``login_node``: an SSH login node on loopback where a second Unix user runs the toolkit
 - ``cluster``: the loopback SLURM cluster's handle, command line and queue
 - ``chains``: chains launched as a user launches them, and the waits for their jobs
 - ``exit_codes``: the docs' one table of exit codes, a SLURM that refuses every job, Ctrl-C

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.models.salm import inverse_frequencies, length_mask
+from train.models.layers import inverse_frequencies, length_mask
 from train.models.shape import SALMConfig, encoder_frames
 
 PARAKEET_POSITION_BASE = 10000.0  # transformers' ParakeetEncoderRelPositionalEncoding

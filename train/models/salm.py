@@ -31,6 +31,8 @@ from train.models.context import (
     shard_sequence,
 )
 from train.models.encoder_cache import EncoderCache, EncoderKeys
+from train.models.hf_encoder import pretrained_encoder
+from train.models.layers import apply_rope, length_mask, rope_tables
 from train.models.lora import add_adapters
 from train.models.moe import MoE
 from train.models.shape import (
@@ -102,25 +104,6 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def inverse_frequencies(dim: int, theta: float, device) -> torch.Tensor:
-    """The (dim/2,) fp32 frequencies of sinusoidal position tables of width ``dim``."""
-    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
-    """cos and sin (seq_len, head_dim/2) for rotary embeddings, always in fp32."""
-    inv_freq = inverse_frequencies(head_dim, theta, device)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of ``x`` (B, T, heads, head_dim)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -238,10 +221,6 @@ class Block(nn.Module):
 # marks dynamic): x (batch, sequence), the RoPE tables (sequence), the key mask and the token
 # mask (batch, sequence).
 BLOCK_DIMS = ((0, 1), (0,), (0,), (0, 1), (0, 1))
-
-
-def length_mask(lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]
 
 
 class AudioEncoder(nn.Module):
@@ -615,9 +594,6 @@ def build_encoder(cfg: SALMConfig) -> nn.Module:
     interface: features and lengths in, frames and lengths out)."""
     if cfg.encoder == OWN_ENCODER:
         return AudioEncoder(cfg)
-    # Imported here: hf_encoder builds on this module's pieces.
-    from train.models.hf_encoder import pretrained_encoder
-
     return pretrained_encoder(cfg)
 
 
