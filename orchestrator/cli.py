@@ -126,8 +126,9 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="queue a replacement job (new seed) at the end of the chain for each job that "
         "fails in a way a new job can fix (node failure, preemption, a hang, a rank killed, "
-        "the time limit before a save, a code of --retry-on-exit), up to K in all (slurm "
-        "backend; the recipe must run the chain hook, as rendered YAML recipes do)",
+        "the time limit before a save, a code of --retry-on-exit), up to K in all (slurm or "
+        "local backend, where it runs at once; the recipe must run the chain hook, as rendered "
+        "YAML recipes do)",
     )
     parser.add_argument(
         "--retry-on-exit",

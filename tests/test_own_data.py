@@ -1,7 +1,7 @@
-"""README's "Your own data" walk-through, small: a corpus in LibriSpeech's own layout prepared by
-lhotse's own recipe, mixed 0.7/0.3 with the project's corpus through the shipped source files
-(recipes/mix/), trained on 2 ranks with features computed from audio, validated per set, and
-both test sets scored in one evaluation; and a bad source file refused before training.
+"""docs/training.md's "Your own data" walk-through, small: a corpus in LibriSpeech's own layout
+prepared by lhotse's own recipe, mixed 0.7/0.3 with the project's corpus through the shipped
+source files (recipes/mix/), trained on 2 ranks with features computed from audio, validated per
+set, and both test sets scored in one evaluation; and a bad source file refused before training.
 
 The 2-rank trainings of the mixture (the walk-through's first 3-step job and its 6-step job, and
 the pretrained Whisper encoder's run) are one process group's runs, one after another
