@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from train.config import AC_MODES  # noqa: E402
 from train.host_syncs import HOST_SYNC_MODES  # noqa: E402
+from train.parallel_dims import AC_MODES  # noqa: E402
 
 CONFIGS = [(compile_, ac) for compile_ in (False, True) for ac in ("none", "selective", "full")]
 

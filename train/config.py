@@ -27,11 +27,10 @@ from contract.job_env import SEED_LIMIT
 from contract.spelling import closest
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
-from train.parallel_dims import STRATEGIES
+from train.parallel_dims import AC_MODES, STRATEGIES
 from train.sources import read_sources
 from train.watchdog import STOPPABLE
 
-AC_MODES = ("none", "full", "selective")
 # data.on_layout_change: what a resume does when the data layout its position was saved under
 # changed (train/data_layout.py).
 REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"

@@ -24,6 +24,9 @@ DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 SPARSE_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 DP_VIEW = "dp"
 STRATEGIES = ("ddp", "fsdp2")
+# Activation checkpointing per block (train/models/parallelize.py), least memory saved first:
+# the trainer's activation_checkpointing values, in the order the planner tries them.
+AC_MODES = ("none", "selective", "full")
 # The six degrees, as every layout-describing record names them (the trainer's parallel config,
 # the planner's layouts): ParallelDims.of reads them from any of those.
 DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "cp", "pp")

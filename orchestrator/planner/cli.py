@@ -20,13 +20,14 @@ from orchestrator.planner.measured import (
     load,
     parse_layout,
 )
-from orchestrator.planner.request import AC_MODES, Estimate, Layout, PlanRequest, PlanResult
+from orchestrator.planner.request import Estimate, Layout, PlanRequest, PlanResult
 from orchestrator.planner.search import plan, price
 from orchestrator.planner.shapes import model_names, model_preset, with_overrides
 from train.models.freeze import frozen_names
 from train.models.hf_config import decoder_fields
 from train.models.inventory import inventory
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, freeze_rules, with_lora
+from train.parallel_dims import AC_MODES
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
 SHAPE_FLAGS = {

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 from orchestrator.planner.cluster import Cluster
 from train.models.shape import SALMConfig
-from train.parallel_dims import ParallelDims
+from train.parallel_dims import AC_MODES, ParallelDims
 
-AC_MODES = ("none", "selective", "full")
 FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 
 
