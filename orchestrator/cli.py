@@ -265,12 +265,13 @@ def test_only_in_scratch(plan: ChainPlan, backend: Backend, index: int) -> str |
         return backend.test_only(scratch_plan.request(index, None))
 
 
-def summary(manifest: Manifest, statuses: dict[str, JobStatus]) -> dict:
+def summary(manifest: Manifest, statuses: dict[str, JobStatus], found: ChainStatus) -> dict:
+    """A chain as ``--json`` prints it; ``found``: its status (``chain_status``)."""
     return {
         "chain_id": manifest.chain_id,
         "run_dir": manifest.run_dir,
         "backend": manifest.backend,
-        "status": chain_status(manifest, statuses).status,
+        "status": found.status,
         "code": {
             "mode": manifest.code_mode,
             "dir": manifest.code_dir,
@@ -340,7 +341,7 @@ def auto_launch(args: argparse.Namespace) -> int:
     # A chain that ran here has ended: its status is the launch's outcome.
     code = EXIT_CHAIN_FAILED if backend.runs_here and ended.status in FAILED_STATUSES else 0
     if args.json:
-        print(json.dumps(summary(manifest, statuses)))
+        print(json.dumps(summary(manifest, statuses, ended)))
         return code
     print(f"chain {manifest.chain_id} ({backend.label}): {jobs_label(manifest)} job(s)")
     print(f"run dir  {manifest.run_dir}")
@@ -492,9 +493,10 @@ def status_payload(
     accounting_unreachable: str | None = None,
 ) -> dict:
     """What ``status`` says about a chain: ``--json`` prints it, the table is drawn from it."""
-    payload = summary(manifest, statuses)
+    found = chain_status(manifest, statuses)
+    payload = summary(manifest, statuses, found)
     payload["error"] = manifest.error
-    payload["ended"] = chain_status(manifest, statuses).why
+    payload["ended"] = found.why
     payload["controller_unreachable"] = unreachable
     payload["accounting_unreachable"] = accounting_unreachable
     progress = last_progress(manifest)

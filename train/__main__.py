@@ -30,7 +30,7 @@ from contract.job_end import (
     job_end_record,
     write_job_end,
 )
-from train.config import ConfigError, TrainConfig, refuse_uncomposable, register
+from train.config import ConfigError, TrainConfig, first_line, refuse_uncomposable, register
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
 
@@ -115,13 +115,13 @@ def main(raw: DictConfig) -> None:
             print(f"error: {error}", file=sys.stderr, flush=True)
         code, said = EXIT_DIVERGED, str(error)
     except Exception as error:
-        first_line = (str(error).splitlines() or [type(error).__name__])[0]
-        said = f"{type(error).__name__}: {first_line} (the traceback is in the job's log)"
+        said_first = first_line(error)
+        said = f"{type(error).__name__}: {said_first} (the traceback is in the job's log)"
         if not lost_a_peer(error):
             raise
         traceback.print_exc()
         said = (
-            f"rank {dist.get_rank()}: a collective failed ({first_line}): another rank "
+            f"rank {dist.get_rank()}: a collective failed ({said_first}): another rank "
             f"died or its connection broke. Exiting with code {EXIT_PEER_LOST}: the next job of "
             "the chain resumes from the last checkpoint; the other ranks' logs say why"
         )

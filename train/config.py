@@ -28,7 +28,7 @@ from contract.spelling import closest
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
 from train.parallel_dims import AC_MODES, STRATEGIES
-from train.sources import read_sources
+from train.sources import Source, read_sources
 from train.watchdog import STOPPABLE
 
 # data.on_layout_change: what a resume does when the data layout its position was saved under
@@ -347,8 +347,13 @@ def check_data(cfg: TrainConfig) -> None:
     if cfg.data.input_cfg is not None:
         read_sources(cfg.data.input_cfg, "data.input_cfg")
     if cfg.eval.interval and cfg.eval.sets:
-        sets = cfg.eval.sets
-        read_sources(sets if isinstance(sets, str | dict) else list(sets), "eval.sets")
+        eval_set_sources(cfg)
+
+
+def eval_set_sources(cfg: TrainConfig) -> list[Source]:
+    """The validation sources ``eval.sets`` names (a file, a mapping or a list), read and found."""
+    sets = cfg.eval.sets
+    return read_sources(sets if isinstance(sets, str | dict) else list(sets), "eval.sets")
 
 
 class ConfigError(ValueError):
@@ -361,7 +366,7 @@ def composition_problem(error: Exception) -> str:
     the key with ``+``, which a schema's key never wants), and what a misspelt key or config
     name probably meant."""
     if isinstance(error, OverrideParseException):
-        return f"{error.override}: {_first_line(error)}"
+        return f"{error.override}: {first_line(error)}"
     if isinstance(error, MissingConfigException) and error.options:
         group, _, name = (error.missing_cfg_file or "").rpartition("/")
         match = closest(name, error.options)
@@ -370,16 +375,17 @@ def composition_problem(error: Exception) -> str:
             if match
             else f"the options: {', '.join(error.options)}"
         )
-        return f"{_first_line(error)}; {hint}"
+        return f"{first_line(error)}; {hint}"
     if isinstance(error, OmegaConfBaseException):
-        return f"{_first_line(error)}{_key_hint(error)}"
+        return f"{first_line(error)}{_key_hint(error)}"
     cause = error.__cause__
     if not isinstance(cause, OmegaConfBaseException):
-        return _first_line(error)
-    return f"{_first_line(error).rstrip('.')}: {_first_line(cause)}{_key_hint(cause)}"
+        return first_line(error)
+    return f"{first_line(error).rstrip('.')}: {first_line(cause)}{_key_hint(cause)}"
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error's first line, else its type's name."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 

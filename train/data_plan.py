@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from lhotse.cut import Cut
 
-from train.config import ConfigError, TrainConfig, validation_path
+from train.config import ConfigError, TrainConfig, eval_set_sources, validation_path
 from train.features import AudioLimits, Extractor, Featurizer, extractor_of
 from train.layout import model_of
 from train.source_cuts import SourceCheck, check_sources, load_source_cuts
@@ -72,8 +72,7 @@ def validation_sets(
     if not cfg.eval.sets:
         source = Source(cfg.eval.split, "cuts", (validation_path(cfg),))
         return [ValidationCuts(cfg.eval.split, list(load_source_cuts(source)))]
-    sets = cfg.eval.sets
-    sources = read_sources(sets if isinstance(sets, str | dict) else list(sets), "eval.sets")
+    sources = eval_set_sources(cfg)
     check_prompt_tags(sources, cfg.model.pretrained_llm, "eval.sets")
     return [
         ValidationCuts(
