@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.checkpoint import CheckpointManager
+from train.checkpoint.manager import CheckpointManager
 from train.models.build import build_model
 from train.models.presets import get_preset
 

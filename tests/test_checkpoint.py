@@ -44,16 +44,14 @@ from contract.run_dir import MARKER
 from tests.harness.disk import fill_disk, tmpfs
 from tests.harness.process import REPO
 from tests.harness.training import metrics, train, train_together
-from train import checkpoint
-from train.checkpoint import (
-    PAUSE_ENV,
-    PAUSED_SUFFIX,
-    WRITE_PAUSE_PREFIX,
+from train.checkpoint import manager as checkpoint
+from train.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     CheckpointSaveError,
     NonFiniteState,
 )
+from train.checkpoint.pauses_for_tests import PAUSE_ENV, PAUSED_SUFFIX, WRITE_PAUSE_PREFIX
 
 WORKER = REPO / "tests" / "harness" / "workers" / "checkpoint_worker.py"
 # Seconds an async save's write is held while training goes on: steps 3 and 4 of the tiny model

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from train.checkpoint import CheckpointManager, NonFiniteState
+from train.checkpoint.manager import CheckpointManager, NonFiniteState
 
 
 def _train_step(model, optimizer, scheduler) -> None:

@@ -60,7 +60,7 @@ NOT_OUTSIDE_COMPAT = {
     **dict.fromkeys(ONLY_IN_213, "not in torch 2.11: add a shim to train/compat.py"),
     "DefaultStager": (
         "torch 2.11's stages once per instance (the next stage raises KeyError): stage as "
-        "train/checkpoint.py does, or add a shim to train/compat.py"
+        "train/checkpoint/staging.py does, or add a shim to train/compat.py"
     ),
 }
 DEFAULT_TIMEOUT = timedelta(seconds=60)

@@ -6,8 +6,8 @@ never loaded and are removed, and the manifest and status say what happened.
 
 A kill lands inside a checkpoint write only by luck (a tiny model's save takes a fraction of a
 second), so the tear test holds the write open with the checkpoint writer's test hook
-(``PAUSE_ENV``, train/checkpoint.py): rank 0 pauses with every rank's files written and no
-marker yet, and announces it, and the test kills the job at exactly that moment.
+(``PAUSE_ENV``, train/checkpoint/pauses_for_tests.py): rank 0 pauses with every rank's files
+written and no marker yet, and announces it, and the test kills the job at exactly that moment.
 
 The other rows live beside the code they exercise: a dead slurmd or slurmctld
 (tests/test_cluster_faults.py), a full or read-only disk and non-finite weights
@@ -32,7 +32,7 @@ from tests.harness.chains import tiny_training_chain, wait_chain, wait_chain_qui
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import run_tool
 from tests.harness.training import metrics, training_rank, wait_until
-from train.checkpoint import PAUSE_ENV, PAUSED_SUFFIX
+from train.checkpoint.pauses_for_tests import PAUSE_ENV, PAUSED_SUFFIX
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -29,7 +29,7 @@ from transformers import (
 from tests.harness.hf_tiny import ENCODER_KINDS, save_tiny_encoder
 from tests.harness.process import REPO
 from tests.harness.workers.hf_encoder_worker import record, varied_batch
-from train.checkpoint import CheckpointManager
+from train.checkpoint.manager import CheckpointManager
 from train.config import ModelConfig, TrainConfig
 from train.export import main as export_main
 from train.exported import ENCODER_DIR, load_export, read_export

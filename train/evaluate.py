@@ -49,7 +49,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
 from contract.job_end import EXIT_CONFIG
 from contract.run_dir import EVAL_DIR, step_name
-from train.checkpoint import CheckpointError, CheckpointManager
+from train.checkpoint.manager import CheckpointError, CheckpointManager
 from train.config import ConfigError, ParallelConfig, refuse_uncomposable
 from train.conversation import conversation_of
 from train.data import encoded, pad_segments

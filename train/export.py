@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from contract.job_end import EXIT_CONFIG
-from train.checkpoint import CheckpointError, CheckpointManager
+from train.checkpoint.manager import CheckpointError, CheckpointManager
 from train.config import ConfigError, LoraConfig, ModelConfig
 from train.exported import (
     ADAPTER_WEIGHTS,

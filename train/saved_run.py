@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints, step_name
-from train.checkpoint import CheckpointManager
+from train.checkpoint.manager import CheckpointManager
 from train.config import ConfigError, ModelConfig, model_from_record
 
 

@@ -27,7 +27,7 @@ from contract import job_env
 from contract.job_end import EXIT_HUNG, EXIT_NOT_SAVED, job_end_record, write_job_end
 from contract.run_dir import CUTS_PREFIX, VAL_LOSS_PREFIX
 from train.batch_hash import append_batch_hash, step_hash
-from train.checkpoint import CheckpointManager, CheckpointSaveError, NonFiniteState
+from train.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.config import CONTINUE, RESTART_EPOCH, ConfigError, TrainConfig, data_path
 from train.data import DataPosition, batches_from, build_dataloader
 from train.data_layout import DATA_LAYOUT, data_layout, layout_changes, num_streams, refusal

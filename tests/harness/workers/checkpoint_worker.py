@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests.harness.synthetic import full_params, synthetic_batch
-from train.checkpoint import CheckpointManager
+from train.checkpoint.manager import CheckpointManager
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
