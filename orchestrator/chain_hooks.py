@@ -8,27 +8,9 @@ with no orchestrator process alive.
 It reads ORCH_RUN_DIR, ORCH_CHAIN_ID and SLURM_JOB_ID (plus SLURM_CONF where SLURM needs it),
 and acts on chains of the slurm backend only. Holding the run dir's chain lock, it judges each
 ended job of the chain once (its ``outcome`` in the manifest is the idempotency key) from the
-trainer's end-of-job record (contract/job_end.py), the launcher's exit status or SLURM's state:
-
-- finished (max_steps): the chain is complete; its queued jobs are cancelled while pending;
-- diverged: the chain stops the same way, its reason in the manifest; no retry is spent;
-- blocked (the trainer's exit 2, config refused, or 4, checkpoints cannot be saved): a new job
-  would fail the same way, so the chain stops the same way too; no retry is spent;
-- stopped (a signal or a budget, after saving) or completed (exit 0, no record): nothing to do;
-- failed: a failure a new job can fix queues one replacement at the end of the chain while
-  ``--retries`` allow: the cluster cut the job short (NODE_FAIL, PREEMPTED: even after it saved,
-  the chain lost a job's worth of time; ``end`` asks SLURM, which has decided before it signals
-  the job), its time limit came before a save, a rank hung (exit 5)
-  or lost a peer (exit 6), a process was killed by a signal (status over 128, or the batch
-  shell killed before its end hook), or an exit code the user listed (``--retry-on-exit``).
-  Any other failure (an error of the training's own, exit 1) is not retried: a new job would
-  fail alike.
-
-After the outcomes, two checks end the chain: ``--max-stalled N`` jobs in a row that ended
-without a newer complete checkpoint than the chain had before them stop it as ``stalled`` (its
-queued jobs cancelled: they would burn the queue); and when its last job has ended with the
-training unfinished and nothing more is queued, the chain is ``incomplete``, its line naming the
-step reached and the command that continues it.
+trainer's end-of-job record (contract/job_end.py), the launcher's exit status or SLURM's state,
+by the rules of orchestrator/chain_judgement.py, and does what they decide: records the
+outcome, cancels the chain's queued jobs, queues a replacement, requeues a preempted job.
 
 Before a failure a new process can fix is judged, ``end --restart-in-place`` (what the
 rendered batch scripts run) may answer EXIT_RESTART_IN_JOB instead: the script launches the
@@ -44,22 +26,14 @@ outcome as the log's last line (orchestrator/backends/run_dir.py reads it).
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shlex
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from contract import job_env
 from contract.job_end import (
     EXIT_CHAIN_ENDED,
-    EXIT_CONFIG,
-    EXIT_HUNG,
-    EXIT_NOT_SAVED,
-    EXIT_PEER_LOST,
     EXIT_RESTART_IN_JOB,
     RESTART_FLAG,
     job_end_path,
@@ -67,23 +41,30 @@ from contract.job_end import (
     read_job_end,
 )
 from contract.run_dir import newest_complete_step
-from contract.slurm_states import CUT_SHORT_STATES, END_STATES, ENDING_REASONS, ENDING_STATES
+from contract.slurm_states import END_STATES, ENDING_STATES
 from orchestrator import in_job
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend, dependency_spec
 from orchestrator.backends.local import LocalBackend
 from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.chain import THEN_DEPENDENCY, JudgeJob, last_first, replacement_request
-from orchestrator.chain_status import run_order, signal_name
+from orchestrator.chain_judgement import (
+    CHAIN_ENDINGS,
+    ENDED,
+    REQUEUE,
+    REQUEUED,
+    Ending,
+    chain_settlement,
+    chain_stall,
+    ended_state,
+    judge,
+    preemption,
+    replacement_slot,
+    retries_used,
+)
 from orchestrator.errors import SchedulerError
 from orchestrator.manifest import (
-    BLOCKED,
-    CANCELLED,
-    COMPLETE,
-    DIVERGED,
     ENDED_STATUSES,
-    FAILED,
-    INCOMPLETE,
     MANIFEST_NAME,
     ROLLED_BACK,
     STALLED,
@@ -107,133 +88,11 @@ JOB_ONLY_VARIABLES = (
 )
 JOB_ONLY_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_")
 KEPT_VARIABLES = ("SLURM_CONF",)  # which cluster to talk to
-
-
-# Trainer exits a new job would only repeat: no replacement is queued for them.
-BLOCKING_EXITS = {
-    EXIT_CONFIG: "the trainer's config or layout is refused",
-    EXIT_NOT_SAVED: "checkpoints cannot be saved (the run dir's disk is full or read-only)",
-}
-# Trainer exits a new job can fix: retried under --retries.
-TRANSIENT = {
-    EXIT_HUNG: "a rank hung",
-    EXIT_PEER_LOST: "a rank lost a peer",
-}
-# Outcomes that end the whole chain (its queued jobs are cancelled), and the status each gives it.
-CHAIN_ENDINGS = {"finished": COMPLETE, "diverged": DIVERGED, "blocked": BLOCKED}
-
-
-@dataclass(frozen=True)
-class Ending:
-    """What a job's end means for the chain: an outcome word, one line saying why, and whether
-    a failure is one a new job can fix (a replacement is queued under --retries)."""
-
-    outcome: str  # finished, stopped, completed, failed, blocked, diverged, not_started
-    detail: str
-    retry: bool = False
-    said: str | None = None  # the trainer's error line, from its end-of-job record
-
-    @property
-    def line(self) -> str:
-        """What the chain's lines and status say: the detail, then the trainer's own error."""
-        return f"{self.detail}; error: {self.said}" if self.said else self.detail
-
-
 RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"  # set by SLURM in a requeued job: its requeues so far
-REQUEUED, REQUEUE, ENDED = "requeued", "requeue", "ended"  # what became of a preempted run
 
 
 def say(line: str) -> None:
     print(f"[orch] chain: {line}", flush=True)
-
-
-def judge(
-    record: dict[str, Any] | None,
-    status: int | None,
-    state: str,
-    started: bool,
-    retry_on_exit: tuple[int, ...] = (),
-) -> Ending:
-    """The ending of one job: ``record`` is its end-of-job record, ``status`` the launcher's exit
-    status (known to ``end`` only), ``state`` SLURM's, ``started`` whether it has a log, and
-    ``retry_on_exit`` the exit codes the user listed as worth a retry."""
-    step = record.get("step") if record is not None else None
-    if record is not None and record.get("finished"):
-        return Ending("finished", f"training finished at step {step}")
-    if record is not None and record["reason"] == "diverged":
-        return Ending("diverged", f"training diverged at step {step}")
-    if state in CUT_SHORT_STATES:
-        saved = f" after saving step {step}" if record is not None and record.get("saved") else ""
-        return Ending("failed", f"cut short by the cluster ({state}){saved}", retry=True)
-    if record is not None and record.get("saved"):
-        signalled = record["reason"] == "signal"
-        why = record.get("signal") or ("a signal" if signalled else "its budget")
-        return Ending("stopped", f"training stopped on {why} after saving step {step}")
-    if state == "TIMEOUT":
-        return Ending("failed", "reached its time limit before saving", retry=True)
-    if record is not None:
-        code, said = record.get("exit_code"), record.get("error")
-        if code in BLOCKING_EXITS:
-            why = f"{BLOCKING_EXITS[code]} (exit {code}); no retry: fix it and queue again"
-            return Ending("blocked", why, said=said)
-        ending = failure(f"training failed at step {step} (exit {code})", code, retry_on_exit)
-        return dataclasses.replace(ending, said=said)
-    if status is not None:
-        if status == 0:
-            return Ending("completed", "exited with status 0")
-        said = f"exited with status {status} and no end-of-job record"
-        return failure(said, status, retry_on_exit)
-    if state == "CANCELLED" and not started:
-        return Ending("not_started", "cancelled before it started")
-    if state == "COMPLETED":
-        return Ending("completed", "completed")
-    # The batch shell ended without its end hook: killed (SIGKILL, the OOM killer, a lost node).
-    retry = state in ("FAILED", "CANCELLED") and started
-    return Ending("failed", f"ended {state} without running its end hook", retry=retry)
-
-
-def ended_state(fields: dict[str, str]) -> str:
-    """The end state SLURM gives the job the hook runs in, or "" while it gives none. SLURM
-    decides it before it signals the job's processes: a node lost under a multi-node step
-    (NODE_FAIL, shown as COMPLETING with Reason=NodeDown until the job is cleaned up) or the
-    time limit is known to the end hook, although the trainer may have saved and exited 0 on
-    the signal. PREEMPTED is left to the preemption check, which tells a requeued run from an
-    ended one."""
-    state = fields.get("JobState", "")
-    if state in ENDING_STATES:
-        state = ENDING_REASONS.get(fields.get("Reason", ""), "")
-    return state if state in END_STATES and state != "PREEMPTED" else ""
-
-
-def failure(said: str, code: Any, retry_on_exit: tuple[int, ...]) -> Ending:
-    """A failed job with exit ``code``: retried when a new job can fix it (see the module)."""
-    if code in TRANSIENT:
-        return Ending("failed", f"{said}: {TRANSIENT[code]}", retry=True)
-    if isinstance(code, int) and code > 128:
-        name = signal_name(code - 128)
-        return Ending("failed", f"{said}: killed by {name}", retry=True)
-    if code in retry_on_exit:
-        return Ending("failed", f"{said}, listed in --retry-on-exit", retry=True)
-    return Ending(
-        "failed",
-        f"{said}; not retried: a new job would fail alike (--retry-on-exit {code} retries it)",
-    )
-
-
-def stalled_jobs(manifest: Manifest) -> list[JobRecord]:
-    """The chain's latest jobs, in a row, that ended without a newer complete checkpoint than
-    the chain had before each (jobs whose progress was not measured are passed over)."""
-    best = manifest.start_step
-    stalled: list[JobRecord] = []
-    for job in sorted(manifest.jobs, key=lambda job: job.index):
-        if job.then or job.outcome in (None, "not_started") or not job.measured:
-            continue
-        if job.checkpoint_step is not None and (best is None or job.checkpoint_step > best):
-            best = job.checkpoint_step
-            stalled = []
-        else:
-            stalled.append(job)
-    return stalled
 
 
 def scrub_job_environment() -> None:
@@ -287,7 +146,7 @@ class ChainKeeper:
         fields = self.slurm_fields(job)
         state = ended_state(fields)
         job, ending = self.judge_one(job, status, state, True)
-        preempted = self.preemption(fields) if ending.outcome != "finished" else None
+        preempted = preemption(fields, self.restarts) if ending.outcome != "finished" else None
         restartable = can_restart and ending.retry and preempted is None
         if restartable and self.restart_in_place(job, ending, state):
             return True
@@ -298,7 +157,7 @@ class ChainKeeper:
             )
             if preempted == REQUEUE:
                 self.requeue_id = str(job.job_id)
-            return
+            return False
         if preempted == ENDED:
             ending = Ending("failed", f"preempted ({ending.detail})", retry=True)
         self.act([(job, ending)], ended_ids=set())
@@ -345,17 +204,6 @@ class ChainKeeper:
         except SchedulerError as error:
             say(f"could not ask SLURM how job {job.job_id} ends: {error}")
             return {}
-
-    def preemption(self, fields: dict[str, str]) -> str | None:
-        """Whether SLURM preempted this run of the job (a PreemptTime since the run started):
-        None, or REQUEUED (SLURM requeued it already), REQUEUE (it may be requeued) or ENDED
-        (it may not)."""
-        preempted_at = fields.get("PreemptTime", "None")
-        if not preempted_at[:1].isdigit() or preempted_at < fields.get("StartTime", ""):
-            return None
-        if int(fields.get("Restarts", 0)) > self.restarts:
-            return REQUEUED
-        return REQUEUE if fields.get("Requeue") == "1" else ENDED
 
     def note_requeue(self, restarts: int) -> None:
         """``start`` of a requeued job: count the restart, and put the record of its run
@@ -430,49 +278,19 @@ class ChainKeeper:
 
     def stop_if_stalled(self) -> None:
         """End the chain once --max-stalled jobs in a row made no progress."""
-        limit = self.manifest.max_stalled
-        stalled = stalled_jobs(self.manifest)
-        if limit <= 0 or len(stalled) < limit:
-            return
-        newest = stalled[-1].checkpoint_step
-        at = f"step {newest}" if newest is not None else "no checkpoint"
-        self.end_chain(
-            stalled[-1],
-            STALLED,
-            f"{len(stalled)} jobs in a row ended without a newer checkpoint (still {at}; "
-            f"--max-stalled {limit}): look at their logs before queueing more",
-        )
+        stall = chain_stall(self.manifest)
+        if stall is not None:
+            job, detail = stall
+            self.end_chain(job, STALLED, detail)
 
     def settle(self) -> None:
         """When every job of the chain has ended and nothing more is queued, its status says
-        how: the last job that ran (the latest submitted) failed: FAILED; it stopped after
-        saving with the training unfinished: INCOMPLETE (both name the step reached and the
-        command that continues); none ran: CANCELLED; else COMPLETE."""
-        chain_jobs = [job for job in self.manifest.jobs if not job.then]
-        if any(job.outcome is None or job.replacement_due for job in chain_jobs):
+        how (chain_judgement.chain_settlement)."""
+        settlement = chain_settlement(self.manifest)
+        if settlement is None:
             return
-        if sum(job.replaces is None for job in chain_jobs) < self.manifest.num_jobs:
-            return  # a local chain's planned jobs still to run
-        ran = [job for job in chain_jobs if job.outcome != "not_started"]
-        last = max(ran or chain_jobs, key=run_order)
-        steps = [job.step for job in chain_jobs if job.step is not None]
-        reached = f"step {max(steps)}" if steps else "no recorded step"
-        that_ran = " that ran" if ran and len(ran) < len(chain_jobs) else ""
-        which = f"job {last.index} (id {last.job_id}), the last{that_ran},"
-        more = f"; continue it with: {continue_command(self.manifest)}"
-        if last.outcome == "failed":
-            status, ended = FAILED, f"{which} {last.why}"
-            if last.measured:
-                ended += f" (training at {reached}){more}"
-        elif last.outcome == "stopped" and last.measured:
-            status = INCOMPLETE
-            ended = f"{which} ended with training unfinished at {reached}{more}"
-        elif last.outcome == "not_started":
-            status, ended = CANCELLED, f"{which} was cancelled before it started"
-        else:
-            status, ended = COMPLETE, f"every job ended; {which} {last.why or last.outcome}"
-        self.manifest.status, self.manifest.ended = status, ended
-        say(f"chain {status}: {ended}")
+        self.manifest.status, self.manifest.ended = settlement
+        say(f"chain {self.manifest.status}: {self.manifest.ended}")
 
     def end_chain(self, job: JobRecord, status: str, detail: str) -> None:
         """Cancel the chain's queued jobs (the --then job stays: it runs after the chain)."""
@@ -494,16 +312,12 @@ class ChainKeeper:
 
     def replace(self, job: JobRecord, ending: Ending, ended_ids: set[str]) -> None:
         """Queue one replacement at the end of the chain, while retries remain."""
-        used = sum(other.replaces is not None for other in self.manifest.jobs)
-        allowed = self.manifest.retries
+        used, allowed = retries_used(self.manifest), self.manifest.retries
         if used >= allowed:
             if allowed:
                 say(f"job {job.index} is not replaced: {used} of {allowed} retries used")
             return
-        planned = self.manifest.num_jobs + (self.manifest.then is not None)
-        index = max(planned, *(other.index + 1 for other in self.manifest.jobs))
-        tail = max((o for o in self.manifest.jobs if not o.then), key=run_order)
-        after = None if str(tail.job_id) in ended_ids else str(tail.job_id)
+        index, after = replacement_slot(self.manifest, ended_ids)
         seed = replacement_seed(self.manifest, index)
         request = replacement_request(self.manifest, index, seed, after)
         try:
@@ -566,15 +380,6 @@ def judge_local_job(manifest: Manifest, job: JobRecord, backend: Backend) -> Non
         if len(manifest.jobs) == submitted:
             return
         job = manifest.jobs[-1]
-
-
-def continue_command(manifest: Manifest) -> str:
-    """The auto_launch command line that queues one more job of the chain's recipe in its run
-    dir (run from the directory the chain was launched from)."""
-    words = ["auto_launch", "-n1", "--run-dir", manifest.run_dir, manifest.recipe]
-    if manifest.args:
-        words += ["--", *manifest.args]
-    return shlex.join(words)
 
 
 def replacement_seed(manifest: Manifest, index: int) -> int:

@@ -1,6 +1,6 @@
 """A chain's status as ``status`` and ``list`` show it, true on every backend.
 
-A chain that has ended keeps the status its judgement gave it (orchestrator/chain_hooks.py:
+A chain that has ended keeps the status its judgement gave it (orchestrator/chain_judgement.py:
 complete, failed, blocked, ...). Until then the manifest says ``submitted``, and the status is
 read from its jobs: ``running`` while one runs, ``queued`` while one waits, and once every job
 has ended without a judgement (a .sub that never calls the chain hook, a job killed before its

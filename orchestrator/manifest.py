@@ -34,7 +34,7 @@ MANIFEST_NAME = "manifest.json"
 # A chain's status (``Manifest.status``). auto_launch sets SUBMITTING, then SUBMITTED, or
 # ROLLED_BACK: its submission failed part way, what it had queued is cancelled, and the chain
 # hook lets no job of it train should a cancel not have reached the scheduler. The chain's
-# judgement (orchestrator/chain_hooks.py) sets one of ENDED_STATUSES when it ends, and
+# judgement (orchestrator/chain_judgement.py) sets one of ENDED_STATUSES when it ends, and
 # `orchestrator cancel` CANCELLED. QUEUED and RUNNING are never stored: `status` and `list`
 # derive them from the jobs' states while a chain is SUBMITTED (orchestrator/chain_status.py).
 SUBMITTING, SUBMITTED, ROLLED_BACK = "submitting", "submitted", "rolled_back"
@@ -142,7 +142,7 @@ class Manifest:
     then: ThenRecord | None = None
     retries: int = 0  # --retries: replacement jobs the chain may queue for failed ones
     retry_on_exit: list[int] = field(default_factory=list)  # --retry-on-exit: codes worth one
-    max_stalled: int = DEFAULT_MAX_STALLED  # --max-stalled (orchestrator.chain_hooks)
+    max_stalled: int = DEFAULT_MAX_STALLED  # --max-stalled (orchestrator.chain_judgement)
     # --restarts-in-job: launches of the training again inside one job (orchestrator/in_job.py).
     # A manifest written before it existed had none.
     restarts_in_job: int = 0

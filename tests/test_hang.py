@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from contract.job_end import read_job_end
-from orchestrator.chain_hooks import judge
+from orchestrator.chain_judgement import judge
 from tests.harness.chains import launch_training, wait_chain
 from tests.harness.process import REPO, run_tool
 from tests.harness.training import metrics, wait_for_step
