@@ -94,10 +94,10 @@ def time_plan() -> float:
     from orchestrator.planner.cluster import Cluster
     from orchestrator.planner.request import PlanRequest
     from orchestrator.planner.search import plan
-    from orchestrator.planner.shapes import model_preset
+    from train.models.presets import get_preset
 
     request = PlanRequest(
-        model=model_preset("llama_70b"),
+        model=get_preset("llama_70b"),
         seconds=30.0,
         tokens=256,
         global_batch=512,

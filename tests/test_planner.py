@@ -17,8 +17,8 @@ from contract.gpus import gpu_preset
 from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.request import PlanRequest
 from orchestrator.planner.search import LONG_SEQUENCE, NEAR_TIE, plan
-from orchestrator.planner.shapes import model_preset
 from tests.harness.process import run_tool
+from train.models.presets import get_preset
 
 PLAN_256_GPUS = ("plan", "--model", "llama_70b", "--gpus", "256", "--global-batch", "512", "--json")
 
@@ -26,7 +26,7 @@ PLAN_256_GPUS = ("plan", "--model", "llama_70b", "--gpus", "256", "--global-batc
 def request(model: str, gpus: int, **kw) -> PlanRequest:
     cluster = Cluster(gpus=gpus, gpus_per_node=8, gpu=gpu_preset(kw.pop("gpu", "h100")))
     return PlanRequest(
-        model=model_preset(model),
+        model=get_preset(model),
         seconds=kw.pop("seconds", 30.0),
         tokens=kw.pop("tokens", 256),
         global_batch=kw.pop("global_batch", 256),
@@ -94,7 +94,7 @@ def test_long_sequences_bring_context_parallelism_in():
     ("model", "gpus"), [("llama_70b", 64), ("moe_1b", 16), ("tiny_moe", 4), ("small", 8)]
 )
 def test_every_layout_uses_every_gpu_and_respects_divisibility(model, gpus):
-    cfg = model_preset(model)
+    cfg = get_preset(model)
     result = plan(request(model, gpus, global_batch=64))
     assert result.estimates
     for item in result.estimates:

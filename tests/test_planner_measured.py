@@ -18,9 +18,9 @@ from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.measured import MEMORY_BOUND, PRICED, SPEED_BOUND, load, parse_layout
 from orchestrator.planner.request import Layout, PlanRequest
 from orchestrator.planner.search import plan, price
-from orchestrator.planner.shapes import model_preset
 from orchestrator.planner.speed import attention_share, matmul_share
 from tests.harness.process import run_tool
+from train.models.presets import get_preset
 
 ROWS = load()
 PRICED_ROWS = [row for row in ROWS if row.priced]
@@ -29,7 +29,7 @@ PRICED_ROWS = [row for row in ROWS if row.priced]
 def llama_8b_text_on_8_h100s() -> PlanRequest:
     """The issue's command: 8 sequences of 8,192 tokens per step on one node of 8 H100s."""
     cluster = Cluster(gpus=8, gpus_per_node=8, gpu=gpu_preset("h100"))
-    return PlanRequest(model_preset("llama_8b"), 0.0, 8192, 8, cluster)
+    return PlanRequest(get_preset("llama_8b"), 0.0, 8192, 8, cluster)
 
 
 def row_id(row) -> str:
@@ -70,7 +70,7 @@ def test_the_best_layout_for_llama_8b_on_8_h100s_is_at_least_as_fast_as_fsdp_8()
     torchtitan measured (FSDP over the 8 GPUs)."""
     request = llama_8b_text_on_8_h100s()
     best = plan(request).best
-    fsdp8 = price(request, Layout(1, 8, 1, 1, 1, 1, 1, 1, "selective")).best
+    fsdp8 = price(request, Layout(1, 1, "selective", dp_shard=8)).best
     assert best.step_time_s <= fsdp8.step_time_s
     assert (best.layout.tp, best.layout.pp) == (1, 1)
     assert "data parallelism alone fits" in best.reasoning and "\n" not in best.reasoning
@@ -89,8 +89,8 @@ def test_eager_and_checkpointing_cost_what_was_measured():
     one_h100 = Cluster(gpus=1, gpus_per_node=8, gpu=gpu_preset("h100"))
 
     def step(ac: str, compiled: bool) -> float:
-        request = PlanRequest(model_preset("llm_1b"), 20.0, 128, 8, one_h100, compiled=compiled)
-        return price(request, Layout(1, 1, 1, 1, 1, 1, 8, 1, ac)).estimates[0].step_time_s
+        request = PlanRequest(get_preset("llm_1b"), 20.0, 128, 8, one_h100, compiled=compiled)
+        return price(request, Layout(8, 1, ac, dp_shard=1)).estimates[0].step_time_s
 
     assert step("selective", True) < step("none", False) < step("selective", False)
     assert step("selective", False) < step("full", False)
@@ -128,4 +128,4 @@ def test_a_table_without_its_columns_is_refused(tmp_path):
 def test_a_layout_the_trainer_cannot_run_is_refused():
     request = llama_8b_text_on_8_h100s()
     with pytest.raises(ValueError):
-        price(request, Layout(1, 1, 3, 1, 1, 1, 8, 1, "none"))  # 3 GPUs of 8
+        price(request, Layout(8, 1, "none", dp_shard=1, tp=3))  # 3 GPUs of 8

@@ -27,7 +27,7 @@ from contract.job_env import SEED_LIMIT
 from contract.spelling import closest
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
-from train.parallel_dims import AC_MODES, STRATEGIES
+from train.parallel_dims import AC_MODES, STRATEGIES, Degrees
 from train.sources import Source, read_sources
 from train.watchdog import STOPPABLE
 
@@ -40,15 +40,9 @@ MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([ro
 
 
 @dataclass
-class ParallelConfig:
-    """Mesh sizes; dp_shard -1 takes what the others leave of the world size."""
+class ParallelConfig(Degrees):
+    """The degrees (``train.parallel_dims.Degrees``) and how the pipeline runs."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1  # context parallel: the decoder sequence split over cp ranks (same batch)
-    pp: int = 1  # pipeline stages (ranks), outermost: stages span nodes
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (train/pipeline_plan.py)
     pp_microbatches: int = 0  # per batch; 0: 2 * pp
     pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for interleaved_1f1b, else 1
@@ -69,7 +63,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # train/models/presets.py: tiny, tiny_moe, small, llm_1b, moe_1b
+    preset: str = "tiny"  # a name in train/models/presets.py: tiny, small, llm_1b, llama_8b, ...
     init_seed: int = 1234  # the same on every rank, so replicated parameters start identical
     # A local Hugging Face decoder directory (Llama, Qwen2, Qwen3): its shape replaces the
     # preset's LLM and its weights are loaded at the first job (train/models/hf_weights.py).

@@ -17,7 +17,7 @@ Data loading only needs `coordinates(rank)`, so it never has to build a mesh.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -27,9 +27,6 @@ STRATEGIES = ("ddp", "fsdp2")
 # Activation checkpointing per block (train/models/parallelize.py), least memory saved first:
 # the trainer's activation_checkpointing values, in the order the planner tries them.
 AC_MODES = ("none", "selective", "full")
-# The six degrees, as every layout-describing record names them (the trainer's parallel config,
-# the planner's layouts): ParallelDims.of reads them from any of those.
-DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "cp", "pp")
 BASE_SEQ_MULTIPLE = 8  # packed decoder sequences are a multiple of this at any layout
 
 
@@ -49,6 +46,34 @@ class ModelShape(Protocol):
     tie_embeddings: bool
 
 
+@dataclass(kw_only=True)
+class Degrees:
+    """The parallel degrees, declared once: the trainer's config (``ParallelConfig``), the
+    layout of a job (``ParallelDims``), the planner's layouts and its activation model all extend
+    this, so a new degree is one field here. Keyword-only, so that each extension's own fields
+    keep their places. In the planner's order: data parallelism, then the model splits."""
+
+    dp_replicate: int = 1  # HSDP's replicas (whole copies of the sharded model)
+    dp_shard: int = -1  # FSDP's shards; -1 takes what the other degrees leave of the world
+    tp: int = 1  # tensor (and sequence) parallelism, inside a node
+    cp: int = 1  # context parallelism: the decoder sequence split over cp ranks (same batch)
+    pp: int = 1  # pipeline stages (ranks), outermost: stages span nodes
+    ep: int = 1  # expert parallelism, carved out of dp_shard x cp x tp
+
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in DEGREES}
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step consumes (once dp_shard
+        is resolved)."""
+        return self.dp_replicate * self.dp_shard
+
+
+# Their names, in that order: what a layout's overrides, JSON and one-line spec list.
+DEGREES = tuple(degree.name for degree in fields(Degrees))
+
+
 @dataclass(frozen=True)
 class RankCoordinates:
     """Where one global rank sits in the dense and sparse views, and its data-parallel slot."""
@@ -64,34 +89,26 @@ class RankCoordinates:
     dp_size: int
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of each parallelism; ``dp_shard=-1`` takes whatever the others leave."""
+@dataclass
+class ParallelDims(Degrees):
+    """The degrees on ``world_size`` ranks; ``dp_shard=-1`` becomes whatever the others leave."""
 
     world_size: int
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-    pp: int = 1
 
     @classmethod
     def of(cls, world_size: int, degrees: object) -> ParallelDims:
-        """The layout of ``world_size`` ranks with the ``DEGREES`` that ``degrees`` holds."""
+        """The layout of ``world_size`` ranks with the ``DEGREES`` that ``degrees`` holds (the
+        trainer's config, as a dataclass or as Hydra composed it; a planner layout)."""
         return cls(world_size, **{name: getattr(degrees, name) for name in DEGREES})
-
-    def degrees(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in DEGREES}
 
     def __post_init__(self) -> None:
         others = self.dp_replicate * self.tp * self.cp * self.pp
         if self.dp_shard == -1 and others > 0 and self.world_size % others == 0:
-            object.__setattr__(self, "dp_shard", self.world_size // others)
+            self.dp_shard = self.world_size // others
 
     def validate(self, model: ModelShape, strategy: str = "fsdp2") -> None:
         """Raise ValueError (one line) for the first way this layout cannot run ``model``."""
-        for name in ("world_size", "dp_replicate", "dp_shard", "tp", "ep", "cp", "pp"):
+        for name in ("world_size", *DEGREES):
             value = getattr(self, name)
             if value < 1 and not (name == "dp_shard" and value == -1):
                 raise ValueError(f"{name}={value} must be a positive integer")
@@ -147,11 +164,6 @@ class ParallelDims:
                 "strategy ddp replicates whole models: it needs dp_shard=1, tp=1, ep=1, pp=1, "
                 "cp=1 (use fsdp2 for sharded, TP, EP, pipeline or context-parallel layouts)"
             )
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches one step consumes."""
-        return self.dp_replicate * self.dp_shard
 
     @property
     def expert_ranks(self) -> int:

@@ -47,7 +47,7 @@ from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
 from train.models.salm import example_positions, loss_targets
-from train.parallel_dims import ParallelDims
+from train.parallel_dims import DENSE_DIMS, ParallelDims
 from train.pipeline_plan import PipelinePlan
 from train.step import WholeModelRunner
 from train.stop import StopRequest
@@ -186,16 +186,9 @@ def check_identical_batches(digest: str, dp_rank: int) -> None:
 
 
 def mesh_coordinates(dims: ParallelDims, rank: int) -> dict[str, int]:
+    """Where ``rank`` sits: its place in each view's dimensions and its data-parallel slot."""
     coords = dims.coordinates(rank)
-    return {
-        "pp": coords.pp,
-        "dp_replicate": coords.dp_replicate,
-        "dp_shard": coords.dp_shard,
-        "cp": coords.cp,
-        "tp": coords.tp,
-        "ep": coords.ep,
-        "dp_rank": coords.dp_rank,
-    }
+    return {name: getattr(coords, name) for name in (*DENSE_DIMS, "ep", "dp_rank")}
 
 
 class Trainer:

@@ -70,7 +70,7 @@ from train.models.shape import (
     llm_head_dim,
     subsampled_lens,
 )
-from train.parallel_dims import BASE_SEQ_MULTIPLE, sequence_multiple
+from train.parallel_dims import BASE_SEQ_MULTIPLE, Degrees, sequence_multiple
 
 FP32 = 4
 
@@ -89,13 +89,11 @@ class Microbatch:
         return math.ceil(positions / multiple) * multiple
 
 
-@dataclass(frozen=True)
-class ActivationLayout:
-    """What of the layout shapes activations."""
+@dataclass
+class ActivationLayout(Degrees):
+    """The layout as activations see it: the degrees (tp, cp and pp shape them) and how the
+    pipeline and the microbatches run."""
 
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
     stages_per_rank: int = 1
     schedule: str = "1f1b"
     microbatches: int = 1  # per optimizer step and data-parallel rank (pipeline or accumulation)

@@ -22,12 +22,12 @@ from orchestrator.planner.measured import (
 )
 from orchestrator.planner.request import Estimate, Layout, PlanRequest, PlanResult
 from orchestrator.planner.search import plan, price
-from orchestrator.planner.shapes import model_names, model_preset, with_overrides
 from train.models.freeze import frozen_names
 from train.models.hf_config import decoder_fields
 from train.models.inventory import inventory
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, freeze_rules, with_lora
-from train.parallel_dims import AC_MODES
+from train.models.presets import PRESETS, get_preset
+from train.parallel_dims import AC_MODES, DEGREES
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
 SHAPE_FLAGS = {
@@ -56,9 +56,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "activation checkpointing) for memory per GPU and step time, and rank those that fit. "
         "docs/planner.md describes the model and its measured errors.",
     )
-    parser.add_argument(
-        "--model", default="llm_1b", help=f"a named shape: {', '.join(model_names())}"
-    )
+    parser.add_argument("--model", default="llm_1b", help=f"a named shape: {', '.join(PRESETS)}")
     parser.add_argument(
         "--hf-config",
         metavar="DIR",
@@ -153,10 +151,10 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         raise UsageError("orchestrator plan: --gpus is required")
     try:
         shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
-        model = model_preset(args.model)
+        model = get_preset(args.model)
         if args.hf_config:
             model = replace(model, **decoder_fields(args.hf_config, "--hf-config"))
-        model = with_overrides(model, **shape)
+        model = replace(model, **{key: value for key, value in shape.items() if value is not None})
         targets = [name for name in args.lora_targets.split(",") if name]
         model = with_lora(model, args.lora_rank, DEFAULT_ALPHA, 0.0, targets)
         names = [tensor.name for tensor in inventory(model)]
@@ -200,9 +198,7 @@ def layout_from(spec: str, request: PlanRequest) -> Layout:
         fields = parse_layout(spec)
     except ValueError as error:
         raise UsageError(f"--layout: {error}") from error
-    degrees = {
-        key: int(fields[key]) for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
-    }
+    degrees = {key: int(fields[key]) for key in DEGREES}
     microbatches = int(fields["microbatches"])
     if fields["ac"] not in (*AC_MODES, TORCHTITAN_OP):
         modes = ", ".join((*AC_MODES, TORCHTITAN_OP))
@@ -224,12 +220,7 @@ def estimate_json(result: Estimate, seconds: float) -> dict:
     layout = result.layout
     return {
         "layout": {
-            "dp_replicate": layout.dp_replicate,
-            "dp_shard": layout.dp_shard,
-            "tp": layout.tp,
-            "cp": layout.cp,
-            "pp": layout.pp,
-            "ep": layout.ep,
+            **layout.degrees(),
             "microbatch": layout.microbatch,
             "microbatches": layout.microbatches,
             "ac": layout.ac,

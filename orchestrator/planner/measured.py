@@ -16,6 +16,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.parallel_dims import DEGREES
+
 TABLE = Path(__file__).with_name("measurements.csv")
 COLUMNS = (
     "source",  # where the figure was published, or the script that measured it
@@ -30,7 +32,7 @@ COLUMNS = (
 PRICED = "priced"
 SPEED_BOUND = 0.20  # predicted tokens/s per GPU within 20% of the measurement
 MEMORY_BOUND = 0.15  # predicted peak memory within 15% where it was published
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep", "microbatches", "ac")
+LAYOUT_KEYS = (*DEGREES, "microbatches", "ac")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.planner.cluster import Cluster
 from train.models.shape import SALMConfig
-from train.parallel_dims import AC_MODES, ParallelDims
+from train.parallel_dims import AC_MODES, Degrees, ParallelDims
 
 FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 
@@ -37,14 +37,10 @@ class PlanRequest:
         return 2 if self.mixed_precision and self.on_gpu else 4
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    cp: int
-    pp: int
-    ep: int
+@dataclass
+class Layout(Degrees):
+    """The degrees (``train.parallel_dims.Degrees``) and how a step is cut into microbatches."""
+
     microbatch: int  # sequences per microbatch and data-parallel rank
     microbatches: int  # per optimizer step: pipeline microbatches or gradient accumulation
     ac: str
@@ -52,23 +48,12 @@ class Layout:
     stages_per_rank: int = 0  # 0: the schedule's default (parallel.pp_stages_per_rank)
     pp_split: tuple[int, ...] = ()  # LLM blocks per stage; empty: balanced (parallel.pp_split)
 
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
     def dims(self, world: int) -> ParallelDims:
         return ParallelDims.of(world, self)
 
     def overrides(self, seconds: float) -> list[str]:
         """Hydra overrides for the trainer (``data.max_duration`` is per microbatch)."""
-        lines = [
-            f"parallel.dp_replicate={self.dp_replicate}",
-            f"parallel.dp_shard={self.dp_shard}",
-            f"parallel.tp={self.tp}",
-            f"parallel.cp={self.cp}",
-            f"parallel.pp={self.pp}",
-            f"parallel.ep={self.ep}",
-        ]
+        lines = [f"parallel.{name}={value}" for name, value in self.degrees().items()]
         if self.pp > 1:
             lines.append(f"parallel.pp_microbatches={self.microbatches}")
             per_rank = seconds * self.microbatch * self.microbatches
@@ -81,11 +66,8 @@ class Layout:
         return lines
 
     def describe(self) -> str:
-        return (
-            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} "
-            f"cp={self.cp} pp={self.pp} ep={self.ep} microbatches={self.microbatches} "
-            f"(of {self.microbatch} seq) ac={self.ac}"
-        )
+        degrees = " ".join(f"{name}={value}" for name, value in self.degrees().items())
+        return f"{degrees} microbatches={self.microbatches} (of {self.microbatch} seq) ac={self.ac}"
 
 
 @dataclass

@@ -86,7 +86,17 @@ def candidate_layouts(request: PlanRequest) -> list[Layout]:
                                 continue
                             for ac in request.ac_modes:
                                 layouts.append(
-                                    Layout(replicate, shard, tp, cp, pp, ep, microbatch, m, ac)
+                                    Layout(
+                                        microbatch,
+                                        m,
+                                        ac,
+                                        dp_replicate=replicate,
+                                        dp_shard=shard,
+                                        tp=tp,
+                                        cp=cp,
+                                        pp=pp,
+                                        ep=ep,
+                                    )
                                 )
     return layouts
 
@@ -150,7 +160,7 @@ def estimate(
     gpus = cluster.gpus
     dims = layout.dims(gpus)
     plan = pipeline_for(counts, layout, state_cache)
-    key = (layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, layout.ep)
+    key = tuple(layout.degrees().values())
     bf16 = request.mixed_precision and request.on_gpu
     fsdp = uses_fsdp(dims, request.strategy, bf16)
     if key not in state_cache:
@@ -163,9 +173,7 @@ def estimate(
     states, comm = state_cache[key]
     batch = Microbatch(layout.microbatch, request.frames, request.tokens)
     act_layout = ActivationLayout(
-        tp=layout.tp,
-        cp=layout.cp,
-        pp=layout.pp,
+        **layout.degrees(),
         stages_per_rank=1 if plan is None else plan.stages_per_rank,
         schedule=layout.schedule,
         microbatches=layout.microbatches,

@@ -1,4 +1,11 @@
-"""Named model sizes (their FLOPs for MFU are counted in ``train.flops``)."""
+"""Named model sizes, the one table of them: what ``model.preset`` builds and what
+``orchestrator plan --model`` prices (their FLOPs for MFU are counted in ``train.flops``).
+
+The large ones put a public LLM's decoder (Llama 3.1 8B, 70B and 405B: layers, width, heads,
+KV heads, FFN width, vocabulary) behind a FastConformer-sized audio encoder (1024 wide, 24
+blocks), the way NeMo's SALM pairs Canary's encoder with an LLM: shapes to plan a cluster for,
+or to train from scratch on one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,9 @@ import dataclasses
 from train.models.hf_config import decoder_fields
 from train.models.hf_encoder_config import encoder_fields
 from train.models.shape import SALMConfig
+
+_FASTCONFORMER = {"enc_dim": 1024, "enc_layers": 24, "enc_heads": 8, "enc_ffn_hidden": 4096}
+_LLAMA_VOCAB = 128256
 
 PRESETS: dict[str, SALMConfig] = {
     # CPU tests: a few seconds per step on one core.
@@ -55,12 +65,40 @@ PRESETS: dict[str, SALMConfig] = {
         top_k=2,
         moe_hidden=2816,
     ),
+    # Planning: Llama 3.1's decoders behind a FastConformer encoder.
+    "llama_8b": SALMConfig(
+        **_FASTCONFORMER,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        vocab_size=_LLAMA_VOCAB,
+    ),
+    "llama_70b": SALMConfig(
+        **_FASTCONFORMER,
+        d_model=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+        vocab_size=_LLAMA_VOCAB,
+    ),
+    "llama_405b": SALMConfig(
+        **_FASTCONFORMER,
+        d_model=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_hidden=53248,
+        vocab_size=_LLAMA_VOCAB,
+    ),
 }
 
 
 def get_preset(name: str) -> SALMConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}: choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 
