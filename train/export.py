@@ -195,7 +195,7 @@ def write_adapters(folder: Path, model: SALM, shape: SALMConfig, dtype: torch.dt
 def write_llm(
     folder: Path,
     model: SALM,
-    model_cfg: ModelConfig,
+    source: Path | None,
     shape: SALMConfig,
     dtype: torch.dtype,
     merge: bool,
@@ -205,8 +205,7 @@ def write_llm(
     state = {name: t.to(dtype) for name, t in llm_weights(model, shape, merge).items()}
     if shape.tie_embeddings:
         state.pop("lm_head.weight", None)
-    if model_cfg.pretrained_llm:
-        source = Path(model_cfg.pretrained_llm)
+    if source is not None:
         config = read_config(source)
         tokenizer = load_tokenizer(source)
         rows = len(tokenizer)
@@ -226,11 +225,10 @@ def write_llm(
     return config
 
 
-def write_encoder(folder: Path, model: SALM, shape: SALMConfig, dtype: torch.dtype) -> None:
-    """DIR/encoder: the pretrained encoder's config (of the encoder alone), its weights under
-    transformers' names, and its feature extractor's config."""
+def write_encoder(folder: Path, model: SALM, source: Path, dtype: torch.dtype) -> None:
+    """DIR/encoder: the pretrained encoder's config (of the encoder alone, as ``source`` has
+    it), its weights under transformers' names, and its feature extractor's config."""
     folder.mkdir()
-    source = Path(shape.encoder_dir)
     family, config = encoder_config(source)
     config = {**config, "architectures": [transformers_class(family).__name__]}
     config.pop("torch_dtype", None)
@@ -250,7 +248,7 @@ def write_speech(
 ):
     """The projector (and the own encoder), and the config that joins them to DIR/llm (and
     DIR/lora, DIR/encoder)."""
-    pretrained = shape.encoder != OWN_ENCODER
+    pretrained = model_cfg.pretrained_encoder is not None
     elsewhere = ("llm.", ENCODER) if pretrained else ("llm.",)
     parts = {
         name: param.detach().contiguous()
@@ -310,9 +308,13 @@ def export(args: argparse.Namespace) -> Path:
     checkpoint, state, model_cfg, shape = plan_export(args)
     out = Path(args.out)
     dtype = DTYPES[args.dtype] if args.dtype else None
+    # Where the run's pretrained parts came from (absolute, as the checkpoint records them).
+    llm, encoder = (
+        None if directory is None else Path(directory)
+        for directory in (model_cfg.pretrained_llm, model_cfg.pretrained_encoder)
+    )
     if dtype is None:
-        pretrained = model_cfg.pretrained_llm
-        dtype = source_dtype(read_config(Path(pretrained))) if pretrained else torch.float32
+        dtype = source_dtype(read_config(llm)) if llm is not None else torch.float32
     fp32 = sum(t.numel for t in inventory(shape)) * 4
     size = f"{fp32 / 2**30:.1f} GiB" if fp32 >= 2**30 else f"{fp32 / 2**20:.1f} MiB"
     step = state["step"]
@@ -322,10 +324,10 @@ def export(args: argparse.Namespace) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         merge = bool(shape.lora_rank) and not args.adapters
-        write_llm(staging / LLM_DIR, model, model_cfg, shape, dtype, merge)
-        if shape.encoder != OWN_ENCODER:  # in --dtype, else the encoder files' own
-            source = source_dtype(read_config(Path(shape.encoder_dir)))
-            write_encoder(staging / ENCODER_DIR, model, shape, DTYPES.get(args.dtype) or source)
+        write_llm(staging / LLM_DIR, model, llm, shape, dtype, merge)
+        if encoder is not None:  # in --dtype, else the encoder files' own
+            own = source_dtype(read_config(encoder))
+            write_encoder(staging / ENCODER_DIR, model, encoder, DTYPES.get(args.dtype) or own)
         if shape.lora_rank and args.adapters:
             write_adapters(staging / LORA_DIR, model, shape, dtype)
         write_speech(staging, model, model_cfg, shape, state, merge)

@@ -28,7 +28,14 @@ from contract.job_end import EXIT_HUNG, EXIT_NOT_SAVED, job_end_record, write_jo
 from contract.run_dir import CUTS_PREFIX, VAL_LOSS_PREFIX
 from train.batch_hash import append_batch_hash, step_hash
 from train.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteState
-from train.config import CONTINUE, RESTART_EPOCH, ConfigError, TrainConfig, data_path
+from train.config import (
+    CONTINUE,
+    RESTART_EPOCH,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    data_path,
+)
 from train.data import DataPosition, batches_from, build_dataloader
 from train.data_layout import DATA_LAYOUT, data_layout, layout_changes, num_streams, refusal
 from train.data_plan import DataPlan, data_plan
@@ -77,10 +84,22 @@ class Prepared:
     data: DataPlan
 
 
-def absolute(directory: str | None) -> str | None:
-    """A pretrained model's directory as the checkpoint records it: absolute, so evaluation and
-    export find it from any working directory (None without one)."""
-    return None if directory is None else str(Path(directory).expanduser().resolve())
+# What a run starts from, by ModelConfig key: the part's name in the log and its loader.
+PRETRAINED_PARTS = (
+    ("LLM", "pretrained_llm", load_llm_weights),
+    ("encoder", "pretrained_encoder", load_encoder_weights),
+)
+
+
+def pretrained_dirs(model: ModelConfig) -> dict[str, str | None]:
+    """The config's pretrained directories by key, as the first job loads them and the
+    checkpoint records them: absolute, so evaluation and export find them from any working
+    directory (None: the preset's own part)."""
+    dirs: dict[str, str | None] = {}
+    for _, key, _ in PRETRAINED_PARTS:
+        directory = getattr(model, key)
+        dirs[key] = None if directory is None else str(Path(directory).expanduser().resolve())
+    return dirs
 
 
 def preflight(cfg: TrainConfig) -> Prepared:
@@ -323,11 +342,7 @@ class Trainer:
             DATA_LAYOUT: self.data_layout,
             # What train.evaluate needs to rebuild the model, its prompt and find the corpus's
             # test split.
-            "model": {
-                **asdict(self.cfg.model),
-                "pretrained_llm": absolute(self.cfg.model.pretrained_llm),
-                "pretrained_encoder": absolute(self.cfg.model.pretrained_encoder),
-            },
+            "model": {**asdict(self.cfg.model), **pretrained_dirs(self.cfg.model)},
             "corpus": str(Path(self.cfg.data.corpus).resolve()),
         }
 
@@ -338,13 +353,11 @@ class Trainer:
         found = self.checkpoints.load_latest(self.model, self.optimizer, self.scheduler)
         if found is None:
             say(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting fresh")
-            if self.cfg.model.pretrained_llm:
-                directory = absolute(self.cfg.model.pretrained_llm)
-                load_llm_weights(self.model, Path(directory))
-                say(f"LLM weights loaded from {directory}")
-            if self.model_cfg.encoder_dir:
-                load_encoder_weights(self.model, Path(self.model_cfg.encoder_dir))
-                say(f"encoder weights loaded from {self.model_cfg.encoder_dir}")
+            dirs = pretrained_dirs(self.cfg.model)
+            for part, key, load in PRETRAINED_PARTS:
+                if dirs[key] is not None:
+                    load(self.model, Path(dirs[key]))
+                    say(f"{part} weights loaded from {dirs[key]}")
             return None
         latest, state = found
         self.step = int(state["step"])
