@@ -76,6 +76,7 @@ class ThenJob:
     script_text: str
     resources: JobResources
     option: str  # how the user gave it (--then, hydra.launcher.then), to name it in errors
+    programs: tuple[str, ...] = ()  # what it starts by name from the PATH (Recipe.programs)
 
     @property
     def job_name(self) -> str:
@@ -87,7 +88,8 @@ class ThenJob:
         with cls._named(option):
             recipe, prepared = read_recipe(given)
             check_job_name(recipe.stem)
-        return cls(recipe, prepared.text, prepared.resources, option)
+        programs = () if prepared.spec is None else prepared.spec.programs()
+        return cls(recipe, prepared.text, prepared.resources, option, programs)
 
     @staticmethod
     @contextmanager

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
 from orchestrator.errors import UsageError
-from orchestrator.preflight import check_local_resources
+from orchestrator.preflight import check_local_resources, check_programs
 from orchestrator.slurm.commands import probe_partitions
 from orchestrator.slurm.partitions import Partition, check_partition
 from orchestrator.slurm.resources import JobResources
@@ -32,19 +32,21 @@ class LaunchJob:
 
     ``label`` prefixes its resource errors (``--then``; None for the chain's own job); ``name``
     names it in plan-check lines (the recipe, a sweep member); ``training`` builds the trainer
-    config it will run, for the plan check (None: not a training job, or no plan check).
+    config it will run, for the plan check (None: not a training job, or no plan check);
+    ``programs`` are what it starts by name from the PATH (``Recipe.programs``).
     """
 
     resources: JobResources
     name: str
     label: str | None = None
     training: Callable[[], TrainConfig] | None = None
+    programs: tuple[str, ...] = ()
 
 
 def then_job(then: ThenJob) -> LaunchJob:
     """A --then job as the checks see it: its resources must fit the chain's backend too (an
     evaluation is not priced by the plan check)."""
-    return LaunchJob(then.resources, str(then.recipe), label=then.option)
+    return LaunchJob(then.resources, str(then.recipe), label=then.option, programs=then.programs)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Site:
     def check_fits(self, job: LaunchJob) -> Partition | None:
         """The partition the job goes to (None on this machine); a UsageError if it cannot fit."""
         try:
+            check_programs(job.programs)
             if self.partitions is None:
                 check_local_resources(job.resources)
                 return None

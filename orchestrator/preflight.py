@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator.backends.base import DEPENDENCY_KINDS
@@ -43,6 +45,18 @@ def check_run_dir(run_dir: Path) -> None:
         raise UsageError(
             f"run dir {run_dir}: {existing} is not writable; choose --run-dir elsewhere"
         )
+
+
+def check_programs(programs: Sequence[str]) -> None:
+    """Each program a job starts by name must be on this shell's PATH, which the jobs inherit
+    (sbatch exports it, the local backend runs them here): else every job would exit 127."""
+    for program in programs:
+        if shutil.which(program) is None:
+            raise UsageError(
+                f"{program} is not on PATH, and the jobs would run it from this shell's PATH: "
+                "activate the environment the toolkit is installed in (source .venv/bin/activate)"
+                " and launch again"
+            )
 
 
 def check_local_resources(resources: JobResources) -> None:

@@ -269,6 +269,17 @@ class Recipe(RecipeSettings):
         min_length=1, description="the training's argv as a non-empty list of words"
     )
 
+    def programs(self) -> tuple[str, ...]:
+        """The programs its jobs start by name, from the PATH they inherit from auto_launch's
+        shell: torchrun (the distributed template's default launcher) and the command's first
+        word. None in a container, whose image has its own, or where ``env`` sets PATH."""
+        if self.container is not None or "PATH" in self.env:
+            return ()
+        torchrun = self.template == "distributed" and self.launcher == "torchrun"
+        first = self.command[0]
+        by_name = "/" not in first and "$" not in first
+        return (*(["torchrun"] if torchrun else []), *([first] if by_name else []))
+
 
 class _RecipeLoader(yaml.SafeLoader):
     """SafeLoader without YAML 1.1's base-60 numbers: ``1:30:00`` stays a string, not 5400."""

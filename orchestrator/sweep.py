@@ -114,6 +114,7 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
         JobResources.from_settings(spec),
         member.label,
         training=None if config is None else lambda: config,
+        programs=spec.programs(),
     )
     return PlannedMember(member, plan, fields, job)
 

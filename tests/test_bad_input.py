@@ -9,7 +9,7 @@ import pytest
 from orchestrator.manifest import orch_home
 from tests.harness.chains import write_sub
 from tests.harness.cluster import queue_ids
-from tests.harness.process import run_tool
+from tests.harness.process import REPO, run_tool
 
 pytestmark = pytest.mark.slurm
 
@@ -44,6 +44,10 @@ CASES = {
     "yaml secret in env": (
         lambda t: ["-n2", raw(t, "r.yaml", "command: [echo, hi]\nenv: {WANDB_API_KEY: abc}\n")],
         "WANDB_API_KEY",
+    ),
+    "yaml program not on PATH": (
+        lambda t: ["-n2", raw(t, "r.yaml", "command: [no-such-trainer, hi]\n")],
+        "no-such-trainer is not on PATH",
     ),
     "zero jobs": (lambda t: ["-n0", sub(t, "#SBATCH --time=5")], "at least 1"),
     "negative jobs": (lambda t: ["-n", "-3", sub(t, "#SBATCH --time=5")], "at least 1"),
@@ -85,6 +89,14 @@ CASES = {
     "invalid --then recipe": (
         lambda t: ["--then", raw(t, "eval.yaml", "nodes: 1\n"), sub(t, "#SBATCH --time=5")],
         "error: --then: recipe",
+    ),
+    "--then program not on PATH": (
+        lambda t: [
+            "--then",
+            raw(t, "eval.yaml", "command: [no-such-evaluator]\n"),
+            sub(t, "#SBATCH --time=5"),
+        ],
+        "error: --then: no-such-evaluator is not on PATH",
     ),
     "--then recipe too big": (
         lambda t: ["--then", sub(t, "#SBATCH --nodes=5", "eval.sub"), sub(t, "#SBATCH --time=5")],
@@ -130,3 +142,22 @@ def test_local_backend_refuses_several_nodes(tmp_path):
     assert completed.returncode == 2
     assert "local backend runs one node" in completed.stderr
     assert "orchestrator cluster up" in completed.stderr
+
+
+def test_a_shell_without_the_toolkits_environment_is_told_to_activate_it(tmp_path):
+    """auto_launch run by its path from a shell that never activated the venv: the jobs would
+    inherit that PATH, find no torchrun and each exit 127. Refused before anything is made."""
+    run_dir = tmp_path / "run"
+    completed = run_tool(
+        "auto_launch",
+        "--backend",
+        "local",
+        "--run-dir",
+        str(run_dir),
+        str(REPO / "recipes" / "train_tiny_fsdp2.yaml"),
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert "error: torchrun is not on PATH" in completed.stderr
+    assert "source .venv/bin/activate" in completed.stderr
+    assert not run_dir.exists()
