@@ -58,6 +58,12 @@ TRANSIENT = {
     EXIT_HUNG: "a rank hung",
     EXIT_PEER_LOST: "a rank lost a peer",
 }
+# The shell's own statuses for a command it could not start: a new job would only repeat them.
+SHELL_FAILURES = {
+    126: "the shell found a command it cannot execute (check its permissions)",
+    127: "the shell found no such command: the job's PATH lacks the launcher or the program "
+    "(activate the toolkit's environment before auto_launch)",
+}
 # Outcomes that end the whole chain (its queued jobs are cancelled), and the status each gives it.
 CHAIN_ENDINGS = {"finished": COMPLETE, "diverged": DIVERGED, "blocked": BLOCKED}
 REQUEUED, REQUEUE, ENDED = "requeued", "requeue", "ended"  # what became of a preempted run
@@ -158,6 +164,9 @@ def failure(said: str, code: Any, retry_on_exit: tuple[int, ...]) -> Ending:
         return Ending("failed", f"{said}: killed by {name}", retry=True)
     if code in retry_on_exit:
         return Ending("failed", f"{said}, listed in --retry-on-exit", retry=True)
+    if code in SHELL_FAILURES:
+        why = f"{SHELL_FAILURES[code]}; not retried: a new job would fail alike"
+        return Ending("failed", f"{said}: {why}")
     return Ending(
         "failed",
         f"{said}; not retried: a new job would fail alike (--retry-on-exit {code} retries it)",

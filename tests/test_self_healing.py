@@ -188,6 +188,8 @@ def end_record(code: int, step: int = 5, saved_on: str | None = None) -> dict:
         (None, 5, "", (), True, "a rank hung"),
         (None, 1, "", (), False, "not retried"),
         (None, 1, "", (1, 7), True, "listed"),
+        (None, 127, "", (), False, "found no such command: the job's PATH lacks"),
+        (None, 127, "", (127,), True, "listed"),
         (None, None, "FAILED", (), True, "without running its end hook"),
         (None, None, "OUT_OF_MEMORY", (), False, "without running its end hook"),
     ],
