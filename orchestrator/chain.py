@@ -16,8 +16,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from contract import job_env
 from contract.run_dir import LOGS_DIR, log_pattern, newest_complete_step
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
-from orchestrator.errors import SchedulerError, UsageError
+from orchestrator.errors import SchedulerError, UsageError, prefixed
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
     DEFAULT_RESTARTS_IN_JOB,
@@ -85,20 +84,10 @@ class ThenJob:
     @classmethod
     def load(cls, given: str, option: str) -> ThenJob:
         """Check the recipe as the chain's own is checked, before anything is queued."""
-        with cls._named(option):
+        with prefixed(option):
             recipe, prepared = read_recipe(given)
             check_job_name(recipe.stem)
-        programs = () if prepared.spec is None else prepared.spec.programs()
-        return cls(recipe, prepared.text, prepared.resources, option, programs)
-
-    @staticmethod
-    @contextmanager
-    def _named(option: str) -> Iterator[None]:
-        """A UsageError inside names the option the recipe came from."""
-        try:
-            yield
-        except UsageError as error:
-            raise UsageError(f"{option}: {error}") from error
+        return cls(recipe, prepared.text, prepared.resources, option, prepared.programs)
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ def launch_jobs(plan: ChainPlan, prepared: PreparedScript, plan_check: bool) -> 
         from orchestrator.planner.preflight import training_job
 
         training = training_job([*prepared.spec.command, *plan.script_args])
-    programs = () if prepared.spec is None else prepared.spec.programs()
+    programs = prepared.programs
     jobs = [LaunchJob(prepared.resources, str(plan.recipe), training=training, programs=programs)]
     if plan.then is not None:
         jobs.append(then_job(plan.then))

@@ -3,6 +3,9 @@ and the quiet ends: interrupted, or the reader of the output went away. The code
 for users is in docs/local_and_cluster.md#exit-codes (tests/test_exit_codes.py holds them to it).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 # auto_launch of a chain that ran on this machine (the local backend) and failed: its status
 # (failed, blocked, diverged, stalled) and why are the last lines printed.
 EXIT_CHAIN_FAILED = 3
@@ -16,6 +19,18 @@ class UsageError(Exception):
     """Bad input caught before anything was submitted; the CLI prints it on one line, exits 2."""
 
     exit_code = 2
+
+
+@contextmanager
+def prefixed(prefix: str | None) -> Iterator[None]:
+    """A UsageError raised inside says where it came from, ``PREFIX: error`` (e.g. the option
+    that named a recipe); None leaves it as it is."""
+    try:
+        yield
+    except UsageError as error:
+        if prefix is None:
+            raise
+        raise UsageError(f"{prefix}: {error}") from error
 
 
 class SchedulerError(Exception):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
-from orchestrator.errors import UsageError
+from orchestrator.errors import UsageError, prefixed
 from orchestrator.preflight import check_local_resources, check_programs
 from orchestrator.slurm.commands import probe_partitions
 from orchestrator.slurm.partitions import Partition, check_partition
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class LaunchJob:
     """One kind of job a launch queues, as the checks see it.
 
-    ``label`` prefixes its resource errors (``--then``; None for the chain's own job); ``name``
+    ``label`` prefixes its errors (``--then``; None for the chain's own job); ``name``
     names it in plan-check lines (the recipe, a sweep member); ``training`` builds the trainer
     config it will run, for the plan check (None: not a training job, or no plan check);
     ``programs`` are what it starts by name from the PATH (``Recipe.programs``).
@@ -59,16 +59,10 @@ class Site:
 
     def check_fits(self, job: LaunchJob) -> Partition | None:
         """The partition the job goes to (None on this machine); a UsageError if it cannot fit."""
-        try:
-            check_programs(job.programs)
-            if self.partitions is None:
-                check_local_resources(job.resources)
-                return None
-            return check_partition(job.resources, list(self.partitions))
-        except UsageError as error:
-            if job.label is None:
-                raise
-            raise UsageError(f"{job.label}: {error}") from error
+        if self.partitions is None:
+            check_local_resources(job.resources)
+            return None
+        return check_partition(job.resources, list(self.partitions))
 
 
 def find_site(option: str) -> Site:
@@ -108,8 +102,13 @@ def check_jobs(
     plan_check: bool = True,
     skip_hint: str = "--no-plan-check",
 ) -> None:
-    """Every check of a launch at ``site``, in order: resources, retries, plan check."""
-    partitions = [site.check_fits(job) for job in jobs]
+    """Every check of a launch at ``site``, in order: programs and resources, retries, plan
+    check."""
+    partitions = []
+    for job in jobs:
+        with prefixed(job.label):
+            check_programs(job.programs)
+            partitions.append(site.check_fits(job))
     check_retries(retries, site)
     if not plan_check or not any(job.training for job in jobs):
         return

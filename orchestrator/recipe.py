@@ -275,10 +275,13 @@ class Recipe(RecipeSettings):
         word. None in a container, whose image has its own, or where ``env`` sets PATH."""
         if self.container is not None or "PATH" in self.env:
             return ()
-        torchrun = self.template == "distributed" and self.launcher == "torchrun"
+        names = (
+            ["torchrun"] if self.template == "distributed" and self.launcher == "torchrun" else []
+        )
         first = self.command[0]
-        by_name = "/" not in first and "$" not in first
-        return (*(["torchrun"] if torchrun else []), *([first] if by_name else []))
+        if "/" not in first and "$" not in first:
+            names.append(first)
+        return tuple(names)
 
 
 class _RecipeLoader(yaml.SafeLoader):

@@ -35,6 +35,11 @@ class PreparedScript:
     source_kind: str  # "yaml" (rendered) or "sub" (read as it is)
     spec: Recipe | None = None  # the validated recipe, for YAML recipes
 
+    @property
+    def programs(self) -> tuple[str, ...]:
+        """What its jobs start by name from the PATH (``Recipe.programs``; a .sub's: unknown)."""
+        return () if self.spec is None else self.spec.programs()
+
 
 def read_recipe(given: str) -> tuple[Path, PreparedScript]:
     """The recipe a user names (a path, or the name of a shipped one), checked and prepared."""

@@ -64,7 +64,7 @@ from train.models.hf_weights import ENCODER, encoder_state, llm_state
 from train.models.inventory import inventory
 from train.models.lora import LORA_A, LORA_B, adapter_names, merged_weight
 from train.models.salm import SALM, ByteTokenizer
-from train.models.shape import OWN_ENCODER, SALMConfig, llm_head_dim
+from train.models.shape import SALMConfig, llm_head_dim
 from train.prompt import AUDIO_TOKEN, load_tokenizer
 from train.saved_run import find_checkpoint, saved_model, saved_state
 
@@ -309,10 +309,8 @@ def export(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     dtype = DTYPES[args.dtype] if args.dtype else None
     # Where the run's pretrained parts came from (absolute, as the checkpoint records them).
-    llm, encoder = (
-        None if directory is None else Path(directory)
-        for directory in (model_cfg.pretrained_llm, model_cfg.pretrained_encoder)
-    )
+    llm = Path(model_cfg.pretrained_llm) if model_cfg.pretrained_llm else None
+    encoder = Path(model_cfg.pretrained_encoder) if model_cfg.pretrained_encoder else None
     if dtype is None:
         dtype = source_dtype(read_config(llm)) if llm is not None else torch.float32
     fp32 = sum(t.numel for t in inventory(shape)) * 4
@@ -338,7 +336,7 @@ def export(args: argparse.Namespace) -> Path:
         raise
     extras = f", {LORA_DIR}/" if shape.lora_rank and args.adapters else ""
     extras += " (LoRA merged)" if shape.lora_rank and not args.adapters else ""
-    extras += f", {ENCODER_DIR}/" if shape.encoder != OWN_ENCODER else ""
+    extras += f", {ENCODER_DIR}/" if encoder is not None else ""
     written = f"{LLM_DIR}/ ({DTYPE_NAMES[dtype]}){extras}, {SPEECH_WEIGHTS}, {SPEECH_CONFIG}"
     say(f"wrote {out} in {time.perf_counter() - started:.1f} s: {written}")
     return out
