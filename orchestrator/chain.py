@@ -23,6 +23,7 @@ from typing import Any
 
 from contract import job_env
 from contract.run_dir import LOGS_DIR, log_pattern, newest_complete_step
+from contract.seeds import chain_seeds
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
 from orchestrator.errors import SchedulerError, UsageError, prefixed
 from orchestrator.manifest import (
@@ -46,7 +47,7 @@ from orchestrator.preflight import (
     check_run_dir,
 )
 from orchestrator.scripts import read_recipe
-from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.seeds import validate_base_seed
 from orchestrator.slurm.resources import JobResources
 from orchestrator.snapshot import (
     DEFAULT_LIMIT_MB,

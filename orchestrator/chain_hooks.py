@@ -41,6 +41,7 @@ from contract.job_end import (
     read_job_end,
 )
 from contract.run_dir import newest_complete_step
+from contract.seeds import chain_seeds
 from contract.slurm_states import END_STATES, ENDING_STATES
 from orchestrator import in_job
 from orchestrator.backends import registry
@@ -72,7 +73,6 @@ from orchestrator.manifest import (
     Manifest,
     chain_lock,
 )
-from orchestrator.seeds import chain_seeds
 from orchestrator.slurm.commands import requeue_job, show_job
 
 ACTIVE_BACKEND = SlurmBackend.label  # the backend whose chains the hook looks after

@@ -202,3 +202,13 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert result.returncode == 0, result.stderr
     return out
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo world, as a job of one process has, torn down after the test."""
+    import torch.distributed as dist  # only the training tests pay for torch
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

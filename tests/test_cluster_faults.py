@@ -22,11 +22,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from contract.seeds import chain_seeds
 from contract.slurm_states import END_STATES
 from orchestrator import cluster
 from orchestrator.manifest import MANIFEST_NAME, Manifest
 from orchestrator.retry import PATIENCE_ENV
-from orchestrator.seeds import chain_seeds
 from orchestrator.slurm.commands import QUERY_TIMEOUT_S
 from tests.harness.chains import write_sub
 from tests.harness.cluster import SESSION_ENV, cluster_cli

@@ -16,12 +16,10 @@ the cache, and decoding after text-only prompts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.harness.hf_tiny import save_tiny, save_tiny_encoder
 from tests.harness.training import trainer_in_process
@@ -58,14 +56,6 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "whisper": save_tiny_encoder("whisper", root / "whisper"),
         "qwen2": save_tiny("qwen2", root / "qwen2"),
     }
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A one-rank gloo world, as a job of one process has, torn down after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def text_prompts(trainer: Trainer) -> list[list[int]]:

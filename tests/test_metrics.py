@@ -121,12 +121,18 @@ class Chain:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
-    """Two jobs of one chain: job 0 logs steps 1-3, job 1 resumes the same run with steps 4-6."""
+    """Two jobs of one chain: job 0 logs steps 1-3, job 1 resumes the same run with steps 4-6.
+    Their recipe trains with seeds of its own (111, 222), not the chain's ``ORCH_SEED``: the
+    rows name the seed the job trained with."""
     tmp = tmp_path_factory.mktemp("chain")
     run_dir = tmp / "run"
-    first = run_job(job_env(tmp, 0, 111, "1001"), run_dir, "", (1, 3))
+    first = run_job(
+        job_env(tmp, 0, 901, "1001"), run_dir, "", (1, 3), config={**CONFIG, "seed": 111}
+    )
     run_id = first.stdout.strip()
-    second = run_job(job_env(tmp, 1, 222, "1002"), run_dir, run_id, (4, 6))
+    second = run_job(
+        job_env(tmp, 1, 902, "1002"), run_dir, run_id, (4, 6), config={**CONFIG, "seed": 222}
+    )
     assert second.stdout.strip() == run_id
     return Chain(tmp, run_dir, run_id, [first.stderr, second.stderr])
 

@@ -1,8 +1,9 @@
 import pytest
 
 from contract.job_env import SEED_LIMIT
+from contract.seeds import chain_seeds
 from orchestrator.errors import UsageError
-from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.seeds import validate_base_seed
 
 
 def test_random_seeds_are_distinct_and_in_range():

@@ -17,12 +17,12 @@ import psutil
 import pytest
 
 from contract.job_end import job_end_record, outcome_line, read_outcome
+from contract.seeds import chain_seeds
 from orchestrator import cluster, processes
 from orchestrator.backends.run_dir import run_dir_status
 from orchestrator.chain_hooks import ChainKeeper
 from orchestrator.chain_judgement import BLOCKING_EXITS, ended_state, judge, stalled_jobs
 from orchestrator.manifest import JobRecord, Manifest
-from orchestrator.seeds import chain_seeds
 from tests.harness.chains import (
     STAND_IN_TRAINER,
     launch_json,

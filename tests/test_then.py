@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from contract.seeds import chain_seeds
 from orchestrator.errors import EXIT_CHAIN_FAILED
 from orchestrator.manifest import FAILED, orch_home
-from orchestrator.seeds import chain_seeds
 from tests.harness.chains import launch_json, wait_chain, write_sub
 from tests.harness.process import run_tool
 from tests.harness.recorded_jobs import check_then_job_records, read_jsonl, recipes

@@ -24,6 +24,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from contract.job_end import EXIT_CONFIG
 from contract.job_env import SEED_LIMIT
+from contract.seeds import chain_seeds
 from contract.spelling import closest
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
@@ -36,7 +37,9 @@ from train.watchdog import STOPPABLE
 REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"
 ON_LAYOUT_CHANGE = (REFUSE, RESTART_EPOCH, CONTINUE)
 DEFAULT_RUN_DIR = "runs/local"  # a single run's, under the directory it starts in
-MEMBER_SEED_ROOT = 20_261_122  # any constant: member seeds are SeedSequence([root, job num])
+# The base seed of a multirun whose launcher gives none (hydra-submitit-launcher): member k takes
+# the k-th seed that ``contract.seeds`` derives from it, by the chains' own rule.
+MEMBER_SEED_ROOT = 20_261_122
 
 
 @dataclass
@@ -228,10 +231,8 @@ def member_seed() -> int:
     config = HydraConfig.get()
     if config.mode != RunMode.MULTIRUN:
         return 0
-    import numpy as np  # only sweep members need it; the submit path does not
-
-    state = np.random.SeedSequence([MEMBER_SEED_ROOT, int(config.job.num)]).generate_state(1)
-    return int(state[0]) % SEED_LIMIT
+    num = int(config.job.num)
+    return chain_seeds(num + 1, MEMBER_SEED_ROOT)[num]
 
 
 def default_run_dir() -> str:

@@ -70,13 +70,12 @@ def _holds_key(value: Any, api_key: str | None) -> bool:
 def job_context(environ: Mapping[str, str], config: Mapping[str, Any]) -> dict[str, Any]:
     """This job's place in its chain, from the orchestrator's environment contract.
 
-    A run outside a chain is job 0; its seed is the config's top-level ``seed`` when there is no
-    ``ORCH_SEED``.
+    A run outside a chain is job 0. The seed is the config's ``seed``, the one the job trains
+    with, whatever ``ORCH_SEED`` says (a recipe may pass another).
     """
-    seed = environ.get(job_env.SEED)
     context = {
         "job_index": int(environ.get(job_env.JOB_INDEX, "0")),
-        "seed": int(seed) if seed is not None else config.get("seed"),
+        "seed": config.get("seed"),
         "slurm_job_id": environ.get("SLURM_JOB_ID"),
         "chain_id": environ.get(job_env.CHAIN_ID),
     }

@@ -12,6 +12,11 @@ job seed 0 on rank 1 there).
 - The sampler seed depends on the job seed and the epoch only: lhotse's samplers shuffle one
   global order with it and hand every ``world_size``-th batch to each rank, so all
   data-parallel ranks must share it for their streams to be disjoint.
+- A training rank's own generators (torch's CPU and CUDA, Python's, numpy's: dropout, and
+  anything else the step draws) are seeded by ``seed_rank`` from the job seed, its
+  data-parallel rank and its pipeline stage: data-parallel ranks draw differently, TP and CP
+  peers, which hold the same activations, draw the same masks, and pipeline stages, which hold
+  different layers, draw apart.
 
 Derived seeds are below 2**31 so any consumer (numpy's legacy 2**32 limit, lhotse adding an
 epoch or a worker offset) can use them without overflow.
@@ -28,6 +33,7 @@ from contract.job_env import SEED_LIMIT
 _PURPOSE_SAMPLER = 0
 _PURPOSE_RANK_STREAM = 1
 _PURPOSE_MIXTURE = 2
+_PURPOSE_RANK_GENERATORS = 3
 
 
 def _derive(job_seed: int, key: tuple[int, ...]) -> int:
@@ -59,3 +65,17 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def rank_generator_seed(job_seed: int, dp_rank: int, pp_rank: int) -> int:
+    """Seed of a training rank's own generators: equal for TP and CP peers (same data-parallel
+    rank and stage), distinct across data-parallel ranks and pipeline stages."""
+    return _derive(job_seed, (_PURPOSE_RANK_GENERATORS, dp_rank, pp_rank))
+
+
+def seed_rank(job_seed: int, dp_rank: int, pp_rank: int) -> int:
+    """Seed this training rank's generators (torch's on every device, Python's, numpy's) from
+    the job seed; the seed used."""
+    seed = rank_generator_seed(job_seed, dp_rank, pp_rank)
+    seed_everything(seed)
+    return seed

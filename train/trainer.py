@@ -4,8 +4,9 @@ Order of work: validate the config and the layout (before any process group), jo
 group, build the meshes, build the model identically on every rank and parallelize it, restore
 the newest complete checkpoint of the run dir (or start fresh), then train until ``max_steps``, a
 stop signal or the job's time budget, saving at the checkpoint interval and on the way out.
-The job seed drives the data order only; a resumed job with the seed of the checkpoint continues
-the same data stream, any other seed starts a new one.
+The job seed drives the data order and every rank's own generators (train/seeding.py); a resumed
+job with the seed of the checkpoint continues the same data stream and draws, any other seed
+starts new ones.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from train.models.pipeline import PipelineRunner, merged_view
 from train.models.salm import example_positions, loss_targets
 from train.parallel_dims import DENSE_DIMS, ParallelDims
 from train.pipeline_plan import PipelinePlan
+from train.seeding import seed_rank
 from train.step import WholeModelRunner
 from train.stop import StopRequest
 from train.text import text_codec
@@ -230,6 +232,9 @@ class Trainer:
         self.featurize = Featurizer(prepared.data.extractor, cfg.data.feature_cache)
         self.device = device
         self.rank = dist.get_rank()
+        coords = dims.coordinates(self.rank)
+        # Before anything draws: the model's own init draws from generators of its own.
+        seed_rank(cfg.seed, coords.dp_rank, coords.pp)
         self.run_dir = Path(cfg.run_dir)
         self.meshes = build_meshes(
             dims, device.type, process_group_timeout(cfg.train.hang_timeout_s)
@@ -269,7 +274,6 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
             timeout=process_group_timeout(cfg.train.hang_timeout_s),
         )
-        coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = coords.dp_rank, coords.dp_size
         self.validation = [
             ValidationSet(
@@ -365,7 +369,12 @@ class Trainer:
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.wandb_run_id = state.get("wandb_run_id")
         saved = state.get("data_position") or {}
-        if saved.get("data_seed") == self.cfg.seed:
+        if saved.get("data_seed") != self.cfg.seed:
+            # A new job seed draws anew, as it reads a new data order; the same seed continues
+            # the generators the checkpoint restored (at the same world size).
+            coords = self.dims.coordinates(self.rank)
+            seed_rank(self.cfg.seed, coords.dp_rank, coords.pp)
+        else:
             per_rank = state.get("data_positions") or []
             mine = per_rank[self.dp_rank] if self.dp_rank < len(per_rank) else {}
             self.data_position = {**saved, **mine}

@@ -14,8 +14,9 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from contract.seeds import chain_seeds
 from orchestrator.errors import UsageError
-from orchestrator.seeds import chain_seeds, validate_base_seed
+from orchestrator.seeds import validate_base_seed
 
 
 def override_value(overrides: Sequence[str], key: str) -> str | None:
@@ -28,7 +29,7 @@ def override_value(overrides: Sequence[str], key: str) -> str | None:
 
 
 def member_seeds(count: int, base_seed: int | None) -> list[int]:
-    """Distinct seeds for members 0..count-1, derived from ``base_seed`` with SeedSequence."""
+    """Distinct seeds for members 0..count-1, derived from ``base_seed`` (contract.seeds)."""
     if base_seed is not None:
         validate_base_seed(base_seed)
     return chain_seeds(count, base_seed)

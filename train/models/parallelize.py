@@ -306,6 +306,12 @@ def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     dispatcher, the boundary compilation uses too: FSDP's hooks on the experts must stay outside
     a selectively checkpointed region (SAC refuses the ops they issue in the recompute), and the
     dispatcher's all-to-all outputs are worth keeping anyway.
+
+    The recompute replays the forward's random draws (``preserve_rng_state``: the CPU and CUDA
+    generators are saved before each block and restored for its recompute), so dropout (LoRA's,
+    a pretrained encoder's) masks the recomputed activations as it masked the forward's. Under
+    torch.compile, AOT autograd's partitioner replays a recomputed random op with the RNG state
+    its forward saved (``functionalize_rng_ops``).
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing={mode}: choose one of {', '.join(AC_MODES)}")
@@ -313,7 +319,7 @@ def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
     for key, block in _items(layers):
         if getattr(block, "moe", None) is None:  # a dense Block, or a pretrained encoder's
-            layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **options)
+            layers[key] = checkpoint_wrapper(block, preserve_rng_state=True, **options)
             continue
         moe = block.moe
         block.mix = _checkpointed(block.mix, options)
@@ -330,7 +336,7 @@ def _items(layers: nn.ModuleList | nn.ModuleDict) -> list[tuple[int | str, nn.Mo
 
 def _checkpointed(fn: Callable, options: dict) -> Callable:
     def run(*args):
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **options)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **options)
 
     return run
 
