@@ -64,6 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     from train.mesh import build_meshes
+    from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.parallelize import ParallelizeOptions
     from train.models.presets import get_preset
@@ -85,7 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     frames = 4 * (args.positions - args.text_tokens)
     feature_lens = torch.tensor([frames])
     token_lens = torch.tensor([args.text_tokens])
-    batch = (
+    batch = Batch(
         torch.randn(1, frames, cfg.n_mels, generator=g),
         feature_lens,
         torch.randint(0, 256, (1, args.text_tokens), generator=g),

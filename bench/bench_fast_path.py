@@ -85,16 +85,17 @@ def run_one(args: argparse.Namespace, spec: str, device, ceiling: float | None) 
     its figures. Timed steps run under ``args.host_syncs`` (a host sync raises on CUDA)."""
     import torch
 
+    from train.distributed import clip_grad_norm
     from train.flops import peak_flops, step_flops
     from train.host_syncs import checked_for_host_syncs
     from train.mesh import build_meshes
+    from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.parallelize import ParallelizeOptions, compute_autocast
     from train.models.presets import get_preset
     from train.models.salm import audio_positions, loss_for_backward
     from train.parallel_dims import ParallelDims
     from train.step import host_seq_len
-    from train.trainer import clip_grad_norm
 
     compile_, ac, utterances, seconds, tokens = parse_run(spec)
     torch._dynamo.reset()
@@ -107,22 +108,22 @@ def run_one(args: argparse.Namespace, spec: str, device, ceiling: float | None) 
     frames = int(seconds * 100)  # 10 ms fbank frames
     feature_lens = torch.full((utterances,), frames, device="cpu")
     token_lens = torch.full((utterances,), tokens, device="cpu")
-    batch = [
+    batch = Batch(
         torch.randn(utterances, frames, cfg.n_mels, device=device),
         feature_lens.to(device),
         torch.randint(0, 256, (utterances, tokens), device=device),
         token_lens.to(device),
-    ]
+    )
     targets = torch.tensor(float(utterances * (tokens - 1)), device=device)
     sequences = torch.tensor(float(utterances), device=device)
     positions = float((audio_positions(cfg, feature_lens) + token_lens).sum())
     flops = step_flops(cfg, feature_lens, token_lens)
     # As the trainer: the packed length from the host lengths, no read from the device.
-    seq_len = host_seq_len((None, feature_lens, None, token_lens), model)
+    seq_len = host_seq_len(Batch(None, feature_lens, None, token_lens), model)
 
     def step() -> None:
         with compute_autocast(options, device.type):
-            out = model(*batch, seq_len=seq_len)
+            out = model(batch, seq_len=seq_len)
         loss_for_backward(out, targets, sequences, 1).backward()
         clip_grad_norm(model, 1.0)
         optimizer.step()

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from train.mesh import build_meshes
+from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions
@@ -77,11 +78,11 @@ INIT_SEED = 1234
 MIB = 2**20
 
 
-def synthetic_batch() -> tuple[torch.Tensor, ...]:
+def synthetic_batch() -> Batch:
     """(features, feature lengths, tokens, token lengths): equal lengths, so every microbatch
     does the same work."""
     g = torch.Generator().manual_seed(0)
-    return (
+    return Batch(
         torch.randn(BATCH, FRAMES, CONFIG.n_mels, generator=g),
         torch.full((BATCH,), FRAMES),
         torch.randint(0, 256, (BATCH, TOKENS), generator=g),
@@ -100,7 +101,7 @@ def step_times(
     batch = synthetic_batch()
     size = BATCH // accumulate
     batches = [tuple(t[i * size : (i + 1) * size] for t in batch) for i in range(accumulate)]
-    targets = loss_targets(batch[3]).float()
+    targets = loss_targets(batch.token_lens).float()
     sequences = torch.tensor(float(BATCH))
     times = []
     for step in range(args.warmup + args.steps):

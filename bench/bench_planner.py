@@ -42,6 +42,7 @@ def measure(preset: str, sequences: int, frames: int, tokens: int, ac: str) -> i
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     from train.mesh import build_meshes
+    from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.parallelize import ParallelizeOptions
     from train.models.presets import get_preset
@@ -59,7 +60,7 @@ def measure(preset: str, sequences: int, frames: int, tokens: int, ac: str) -> i
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(0)
     token_lens = torch.full((sequences,), tokens)
-    batch = (
+    batch = Batch(
         torch.randn(sequences, frames, 80, generator=g),
         torch.full((sequences,), frames),
         torch.randint(0, 256, (sequences, tokens), generator=g),

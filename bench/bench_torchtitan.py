@@ -176,12 +176,13 @@ def build_ours(
 ) -> tuple[torch.nn.Module, Step]:
     """Our model as the trainer builds it (meta init, ``parallelize``, sharded init), and its
     step on ``tokens`` with no audio."""
+    from train.distributed import clip_grad_norm
     from train.mesh import build_meshes
+    from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.parallelize import ParallelizeOptions
     from train.models.salm import loss_for_backward
     from train.parallel_dims import ParallelDims
-    from train.trainer import clip_grad_norm
 
     cfg = salm_config(shape)
     options = ParallelizeOptions(activation_checkpointing="selective", compile=run.compile)
@@ -196,7 +197,7 @@ def build_ours(
     sequences = torch.tensor(float(run.batch), device=device)
 
     def step() -> torch.Tensor:
-        out = model(features, feature_lens, tokens, token_lens, seq_len=run.seq_len)
+        out = model(Batch(features, feature_lens, tokens, token_lens), seq_len=run.seq_len)
         loss_for_backward(out, targets, sequences, world).backward()
         clip_grad_norm(model, 1.0)
         optimizer.step()

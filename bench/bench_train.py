@@ -68,6 +68,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     import torch
 
     from train.data import build_dataloader
+    from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.presets import get_preset
     from train.models.salm import ByteTokenizer, example_positions
@@ -89,7 +90,7 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     for step in range(args.steps):
         started = time.perf_counter()
         batch = next(batches)
-        out = model(batch["features"], batch["feature_lens"], batch["tokens"], batch["token_lens"])
+        out = model(Batch.of(batch))
         (out.nll_sum / out.num_tokens + out.aux_sum / len(batch["token_lens"])).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

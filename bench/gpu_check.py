@@ -259,8 +259,8 @@ def table(part: str, result: dict) -> str:
             f"{len(result['decode_differences'])} different |",
             f"| export reloaded by transformers, max rel. logit diff | "
             f"{result['export_rel_diff']:.2e} |",
-            f"| Whisper tiny.en + LoRA, compiled | loss {lora['first_loss']:.3f} -> "
-            f"{lora['last_loss']:.3f}, {lora['decoded']} decoded, graphs {lora['graphs']} |",
+            f"| Whisper tiny.en + LoRA (dropout 0.1), compiled | loss {lora['first_loss']:.3f}"
+            f" -> {lora['last_loss']:.3f}, {lora['decoded']} decoded, graphs {lora['graphs']} |",
             f"| speech + conversations + text, compiled | loss {mix['first_loss']:.3f} -> "
             f"{mix['last_loss']:.3f}, validation "
             f"{', '.join(f'{k} {v:.3f}' for k, v in mix['val_losses'].items())}, "

@@ -1,6 +1,6 @@
 """The GPU check's flows: what a user runs, end to end, through the toolkit's own entrypoints.
 
-Four trainings start together (the GPU is shared: these are checks, not timings), each
+Five trainings start together (the GPU is shared: these are checks, not timings), each
 ``python -m train`` with validation, asynchronous checkpoints, deterministic kernels and the
 host-sync check over every step after the second:
 
@@ -9,7 +9,8 @@ host-sync check over every step after the second:
   checkpoint: its losses, gradient norms and validation losses must equal ``whole``'s bitwise;
 - ``fp32``: eager in fp32, the reference the compiled bf16 losses are compared with;
 - ``whisper_lora``: the real Whisper tiny.en encoder (frozen) under the preset decoder with
-  LoRA adapters (peft's layers), compiled by inductor, then decoded by ``train.evaluate``;
+  LoRA adapters (peft's layers, dropout 0.1 on their input), compiled by inductor with selective
+  checkpointing (the recompute keeps the forward's masks), then decoded by ``train.evaluate``;
 - ``mixture``: compiled bf16 on speech, NeMo multimodal conversations (one or two audio turns,
   audio opening or in the middle of a conversation) and text-only pairs mixed by weight
   (tests/harness/conversations.py), batches of one, two and no audio turns per sequence,
@@ -153,6 +154,7 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
         "model.projector_stride=2",
         "model.freeze=[encoder\\..*]",
         "model.lora.rank=8",
+        "model.lora.dropout=0.1",
     ]
 
     mixture, sets = conversation_mixture((out / "corpus").resolve(), out / "mixture_data")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from train.mesh import build_meshes
+from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.compiled import GRAPHS_PER_REGION, graph_counts
 from train.models.parallelize import ParallelizeOptions
@@ -29,7 +30,7 @@ def one_rank_meshes():
     dist.destroy_process_group()
 
 
-def varied_batches() -> list[tuple[bool, tuple[torch.Tensor, ...]]]:
+def varied_batches() -> list[tuple[bool, Batch]]:
     """(train?, batch): the shapes a bucketing sampler gives, a batch of one, validation."""
     g = torch.Generator().manual_seed(3)
     shapes = [(True, 3, 160, 20), (True, 2, 230, 31), (False, 4, 120, 12), (True, 1, 300, 25)]
@@ -38,7 +39,7 @@ def varied_batches() -> list[tuple[bool, tuple[torch.Tensor, ...]]]:
     for training, size, frames, tokens in shapes:
         feature_lens = torch.randint(frames // 2, frames + 1, (size,), generator=g)
         token_lens = torch.randint(tokens // 2, tokens + 1, (size,), generator=g)
-        batch = (
+        batch = Batch(
             torch.randn(size, int(feature_lens.max()), 80, generator=g),
             feature_lens,
             torch.randint(0, 256, (size, int(token_lens.max())), generator=g),
@@ -52,7 +53,7 @@ def losses_and_grads(model, batches) -> list[torch.Tensor]:
     seen = []
     for training, batch in batches:
         with torch.set_grad_enabled(training):
-            out = model(*batch)
+            out = model(batch)
             loss = out.nll_sum + out.aux_sum
         seen.append(loss.detach())
         if training:

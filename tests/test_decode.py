@@ -10,6 +10,7 @@ import torch
 from tests.harness.hf_tiny import save_tiny
 from train.config import ModelConfig
 from train.decode import greedy_decode
+from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.hf_weights import load_llm_weights
 from train.models.presets import get_preset, model_shape
@@ -59,7 +60,7 @@ def decode_through_training_forward(
     tokens = list(prompt.tokens)
     feats, lens = features[None, :length], torch.tensor([length])
     for _ in range(MAX_NEW):
-        batch = (
+        batch = Batch(
             feats,
             lens,
             torch.tensor([tokens]),

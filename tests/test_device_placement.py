@@ -80,7 +80,7 @@ def test_training_validation_and_decoding_make_every_tensor_on_its_device(
     trainer = trainer_in_process(
         run_dir, corpus, "train.grad_accum=2", "eval.interval=1", *overrides
     )
-    batches = trainer.batches()
+    batches = trainer.data.batches()
     step = [next(batches), next(batches)]
     assert all(len(set(batch["feature_lens"].flatten().tolist())) > 1 for batch in step)
     metrics = MetricsLogger(
@@ -89,7 +89,7 @@ def test_training_validation_and_decoding_make_every_tensor_on_its_device(
     with torch.device("meta"):
         trainer.train_step(step)
         trainer.read_back(stop_flag=0.0)
-        trainer.cut_counts()
+        trainer.data.cut_counts(trainer.meshes.dp.get_group())
         trainer.validate(metrics)
     metrics.close()
     trainer.step += 1  # as the training loop counts it after a step

@@ -15,7 +15,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.harness.synthetic import synthetic_batch
+from train.distributed import clip_grad_norm
 from train.flops import PEAK_FLOPS_ENV, llm_weights_per_position, peak_flops, step_flops
+from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.init import canonical_name, init_weights, name_seed
 from train.models.parallelize import (
@@ -25,7 +27,6 @@ from train.models.parallelize import (
 )
 from train.models.presets import get_preset
 from train.models.salm import SALM, loss_for_backward, loss_targets
-from train.trainer import clip_grad_norm
 
 CPU = torch.device("cpu")
 
@@ -70,7 +71,7 @@ def test_step_flops_match_pytorchs_flop_counter(preset):
     feature_lens, token_lens = torch.tensor([203]), torch.tensor([37])
     features, tokens = torch.randn(1, 203, 80), torch.randint(0, 256, (1, 37))
     with FlopCounterMode(display=False) as counter:
-        out = model(features, feature_lens, tokens, token_lens)
+        out = model(Batch(features, feature_lens, tokens, token_lens))
         (out.nll_sum + out.aux_sum).backward()
     ratio = step_flops(cfg, feature_lens, token_lens) / counter.get_total_flops()
     assert 1.0 <= ratio < 1.07, ratio
@@ -99,8 +100,8 @@ def test_moe_flops_count_the_active_experts_only():
 
 def test_loss_targets_from_lengths_equal_the_models_count():
     batch = synthetic_batch()
-    out = build_model(get_preset("tiny"), CPU, 1)(*batch)
-    assert int(loss_targets(batch[3])) == int(out.num_tokens)
+    out = build_model(get_preset("tiny"), CPU, 1)(batch)
+    assert int(loss_targets(batch.token_lens)) == int(out.num_tokens)
 
 
 def test_ddp_on_cuda_autocasts_to_bf16_and_fsdp_does_not():
@@ -121,7 +122,7 @@ def test_the_model_computes_in_bf16_under_autocast():
     dtypes = []
     model.llm.lm_head.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(*synthetic_batch())
+        out = model(synthetic_batch())
     assert dtypes == [torch.bfloat16]
     assert out.nll_sum.dtype == torch.float32
 
@@ -139,7 +140,7 @@ def test_fsdp_bf16_keeps_rope_tables_fp32(one_rank_group):
         block.attn.register_forward_pre_hook(
             lambda _m, args: seen.append((args[0].dtype, args[1].dtype, args[2].dtype))
         )
-    model(*synthetic_batch())
+    model(synthetic_batch())
     assert seen == [(torch.bfloat16, torch.float32, torch.float32)] * 2
 
 
@@ -162,7 +163,7 @@ def test_fsdp_finds_the_loss_in_the_models_output_to_gather_the_root_for_backwar
     with pytest.MonkeyPatch.context() as patch:  # FSDP2's bf16 policy, as on a GPU
         patch.setattr(parallelize, "fsdp_mixed_precision", lambda _meshes, _options: True)
         model = build_model(get_preset("tiny"), CPU, 1, meshes, options)
-    out = model(*synthetic_batch())
+    out = model(synthetic_batch())
     leaves, _ = tree_flatten(out)
     assert any(leaf is out.nll_sum for leaf in leaves) and out.nll_sum.requires_grad
     loss_for_backward(out, out.num_tokens.float(), torch.tensor(4.0), 1).backward()
@@ -173,7 +174,7 @@ def test_nonfinite_gradient_skips_the_step_on_the_device():
     model = build_model(get_preset("tiny"), CPU, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    out = model(*synthetic_batch())
+    out = model(synthetic_batch())
     out.nll_sum.backward()
     next(model.parameters()).grad.fill_(float("nan"))
     norm = clip_grad_norm(model, 1.0)
@@ -188,7 +189,7 @@ def test_nonfinite_gradient_skips_the_step_on_the_device():
 def test_clipping_matches_torch_reference():
     models = [build_model(get_preset("tiny"), CPU, 1) for _ in range(2)]
     for model in models:
-        model(*synthetic_batch()).nll_sum.backward()
+        model(synthetic_batch()).nll_sum.backward()
     ours = clip_grad_norm(models[0], 0.5)
     reference = torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5)
     torch.testing.assert_close(ours, reference)

@@ -35,6 +35,7 @@ from train.export import main as export_main
 from train.exported import ENCODER_DIR, load_export, read_export
 from train.flops import step_flops
 from train.layout import frozen_of, model_of
+from train.models.batch import Batch
 from train.models.build import build_model, freeze_parameters
 from train.models.compiled import graph_counts
 from train.models.hf_encoder import transformers_class
@@ -174,7 +175,7 @@ def test_step_flops_match_pytorchs_flop_counter(encoders, kind) -> None:
     features, feature_lens = padded([403])
     token_lens, tokens = torch.tensor([37]), torch.randint(0, 256, (1, 37))
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
-        model(features, feature_lens, tokens, token_lens).nll_sum.backward()
+        model(Batch(features, feature_lens, tokens, token_lens)).nll_sum.backward()
     ratio = step_flops(model.cfg, feature_lens, token_lens) / counter.get_total_flops()
     assert 0.95 <= ratio <= 1.05, ratio
 
@@ -224,13 +225,14 @@ def test_compiled_blocks_train_as_eager_on_varying_batches(encoders, kind) -> No
     compiled, eager = loaded(encoders[kind], stride=2), loaded(encoders[kind], stride=2)
     encoder = compiled.encoder
     apply_compile(encoder.layers, "encoder_block", encoder.block_dims, "aot_eager")
-    features, lens, tokens, token_lens = varied_batch(compiled.cfg.n_mels)
+    features, lens, tokens, token_lens = varied_batch(compiled.cfg.n_mels)[:4]
     seen = []
     for model in (compiled, eager):
         runner, sums = WholeModelRunner(model.train(), CPU), []
         for rows in (slice(0, 4), slice(1, 4), slice(2, 3)):
-            batch = features[rows], lens[rows], tokens[rows], token_lens[rows]
-            targets, sequences = loss_targets(batch[3]).float(), torch.tensor(float(len(batch[3])))
+            batch = Batch(features[rows], lens[rows], tokens[rows], token_lens[rows])
+            targets = loss_targets(batch.token_lens).float()
+            sequences = torch.tensor(float(len(batch.token_lens)))
             sums.append(runner.forward_backward([batch], targets, sequences, 1))
         seen.append(sums + [p.grad for p in model.parameters() if p.grad is not None])
     for got, want in zip(*seen, strict=True):

@@ -41,7 +41,7 @@ def batch(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        first = next(trainer_in_process(run_dir, corpus, "seed=1").batches())
+        first = next(trainer_in_process(run_dir, corpus, "seed=1").data.batches())
     finally:
         dist.destroy_process_group()
     assert len(set(first["feature_lens"].flatten().tolist())) > 1
@@ -54,7 +54,7 @@ def train_on(trainer: Trainer, batch: dict, steps: int = STEPS) -> list[float]:
     for _ in range(steps):
         trainer.train_step([batch])
         trainer.step += 1
-        losses.append(trainer.read_back(stop_flag=0.0)["loss"])
+        losses.append(trainer.read_back(stop_flag=0.0).loss)
     return losses
 
 

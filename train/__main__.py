@@ -89,7 +89,8 @@ def main(raw: DictConfig) -> None:
     # submission (`python -m train -m ...`) runs this module without calling main, torch-free.
     import torch.distributed as dist
 
-    from train.trainer import Trainer, TrainingDiverged, init_distributed, preflight
+    from train.distributed import init_distributed
+    from train.trainer import Trainer, TrainingDiverged, preflight
 
     try:
         prepared = preflight(cfg)

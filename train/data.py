@@ -71,7 +71,9 @@ from train.seeding import mixture_seed, rank_data_seed, sampler_seed, seed_every
 from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, transcript
 from train.storage import StorageError, shar_shards
 
-Batch = dict[str, object]
+# A batch as the loader gives it: the model's tensors by name (train.models.batch.Batch reads
+# them) and what the trainer counts (cut_ids, sources, skipped).
+LoadedBatch = dict[str, object]
 T = TypeVar("T")
 BIN_SAMPLE = 2000  # cuts of the mixture the duration buckets are estimated from
 # Batches per rank in an epoch of a mixture (MixtureEpoch): what a resumed job re-draws at most.
@@ -158,7 +160,7 @@ class SpeechDataset(torch.utils.data.Dataset):
         self.text = text
         self.featurize = featurize or Featurizer(Extractor())
 
-    def __getitem__(self, cuts: CutSet) -> Batch:
+    def __getitem__(self, cuts: CutSet) -> LoadedBatch:
         features, examples, kept, skipped = [], [], [], []
         for cut in cuts:
             try:
@@ -310,7 +312,7 @@ class SharStream(torch.utils.data.IterableDataset):
         self.sampler = sampler
         self.position = position
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[LoadedBatch]:
         info = torch.utils.data.get_worker_info()
         stream = 0 if info is None else info.id
         if self.position is not None:
@@ -409,7 +411,7 @@ class MixtureEpoch:
     def __init__(self, loader: DataLoader, batches: int) -> None:
         self.loader, self.batches = loader, batches
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[LoadedBatch]:
         return itertools.islice(self.loader, max(self.batches, 0))
 
 
@@ -465,7 +467,7 @@ def batches_forever(
         epoch += 1
 
 
-def _marking_last(batches: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
+def _marking_last(batches: Iterable[LoadedBatch]) -> Iterator[tuple[LoadedBatch, bool]]:
     """Each batch of one epoch's loader with whether it is the epoch's last (known by reading
     one batch ahead); SharStream's placeholders are dropped."""
     pending = None
@@ -480,10 +482,10 @@ def _marking_last(batches: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
 
 
 def batches_from(
-    loader_for: Callable[[int, DataPosition | None], Iterable[Batch]],
+    loader_for: Callable[[int, DataPosition | None], Iterable[LoadedBatch]],
     start: DataPosition,
     replay: int = 0,
-) -> Iterator[tuple[DataPosition, Batch]]:
+) -> Iterator[tuple[DataPosition, LoadedBatch]]:
     """Yield (position after the batch, batch) without end, from ``start`` on.
 
     ``loader_for(epoch, position)`` builds an epoch's loader (``build_dataloader``), resumed at
@@ -496,7 +498,7 @@ def batches_from(
     """
     resume_at = start if start.batch_in_epoch and not replay else None
 
-    def loader(epoch: int) -> Iterable[tuple[Batch, bool]]:
+    def loader(epoch: int) -> Iterable[tuple[LoadedBatch, bool]]:
         return _marking_last(loader_for(epoch, resume_at if epoch == start.epoch else None))
 
     position = start

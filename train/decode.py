@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 
+from train.models.batch import Batch
 from train.models.kv_cache import KVCache
 from train.models.salm import (
     BOS_ID,
@@ -138,7 +139,9 @@ def initialize_sharding(model: nn.Module) -> None:
     tokens = torch.tensor([[BOS_ID, EOS_ID]], device=device)
     token_lens = torch.tensor([2], device=device)
     if isinstance(model, SALM):
-        model(torch.zeros((1, 16, model.cfg.n_mels), device=device), lens, tokens, token_lens)
+        model(
+            Batch(torch.zeros((1, 16, model.cfg.n_mels), device=device), lens, tokens, token_lens)
+        )
         return
     model.aux_scale = torch.zeros((), device=device)  # a pipeline stage (PipelinePart)
     audio_lens = audio_positions(model.cfg, lens)

@@ -54,6 +54,7 @@ from train.config import ConfigError, ParallelConfig, refuse_uncomposable
 from train.conversation import conversation_of
 from train.data import encoded, pad_segments
 from train.decode import Stages, greedy_decode, initialize_sharding
+from train.distributed import init_distributed, say
 from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
 from train.features import BadCut, Extractor, Featurizer, extractor_of
 from train.layout import checked_dims, model_of
@@ -75,7 +76,6 @@ from train.source_cuts import (
 )
 from train.sources import Source, check_prompt_tags, read_sources
 from train.text import text_codec
-from train.trainer import init_distributed, say
 from train.validation import rank_share
 from train.wer import ErrorCounts, edit_counts
 

@@ -32,3 +32,15 @@ def checked_for_host_syncs(mode: str, device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class HostSyncGuard:
+    """``debug.host_syncs`` over a job's training steps, after its first ``warmup`` ones (which
+    compile, measure memory and set things up; logging, saves and validation stay outside)."""
+
+    def __init__(self, mode: str, warmup: int, device: torch.device) -> None:
+        self.mode, self.warmup, self.device = mode, warmup, device
+
+    def step(self, steps_done: int) -> contextlib.AbstractContextManager[None]:
+        """The context of the job's training step after ``steps_done`` steps of this job."""
+        return checked_for_host_syncs(self.mode if steps_done >= self.warmup else OFF, self.device)

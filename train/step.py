@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from train.models.batch import Batch
 from train.models.encoder_cache import encoder_keys
 from train.models.salm import (
     SALM,
@@ -25,22 +26,23 @@ from train.models.salm import (
 )
 
 
-def host_seq_len(batch: tuple[torch.Tensor, ...], model: nn.Module) -> int:
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
+    if device.type == "cpu":
+        return batch
+    return Batch(
+        *(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in batch)
+    )
+
+
+def host_seq_len(batch: Batch, model: nn.Module) -> int:
     """The batch's packed decoder length in ``model`` (a SALM or a pipeline part: its shape and
     sequence multiple), read from its CPU length tensors (as Python lists) before the batch
     moves to the device: the model needs it as an int, and reading it from the device would be
     a host sync in every microbatch."""
-    feature_lens, token_lens = batch[1], batch[3]
-    audio = example_positions(model.cfg, feature_lens).tolist()
-    longest = max(a + t for a, t in zip(audio, token_lens.tolist(), strict=True))
+    audio = example_positions(model.cfg, batch.feature_lens).tolist()
+    longest = max(a + t for a, t in zip(audio, batch.token_lens.tolist(), strict=True))
     return packed_length(longest, model.seq_multiple)
-
-
-def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
-    if device.type == "cpu":
-        return batch
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
 
 
 class WholeModelRunner:
@@ -59,7 +61,7 @@ class WholeModelRunner:
 
     def forward_backward(
         self,
-        batches: list[tuple[torch.Tensor, ...]],
+        batches: list[Batch],
         global_targets: torch.Tensor,
         global_sequences: torch.Tensor,
         gradient_ranks: int,
@@ -76,18 +78,20 @@ class WholeModelRunner:
         return sums
 
     @torch.no_grad()
-    def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
         """The next-token loss sum of one batch (CPU tensors), forward only (validation)."""
         with self.autocast():
             out = self.forward(batch)
         return out.nll_sum.float()
 
-    def forward(self, batch: tuple[torch.Tensor, ...]) -> SALMOutput:
+    def forward(self, batch: Batch) -> SALMOutput:
         """The model's output for one CPU batch: its decoder length and, when the model keeps
         its encoder's outputs, the batch's keys into them are read on the host first."""
         seq_len = host_seq_len(batch, self.model)
-        keys = None if self.model.encoder_cache is None else encoder_keys(batch[0], batch[1])
-        return self.model(*to_device(batch, self.device), seq_len=seq_len, encoder_keys=keys)
+        keys = None
+        if self.model.encoder_cache is not None:
+            keys = encoder_keys(batch.features, batch.feature_lens)
+        return self.model(to_device(batch, self.device), seq_len=seq_len, encoder_keys=keys)
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

@@ -12,13 +12,24 @@ number or touches the training loader, so a run with validation trains exactly a
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Iterator
 
+import torch
+import torch.distributed as dist
 from lhotse import CutSet
 from lhotse.cut import Cut
 
-from train.data import Batch, SpeechDataset, TextCodec
+from contract.run_dir import VAL_LOSS_PREFIX
+from train.data import LoadedBatch, SpeechDataset, TextCodec
+from train.distributed import say
 from train.features import Featurizer
+from train.mesh import Meshes
+from train.metrics import MetricsLogger
+from train.models.batch import Batch
+from train.models.pipeline import PipelineRunner
+from train.models.salm import loss_targets
+from train.step import WholeModelRunner
 
 
 def validation_batches(cuts: Iterable[Cut], max_duration: float) -> list[CutSet]:
@@ -72,18 +83,88 @@ class ValidationSet:
         self.keep = not featurize.extractor.uses_stored or not all(
             cut.has_features for batch in self.batches for cut in batch
         )
-        self.kept: dict[int, Batch] = {}
+        self.kept: dict[int, LoadedBatch] = {}
 
-    def __iter__(self) -> Iterator[tuple[Batch, bool]]:
+    def __iter__(self) -> Iterator[tuple[LoadedBatch, bool]]:
         """``forwards`` batches: (batch, whether it counts); the fillers repeat the first."""
         for index in range(self.forwards):
             counts = self.has_own and index < len(self.batches)
             yield self.batch(index if counts else 0), counts
 
-    def batch(self, index: int) -> Batch:
+    def batch(self, index: int) -> LoadedBatch:
         if index in self.kept:
             return self.kept[index]
         batch = self.dataset[self.batches[index]]
         if self.keep:
             self.kept[index] = batch
         return batch
+
+
+class Validator:
+    """The loss over every validation set at the current weights, every ``eval.interval`` steps
+    (not at the last: the job validates once it has saved) and at the end of a job.
+
+    Next-token loss only, no balance loss: ``val_loss/<name>`` per set and ``val_loss`` pooled
+    over all their targets, logged by rank 0.
+    """
+
+    def __init__(
+        self,
+        sets: list[ValidationSet],
+        runner: WholeModelRunner | PipelineRunner,
+        meshes: Meshes,
+        pp_group: dist.ProcessGroup | None,
+        interval: int,
+        device: torch.device,
+    ) -> None:
+        self.sets, self.runner, self.meshes, self.pp_group = sets, runner, meshes, pp_group
+        self.interval, self.device = interval, device
+        self.validated_step = -1
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.interval) and step % self.interval == 0 and not last
+
+    def run(self, step: int, metrics: MetricsLogger) -> None:
+        """Validate at ``step`` (once per step). Collective."""
+        if not self.sets or self.validated_step == step:
+            return
+        started = time.perf_counter()
+        sums = torch.zeros((len(self.sets), 2), dtype=torch.float64, device=self.device)
+        for index, validation in enumerate(self.sets):
+            for batch, counts in validation:
+                nll = self.runner.loss_sum(Batch.of(batch))
+                if counts:
+                    targets = float(loss_targets(batch["token_lens"], batch["target_mask"]))
+                    sums[index] += torch.stack(
+                        [nll.double(), nll.new_tensor(targets, dtype=torch.float64)]
+                    )
+        dist.all_reduce(sums, group=self.meshes.dp.get_group())
+        # The loss column alone, as a tensor of its own: a column of several sets is not
+        # contiguous, and a collective on such a view reduces the wrong elements.
+        losses = sums[:, 0].contiguous()
+        if self.meshes.dims.cp_enabled:  # each CP rank has its positions' token losses
+            dist.all_reduce(losses, group=self.meshes.cp.get_group())
+        if self.pp_group is not None:  # the loss is on the last stage
+            dist.all_reduce(losses, group=self.pp_group)
+        sums[:, 0] = losses
+        per_set = sums.tolist()
+        self.validated_step = step
+        nll, targets = (sum(column) for column in zip(*per_set, strict=True))
+        names = [validation.name for validation in self.sets]
+        record: dict[str, float | int | str] = {
+            "val_loss": nll / targets,
+            "val_tokens": int(targets),
+            "val_split": ",".join(names),
+        }
+        if len(names) > 1:
+            for name, (set_nll, set_targets) in zip(names, per_set, strict=True):
+                record[f"{VAL_LOSS_PREFIX}{name}"] = set_nll / set_targets
+        metrics.log(step, record)
+        each = ", ".join(
+            f"{name} {set_nll / set_targets:.4f}"
+            for name, (set_nll, set_targets) in zip(names, per_set, strict=True)
+        )
+        say(
+            f"validation at step {step}: val_loss {nll / targets:.4f} over {int(targets)} "
+            f"targets ({each}; {time.perf_counter() - started:.1f} s)"
+        )

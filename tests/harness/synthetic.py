@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from train.mesh import Meshes
+from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
 from train.models.init import canonical_name
 from train.models.parallelize import ParallelizeOptions
@@ -22,7 +23,7 @@ GLOBAL_BATCH = 4
 DATA_SEED = 99
 
 
-def synthetic_batch() -> tuple[torch.Tensor, ...]:
+def synthetic_batch() -> Batch:
     """The global batch: random features and byte tokens of varied lengths, the same each run."""
     g = torch.Generator().manual_seed(DATA_SEED)
     feature_lens = torch.randint(24, 49, (GLOBAL_BATCH,), generator=g)
@@ -31,7 +32,7 @@ def synthetic_batch() -> tuple[torch.Tensor, ...]:
     tokens = torch.randint(0, 256, (GLOBAL_BATCH, int(token_lens.max())), generator=g)
     positions = torch.arange(tokens.shape[1])[None, :]
     tokens = torch.where(positions < token_lens[:, None], tokens, PAD_ID)
-    return features, feature_lens, tokens, token_lens
+    return Batch(features, feature_lens, tokens, token_lens)
 
 
 def full_params(model: torch.nn.Module, pp_group=None) -> dict[str, torch.Tensor]:

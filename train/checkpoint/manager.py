@@ -209,13 +209,16 @@ class CheckpointManager:
         keep: int = 3,
         async_save: bool = False,
         timeout: timedelta | None = None,
+        interval: int = 0,
     ) -> None:
         """``timeout``: of the background saves' gloo group (the trainer gives every process
-        group the same, ``train.watchdog.process_group_timeout``); None: gloo's default."""
+        group the same, ``train.watchdog.process_group_timeout``); None: gloo's default.
+        ``interval``: the training saves every so many steps (``due``); 0: only as it ends."""
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1 (the checkpoint to resume from)")
         self.directory = Path(run_dir) / CHECKPOINTS_DIR
         self.keep = keep
+        self.interval = interval
         self._pending: _Pending | None = None
         self._deleting: list[threading.Thread] = []
         self._staging: Staging | None = None
@@ -226,6 +229,11 @@ class CheckpointManager:
             self._staging = Staging()
             if dist.is_initialized():
                 self._group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether the training saves after ``step`` on its way (the last step's save is the
+        job's own, as it ends)."""
+        return bool(self.interval) and step % self.interval == 0 and not last
 
     @property
     def pending(self) -> bool:

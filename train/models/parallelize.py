@@ -292,9 +292,22 @@ def apply_moe_parallel(model: SALM | PipelinePart, meshes: Meshes) -> None:
                 moe.experts.register_parameter(name, nn.Parameter(sharded))
 
 
+def draws_out_of_place(op) -> bool:
+    """Whether ``op`` draws random numbers into a new tensor (``native_dropout``, a functional
+    ``bernoulli``, ``rand_like``): checkpointing keeps its output rather than draw again. An
+    in-place draw (eager ``bernoulli_`` into a fresh tensor, CPU dropout's) fills a tensor that
+    later ops read, so it must run again in the recompute, replayed by ``preserve_rng_state``."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    return not schema.is_mutable
+
+
 def _policy(kept: frozenset):
     def policy(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in kept or draws_out_of_place(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -307,11 +320,13 @@ def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     a selectively checkpointed region (SAC refuses the ops they issue in the recompute), and the
     dispatcher's all-to-all outputs are worth keeping anyway.
 
-    The recompute replays the forward's random draws (``preserve_rng_state``: the CPU and CUDA
-    generators are saved before each block and restored for its recompute), so dropout (LoRA's,
-    a pretrained encoder's) masks the recomputed activations as it masked the forward's. Under
-    torch.compile, AOT autograd's partitioner replays a recomputed random op with the RNG state
-    its forward saved (``functionalize_rng_ops``).
+    The recompute uses the forward's random draws, so dropout (LoRA's, a pretrained encoder's)
+    masks the recomputed activations as it masked the forward's: a draw into a new tensor is
+    kept (``draws_out_of_place``: CUDA's ``native_dropout``, and every draw under torch.compile,
+    whose graphs are functional), an in-place one runs again from the generator states saved
+    before the block (``preserve_rng_state``). Keeping compiled draws also keeps AOT autograd
+    from replaying them with ``functionalize_rng_ops``, which fails to partition the graph on a
+    GPU under torch 2.11 ("Node ... was invalid, but is output").
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing={mode}: choose one of {', '.join(AC_MODES)}")

@@ -35,6 +35,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from train.models.batch import Batch
 from train.models.context import shard_sequence
 from train.models.salm import (
     PAD_ID,
@@ -108,9 +109,8 @@ class PipelinePart(nn.Module):
     def forward(self, *inputs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
         if self.encoder is not None:
             cp = 1 if self.llm.cp_mesh is None else self.llm.cp_mesh.size()
-            x, _ = embed_inputs(
-                self.encoder, self.projector, self.llm.embed, inputs, token_mask.shape[1] * cp
-            )
+            batch, seq_len = Batch(*inputs), token_mask.shape[1] * cp
+            x, _ = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
             (x,) = self.llm.enter(x)
         else:
             (x,) = inputs
@@ -133,19 +133,18 @@ def pipeline_parts(model_on_meta: SALM, plan: PipelinePlan, pp_rank: int) -> lis
     return parts
 
 
-def pad_examples(batch: tuple[torch.Tensor, ...], multiple: int) -> tuple[torch.Tensor, ...]:
-    """(features, feature_lens, tokens, token_lens[, audio_at, target_mask]) with empty
-    examples appended up to a multiple of ``multiple`` examples: no frames, no tokens, so no
-    targets and no real positions."""
-    missing = -len(batch[2]) % multiple
+def pad_examples(batch: Batch, multiple: int) -> Batch:
+    """``batch`` with empty examples appended up to a multiple of ``multiple`` examples: no
+    frames, no tokens, so no targets and no real positions."""
+    missing = -len(batch.tokens) % multiple
     if not missing:
         return batch
-    padded = []
-    for index, tensor in enumerate(batch):
-        fill = PAD_ID if index == 2 else 0  # the tokens, else zeros and False
+    padded = {}
+    for name, tensor in batch._asdict().items():
+        fill = PAD_ID if name == "tokens" else 0  # zeros and False elsewhere
         padding = tensor.new_full((missing, *tensor.shape[1:]), fill)
-        padded.append(torch.cat([tensor, padding]))
-    return tuple(padded)
+        padded[name] = torch.cat([tensor, padding])
+    return Batch(**padded)
 
 
 class PipelineRunner:
@@ -181,9 +180,9 @@ class PipelineRunner:
         self.nll_total = self.nll_total + nll.detach()
         return nll * self.loss_scale
 
-    def _schedule(self, batch: tuple[torch.Tensor, ...], seq_len: int):
+    def _schedule(self, batch: Batch, seq_len: int):
         """The schedule for this batch shape, built with static stage metadata."""
-        micro = len(batch[2]) // self.plan.microbatches
+        micro = len(batch.tokens) // self.plan.microbatches
         key = (micro, seq_len, *(tuple(t.shape[1:]) for t in batch))
         if key in self.schedules:
             self.schedules.move_to_end(key)
@@ -229,7 +228,7 @@ class PipelineRunner:
 
     def forward_backward(
         self,
-        batches: list[tuple[torch.Tensor, ...]],
+        batches: list[Batch],
         global_targets: torch.Tensor,
         global_sequences: torch.Tensor,
         gradient_ranks: int,
@@ -251,20 +250,20 @@ class PipelineRunner:
         return sums
 
     @torch.no_grad()
-    def loss_sum(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
         """The next-token loss sum of one batch, forward only (validation): zero but on the
         last stage's rank."""
         schedule, inputs, kwargs = self._prepare(batch, torch.zeros((), device=self.device))
         schedule.eval(*inputs, **kwargs)
         return self.nll_total.float()
 
-    def _prepare(self, batch: tuple[torch.Tensor, ...], aux_scale: torch.Tensor):
+    def _prepare(self, batch: Batch, aux_scale: torch.Tensor):
         """The schedule for ``batch`` and the arguments of its step on this rank."""
-        batch = pad_examples(batch, self.plan.microbatches)
+        batch = pad_examples(batch.with_prompt(), self.plan.microbatches)
         seq_len = host_seq_len(batch, self.parts[0])
         schedule = self._schedule(batch, seq_len)
         batch = to_device(batch, self.device)
-        feature_lens = segments(*batch[:2])[1]
+        feature_lens = segments(batch.features, batch.feature_lens)[1]
         layout = batch_layout(batch, audio_positions(self.parts[0].cfg, feature_lens), seq_len)
         token_mask, labels = layout.token_mask, layout.labels
         if self.cp_mesh is not None:  # each rank's chunks of the sequence

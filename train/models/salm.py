@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from train.conversation import ASSISTANT, Turn, messages
+from train.models.batch import Batch
 from train.models.context import (
     context_attention,
     gather_sequence,
@@ -394,13 +395,6 @@ def longest_example(audio_lens: torch.Tensor, token_lens: torch.Tensor) -> int:
     return int((audio_lens + token_lens).max())
 
 
-def default_prompt(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``audio_at`` and ``target_mask`` of the byte tokenizer's examples: the audio first, the
-    answer every token after BOS (``ByteTokenizer.example``)."""
-    first = torch.arange(tokens.shape[1], device=tokens.device) >= 1
-    return tokens.new_zeros((tokens.shape[0], 1)), first[None, :].expand(tokens.shape[0], -1)
-
-
 def segments(
     features: torch.Tensor, feature_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,15 +455,12 @@ def sequence_layout(
     return SequenceLayout(is_audio, is_text, text_index, audio_segment, audio_frame, labels)
 
 
-def batch_layout(
-    batch: tuple[torch.Tensor, ...], audio_lens: torch.Tensor, seq_len: int
-) -> SequenceLayout:
-    """The sequence layout of ``batch`` (features, feature lengths, tokens, token lengths and,
-    for a prompt or a conversation, where each audio goes and the target mask) with
-    ``audio_lens`` (B, K) positions per segment."""
-    tokens, token_lens = batch[2], batch[3]
-    audio_at, target_mask = batch[4:] if len(batch) > 4 else default_prompt(tokens)
-    return sequence_layout(audio_lens, tokens, token_lens, seq_len, audio_at, target_mask)
+def batch_layout(batch: Batch, audio_lens: torch.Tensor, seq_len: int) -> SequenceLayout:
+    """The sequence layout of ``batch`` with ``audio_lens`` (B, K) positions per segment."""
+    audio_at, target_mask = batch.prompt()
+    return sequence_layout(
+        audio_lens, batch.tokens, batch.token_lens, seq_len, audio_at, target_mask
+    )
 
 
 class Projector(nn.Sequential):
@@ -501,17 +492,15 @@ def embed_inputs(
     encoder: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     projector: Projector,
     embed: nn.Embedding,
-    batch: tuple[torch.Tensor, ...],
+    batch: Batch,
     seq_len: int,
 ) -> tuple[torch.Tensor, SequenceLayout]:
     """The decoder's input (B, seq_len, d): each example's tokens with its projected audio
-    segments where they go, then zeros; and where each lies. ``batch``: features, feature
-    lengths, tokens, token lengths and, for a prompt or a conversation, where each audio goes
-    and the target mask (``default_prompt`` without them)."""
-    features, feature_lens = segments(*batch[:2])
+    segments where they go, then zeros; and where each lies."""
+    features, feature_lens = segments(batch.features, batch.feature_lens)
     audio, audio_lens = encode_audio(encoder, projector, features, feature_lens)
     layout = batch_layout(batch, audio_lens, seq_len)
-    return splice(audio, embed(batch[2]), layout), layout
+    return splice(audio, embed(batch.tokens), layout), layout
 
 
 def encode_audio(
@@ -612,24 +601,17 @@ class SALM(nn.Module):
 
     def forward(
         self,
-        features,
-        feature_lens,
-        tokens,
-        token_lens,
-        *prompt,
+        batch: Batch,
         seq_len: int | None = None,
         encoder_keys: EncoderKeys | None = None,
     ) -> SALMOutput:
-        """``prompt``: the prefix lengths and target mask of examples with a prompt before
-        the audio (``sequence_layout``); none for the byte tokenizer's. ``seq_len``: the packed
-        decoder length, ``packed_length`` of the batch's lengths while they are still on the
-        host (the training step passes it, so that nothing is read back from the device); None
-        computes it here from the lengths given. ``encoder_keys``: the batch's keys into
-        ``encoder_cache``, which then gives the encoder's frames."""
+        """``seq_len``: the packed decoder length, ``packed_length`` of the batch's lengths
+        while they are still on the host (the training step passes it, so that nothing is read
+        back from the device); None computes it here from the lengths given. ``encoder_keys``:
+        the batch's keys into ``encoder_cache``, which then gives the encoder's frames."""
         if seq_len is None:
-            longest = longest_example(example_positions(self.cfg, feature_lens), token_lens)
-            seq_len = packed_length(longest, self.seq_multiple)
-        batch = (features, feature_lens, tokens, token_lens, *prompt)
+            audio = example_positions(self.cfg, batch.feature_lens)
+            seq_len = packed_length(longest_example(audio, batch.token_lens), self.seq_multiple)
         encoder = self.encoder
         if self.encoder_cache is not None and encoder_keys is not None:
             encoder = partial(self.encoder_cache.encode, encoder_keys)

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from tests.harness.synthetic import full_params, synthetic_batch
 from train.checkpoint.manager import CheckpointManager
 from train.mesh import build_meshes
+from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view
@@ -87,14 +88,17 @@ class Run:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / 10)
         )
-        per_rank = len(synthetic_batch()[0]) // dp_size
-        self.batch = [t[dp_rank * per_rank : (dp_rank + 1) * per_rank] for t in synthetic_batch()]
+        whole = synthetic_batch()
+        per_rank = len(whole.features) // dp_size
+        self.batch = Batch(*(t[dp_rank * per_rank : (dp_rank + 1) * per_rank] for t in whole[:4]))
 
     def step(self) -> None:
-        counts = torch.tensor([float(loss_targets(self.batch[3])), float(len(self.batch[3]))])
+        counts = torch.tensor(
+            [float(loss_targets(self.batch.token_lens)), float(len(self.batch.token_lens))]
+        )
         if self.dp_group is not None:
             dist.all_reduce(counts, group=self.dp_group)
-        self.runner.forward_backward([tuple(self.batch)], counts[0], counts[1], self.gradient_ranks)
+        self.runner.forward_backward([self.batch], counts[0], counts[1], self.gradient_ranks)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad()

@@ -28,6 +28,7 @@ from tests.harness.synthetic import built, full_params, save_and_end
 from train.config import ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.mesh import build_meshes
+from train.models.batch import Batch
 from train.models.build import freeze_parameters
 from train.models.hf_weights import encoder_state, load_encoder_weights
 from train.models.layers import length_mask
@@ -37,7 +38,7 @@ from train.parallel_dims import ParallelDims
 FEATURE_LENS = (240, 123, 37, 181)  # some end inside a projector group, some at its end
 
 
-def varied_batch(bins: int) -> tuple[torch.Tensor, ...]:
+def varied_batch(bins: int) -> Batch:
     """Zero-padded features of varied lengths and byte transcripts, the same each run."""
     g = torch.Generator().manual_seed(5)
     lens = torch.tensor(FEATURE_LENS)
@@ -46,7 +47,7 @@ def varied_batch(bins: int) -> tuple[torch.Tensor, ...]:
     token_lens = torch.randint(4, 13, (len(lens),), generator=g)
     tokens = torch.randint(0, 256, (len(lens), int(token_lens.max())), generator=g)
     tokens = torch.where(length_mask(token_lens, tokens.shape[1]), tokens, PAD_ID)
-    return features, lens, tokens, token_lens
+    return Batch(features, lens, tokens, token_lens)
 
 
 def record(directory: Path, dims: ParallelDims, stride: int) -> dict:
@@ -74,7 +75,8 @@ def record(directory: Path, dims: ParallelDims, stride: int) -> dict:
         ),
     }
     optimizer = torch.optim.AdamW(freeze_parameters(model, frozen_of(train_cfg)), lr=1e-3)
-    targets, sequences = loss_targets(batch[3]) * dims.dp, len(batch[3]) * dims.dp
+    targets = loss_targets(batch.token_lens) * dims.dp
+    sequences = len(batch.token_lens) * dims.dp
     runner.forward_backward(
         [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks
     )

@@ -85,7 +85,8 @@ def record(directory: Path, args: argparse.Namespace) -> dict:
     }
     optimizer = torch.optim.AdamW(freeze_parameters(model, frozen_of(train_cfg)), lr=1e-3)
     # Every data-parallel rank feeds the whole batch, as if each held a copy of it.
-    targets, sequences = loss_targets(batch[3]) * dims.dp, len(batch[3]) * dims.dp
+    targets = loss_targets(batch.token_lens) * dims.dp
+    sequences = len(batch.token_lens) * dims.dp
     for _ in range(2 if args.lora_rank else 1):
         runner.forward_backward(
             [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks

@@ -56,8 +56,10 @@ from torch.utils._pytree import tree_leaves
 
 from train import step
 from train.config import TrainConfig
+from train.distributed import init_distributed
+from train.models.batch import Batch
 from train.stop import StopRequest
-from train.trainer import Trainer, init_distributed, preflight
+from train.trainer import Trainer, preflight
 
 REPO = Path(__file__).resolve().parents[3]
 THIS = Path(__file__).resolve()
@@ -202,11 +204,9 @@ def syncs(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def moved_with_to(
-    batch: tuple[torch.Tensor, ...], device: torch.device
-) -> tuple[torch.Tensor, ...]:
+def moved_with_to(batch: Batch, device: torch.device) -> Batch:
     """``step.to_device`` through ``Tensor.to``, as on a GPU (see the module's docstring)."""
-    return tuple(t.to(device, non_blocking=True) for t in batch)
+    return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
 
 
 def main() -> None:
@@ -230,7 +230,7 @@ def main() -> None:
     prepared = preflight(cfg)
     device = init_distributed(cfg.train.hang_timeout_s)
     trainer = Trainer(cfg, prepared, device, StopRequest(0.0))
-    batches = trainer.batches()
+    batches = trainer.data.batches()
     trainer.train_step([next(batches)])  # the first step also measures the state's memory
 
     step_batches = [[next(batches)] for _ in range(args.steps)]

@@ -43,11 +43,12 @@ from tests.harness.planner_cases import Case
 from train import trainer as trainer_module
 from train.config import TrainConfig
 from train.data_plan import data_plan
+from train.distributed import init_distributed
 from train.layout import parallel_dims, pipeline_for
 from train.models import parallelize
 from train.models.moe import local_shard
 from train.stop import StopRequest
-from train.trainer import Prepared, Trainer, init_distributed
+from train.trainer import Prepared, Trainer
 
 DATA_SEED = 7
 

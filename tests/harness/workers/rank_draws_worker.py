@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from orchestrator.planner.preflight import compose_training_config
+from train.distributed import init_distributed
 from train.stop import StopRequest
-from train.trainer import Trainer, init_distributed, preflight
+from train.trainer import Trainer, preflight
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -54,7 +55,7 @@ def dropout_draws(trainer: Trainer) -> dict[str, list[str]]:
     ]
     hooks = [module.register_forward_pre_hook(before) for module in dropouts]
     hooks += [module.register_forward_hook(after) for module in dropouts]
-    shared = [next(trainer.batches()) if dist.get_rank() == 0 else None]
+    shared = [next(trainer.data.batches()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     trainer.train_step([shared[0]])
     for hook in hooks:

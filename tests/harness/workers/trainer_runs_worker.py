@@ -22,8 +22,9 @@ import torch._dynamo
 import torch.distributed as dist
 
 from orchestrator.planner.preflight import compose_training_config
+from train.distributed import init_distributed
 from train.stop import StopRequest
-from train.trainer import Trainer, init_distributed, preflight
+from train.trainer import Trainer, preflight
 
 
 def main(spec_path: str) -> None:
