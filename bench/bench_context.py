@@ -66,9 +66,9 @@ def worker(args: argparse.Namespace) -> None:
     from train.mesh import build_meshes
     from train.models.batch import Batch
     from train.models.build import build_model
+    from train.models.loss import loss_targets
     from train.models.parallelize import ParallelizeOptions
     from train.models.presets import get_preset
-    from train.models.salm import loss_targets
     from train.parallel_dims import ParallelDims
     from train.step import WholeModelRunner, host_seq_len
 

@@ -91,9 +91,10 @@ def run_one(args: argparse.Namespace, spec: str, device, ceiling: float | None) 
     from train.mesh import build_meshes
     from train.models.batch import Batch
     from train.models.build import build_model
+    from train.models.loss import loss_for_backward
     from train.models.parallelize import ParallelizeOptions, compute_autocast
     from train.models.presets import get_preset
-    from train.models.salm import audio_positions, loss_for_backward
+    from train.models.shape import audio_positions
     from train.parallel_dims import ParallelDims
     from train.step import host_seq_len
 

@@ -47,10 +47,12 @@ from torch import nn
 from train.mesh import build_meshes
 from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
+from train.models.loss import loss_targets
 from train.models.moe import local_shard
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view, pipeline_parts
-from train.models.salm import SALM, SALMConfig, loss_targets
+from train.models.salm import SALM
+from train.models.shape import SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
 from train.step import WholeModelRunner

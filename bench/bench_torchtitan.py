@@ -180,8 +180,8 @@ def build_ours(
     from train.mesh import build_meshes
     from train.models.batch import Batch
     from train.models.build import build_model
+    from train.models.loss import loss_for_backward
     from train.models.parallelize import ParallelizeOptions
-    from train.models.salm import loss_for_backward
     from train.parallel_dims import ParallelDims
 
     cfg = salm_config(shape)

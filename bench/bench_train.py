@@ -70,8 +70,9 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     from train.data import build_dataloader
     from train.models.batch import Batch
     from train.models.build import build_model
+    from train.models.packing import example_positions
     from train.models.presets import get_preset
-    from train.models.salm import ByteTokenizer, example_positions
+    from train.text import ByteTokenizer
 
     cfg = get_preset(args.preset)
     model = build_model(cfg, torch.device("cpu"), 1234)

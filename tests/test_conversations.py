@@ -35,11 +35,13 @@ from train.data import (
 from train.decode import greedy_decode
 from train.features import AudioLimits
 from train.models.build import build_model
+from train.models.packing import IGNORE_INDEX, sequence_layout
 from train.models.presets import get_preset
-from train.models.salm import IGNORE_INDEX, ByteTokenizer, audio_positions, sequence_layout
+from train.models.shape import audio_positions
 from train.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
 from train.source_cuts import check_sources, load_source_cuts, source_of, transcript
 from train.sources import read_sources
+from train.text import ByteTokenizer
 
 ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats", "call two")
 # A text exchange, then a spoken question in the middle of the conversation, a follow-up, and a

@@ -20,7 +20,7 @@ from train.data import (
     build_dataloader,
 )
 from train.data_layout import num_streams
-from train.models.salm import ByteTokenizer
+from train.text import ByteTokenizer
 
 Loader = Callable[[int, DataPosition | None], object]
 

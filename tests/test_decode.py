@@ -13,18 +13,14 @@ from train.decode import greedy_decode
 from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.hf_weights import load_llm_weights
+from train.models.loss import loss_targets
+from train.models.packing import IGNORE_INDEX, sequence_layout
 from train.models.presets import get_preset, model_shape
-from train.models.salm import (
-    IGNORE_INDEX,
-    ByteTokenizer,
-    audio_positions,
-    embed_inputs,
-    loss_targets,
-    sequence_layout,
-)
+from train.models.salm import embed_inputs
+from train.models.shape import audio_positions
 from train.prompt import Encoded
 from train.step import host_seq_len
-from train.text import text_codec
+from train.text import ByteTokenizer, text_codec
 
 MAX_NEW = 12
 

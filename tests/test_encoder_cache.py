@@ -30,7 +30,7 @@ from train.layout import model_of, training_layout
 from train.models.build import build_model, encoder_replica
 from train.models.encoder_cache import EncoderCache, encoder_keys
 from train.models.hf_weights import load_encoder_weights
-from train.models.salm import ByteTokenizer
+from train.text import ByteTokenizer
 
 FROZEN_ENCODER = "model.freeze=[encoder\\..*]"
 CACHE = "train.encoder_cache_mb=64"

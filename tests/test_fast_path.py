@@ -20,13 +20,14 @@ from train.flops import PEAK_FLOPS_ENV, llm_weights_per_position, peak_flops, st
 from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.init import canonical_name, init_weights, name_seed
+from train.models.loss import loss_for_backward, loss_targets
 from train.models.parallelize import (
     ParallelizeOptions,
     compute_autocast,
     mixed_precision_policies,
 )
 from train.models.presets import get_preset
-from train.models.salm import SALM, loss_for_backward, loss_targets
+from train.models.salm import SALM
 
 CPU = torch.device("cpu")
 

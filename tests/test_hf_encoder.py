@@ -42,8 +42,9 @@ from train.models.hf_encoder import transformers_class
 from train.models.hf_encoder_config import encoder_fields
 from train.models.hf_weights import encoder_state, load_encoder_weights
 from train.models.inventory import inventory
+from train.models.loss import loss_targets
 from train.models.parallelize import apply_compile
-from train.models.salm import SALM, length_mask, loss_targets
+from train.models.salm import SALM, length_mask
 from train.models.shape import audio_positions, encoder_frames
 from train.parallel_dims import ParallelDims
 from train.step import WholeModelRunner

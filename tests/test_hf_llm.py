@@ -278,8 +278,8 @@ def test_the_recipe_can_write_the_presets_own_decoder(corpus, tmp_path) -> None:
     from recipes.make_hf_llm import main
     from train.models.build import build_model
     from train.models.presets import get_preset, model_shape
-    from train.models.salm import ByteTokenizer
     from train.prompt import ChatPrompt, load_tokenizer
+    from train.text import ByteTokenizer
 
     out = tmp_path / "preset_as_hf"
     args = ["--family=llama", "--untied", "--tokenizer=bytes", "--template=none", "--init=preset"]

@@ -11,7 +11,7 @@ from lhotse import CutSet
 
 from tests.harness.process import REPO, run_script
 from train.data import build_dataloader, load_cuts
-from train.models.salm import ByteTokenizer
+from train.text import ByteTokenizer
 
 SCRIPT = REPO / "recipes" / "make_long_corpus.py"
 JOIN = 4

@@ -19,9 +19,9 @@ from transformers import WhisperFeatureExtractor
 from train.batch_hash import batch_hash
 from train.data import DataPosition, SpeechDataset, batches_from, build_dataloader, load_cuts
 from train.features import AudioLimits, BadCut, Extractor, Featurizer
-from train.models.salm import ByteTokenizer
 from train.source_cuts import check_sources, load_source_cuts, mixed_stream, problem, source_of
 from train.sources import SourceError, read_sources
+from train.text import ByteTokenizer
 
 WEIGHTS = {"train": 0.7, "dev": 0.3}
 

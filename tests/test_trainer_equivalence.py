@@ -49,9 +49,9 @@ from tests.harness.conversations import conversation_mixture
 from tests.harness.training import metrics, train_together
 from train.data import build_dataloader
 from train.features import AudioLimits
-from train.models.salm import ByteTokenizer
 from train.source_cuts import check_sources
 from train.sources import read_sources
+from train.text import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -30,13 +30,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from train.models.batch import Batch
 from train.models.kv_cache import KVCache
-from train.models.salm import (
-    BOS_ID,
-    EOS_ID,
-    SALM,
-    ByteTokenizer,
-    audio_positions,
-    encode_audio,
+from train.models.packing import (
     example_positions,
     longest_example,
     packed_length,
@@ -44,7 +38,10 @@ from train.models.salm import (
     sequence_layout,
     splice,
 )
+from train.models.salm import SALM, encode_audio
+from train.models.shape import BOS_ID, EOS_ID, audio_positions
 from train.prompt import Encoded
+from train.text import ByteTokenizer
 
 
 @dataclass(frozen=True)

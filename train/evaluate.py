@@ -61,7 +61,6 @@ from train.layout import checked_dims, model_of
 from train.mesh import build_meshes
 from train.models.build import build_model, build_pipeline
 from train.models.parallelize import ParallelizeOptions
-from train.models.salm import ByteTokenizer
 from train.models.shape import SALMConfig
 from train.normalizers import DEFAULT_NORMALIZER, normalizer
 from train.parallel_dims import ParallelDims
@@ -75,7 +74,7 @@ from train.source_cuts import (
     transcript,
 )
 from train.sources import Source, check_prompt_tags, read_sources
-from train.text import text_codec
+from train.text import ByteTokenizer, text_codec
 from train.validation import rank_share
 from train.wer import ErrorCounts, edit_counts
 

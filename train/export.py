@@ -63,10 +63,11 @@ from train.models.hf_names import PROJECTIONS, hf_name
 from train.models.hf_weights import ENCODER, encoder_state, llm_state
 from train.models.inventory import inventory
 from train.models.lora import LORA_A, LORA_B, adapter_names, merged_weight
-from train.models.salm import SALM, ByteTokenizer
+from train.models.salm import SALM
 from train.models.shape import SALMConfig, llm_head_dim
 from train.prompt import AUDIO_TOKEN, load_tokenizer
 from train.saved_run import find_checkpoint, saved_model, saved_state
+from train.text import ByteTokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -17,13 +17,9 @@ from torch import nn
 
 from train.models.batch import Batch
 from train.models.encoder_cache import encoder_keys
-from train.models.salm import (
-    SALM,
-    SALMOutput,
-    example_positions,
-    loss_for_backward,
-    packed_length,
-)
+from train.models.loss import SALMOutput, loss_for_backward
+from train.models.packing import example_positions, packed_length
+from train.models.salm import SALM
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from train.data import LoadedBatch
 from train.flops import sequence_flops
 from train.mesh import Meshes
-from train.models.salm import example_positions, loss_targets
+from train.models.loss import loss_targets
+from train.models.packing import example_positions
 from train.models.shape import SALMConfig
 
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order

@@ -8,11 +8,63 @@ Both give what the data pipeline, the trainer and the evaluation need: ``example
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from train.config import ConfigError, ModelConfig
-from train.models.salm import ByteTokenizer
-from train.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, load_tokenizer
+from train.conversation import ASSISTANT, Turn, messages
+from train.models.shape import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from train.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, Encoded, load_tokenizer
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus pad, bos and eos: the project's own models' text.
+
+    An example is the audio, then BOS, the transcript's bytes and EOS; the loss covers every
+    token after BOS (a pretrained LLM's examples follow its chat template: ``train.prompt``).
+    """
+
+    pad_id, bos_id, eos_id, vocab_size = PAD_ID, BOS_ID, EOS_ID, VOCAB_SIZE
+    eos_ids = frozenset({EOS_ID})
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS_ID, *text.encode("utf-8"), EOS_ID]
+
+    def for_tags(self, tags: Mapping[str, Any]) -> ByteTokenizer:
+        """The same codec whatever a cut's tags: the byte tokenizer has no prompt (a source
+        with ``prompt:`` tags is refused before training, train/sources.py)."""
+        return self
+
+    def example(self, text: str) -> Encoded:
+        """A training example: no prompt before the audio, the answer after BOS."""
+        tokens = self.encode(text)
+        return Encoded(tokens, audio_at=(0,), spans=((1, len(tokens)),))
+
+    def conversation(self, turns: Sequence[Turn]) -> Encoded:
+        """A conversation (``train.conversation``): BOS, then each message's bytes, each audio
+        where its turn is; a user or system message ends with a newline, an assistant message
+        (the loss's) with EOS."""
+        tokens, spans, audio_at = [BOS_ID], [], []
+        for message in messages(turns):
+            if message.role == ASSISTANT:
+                answer = [*message.text.encode("utf-8"), EOS_ID]
+                spans.append((len(tokens), len(tokens) + len(answer)))
+                tokens += answer
+                continue
+            for index, part in enumerate(message.parts):
+                if part is None:
+                    audio_at.append(len(tokens))
+                elif part:
+                    tokens += f"{' ' if index else ''}{part}".encode()
+            tokens += b"\n"
+        return Encoded(tokens, tuple(audio_at), tuple(spans))
+
+    def generation_prompt(self) -> Encoded:
+        return Encoded([BOS_ID], audio_at=(0,))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def text_codec(model: ModelConfig, vocab_size: int) -> ByteTokenizer | ChatPrompt:

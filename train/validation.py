@@ -27,8 +27,8 @@ from train.features import Featurizer
 from train.mesh import Meshes
 from train.metrics import MetricsLogger
 from train.models.batch import Batch
+from train.models.loss import loss_targets
 from train.models.pipeline import PipelineRunner
-from train.models.salm import loss_targets
 from train.step import WholeModelRunner
 
 

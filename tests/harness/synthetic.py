@@ -13,8 +13,7 @@ from train.models.build import build_model, build_pipeline
 from train.models.init import canonical_name
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view
-from train.models.salm import PAD_ID
-from train.models.shape import SALMConfig
+from train.models.shape import PAD_ID, SALMConfig
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
 from train.step import WholeModelRunner

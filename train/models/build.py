@@ -11,7 +11,8 @@ from train.mesh import Meshes
 from train.models.init import canonical_name, init_weights
 from train.models.parallelize import ParallelizeOptions, parallelize
 from train.models.pipeline import PipelinePart, pipeline_parts
-from train.models.salm import SALM, SALMConfig, build_encoder
+from train.models.salm import SALM, build_encoder
+from train.models.shape import SALMConfig
 from train.pipeline_plan import PipelinePlan
 
 

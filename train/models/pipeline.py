@@ -37,16 +37,10 @@ from torch.distributed.pipelining import (
 
 from train.models.batch import Batch
 from train.models.context import shard_sequence
-from train.models.salm import (
-    PAD_ID,
-    SALM,
-    audio_positions,
-    aux_weight,
-    batch_layout,
-    embed_inputs,
-    next_token_loss,
-    segments,
-)
+from train.models.loss import aux_weight, next_token_loss
+from train.models.packing import batch_layout, segments
+from train.models.salm import SALM, embed_inputs
+from train.models.shape import PAD_ID, audio_positions
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
 from train.step import host_seq_len, to_device
 

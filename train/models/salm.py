@@ -3,27 +3,25 @@
 fbank features (B, T, 80) -> audio encoder (conv subsampling x4 + transformer blocks, or a
 pretrained Whisper or Parakeet encoder on its own features: ``train.models.hf_encoder``) ->
 projector (``projector_stride`` frames stacked per position) -> decoder-only LLM (RMSNorm, RoPE,
-SwiGLU or MoE, GQA). Each example becomes one sequence: its prompt tokens (a pretrained LLM's
-chat template, ``train.prompt``; none for the byte tokenizer), its audio embeddings, its other
-tokens, then right padding. The loss is next-token prediction on the answer only. Every output
-on a real position ignores padding, so a batch split across ranks computes exactly what the
-whole batch computes in one process.
+SwiGLU or MoE, GQA). Each example becomes one sequence: its prompt tokens, its audio
+embeddings, its other tokens, then right padding (``train.models.packing``). The loss is
+next-token prediction on the answer only (``train.models.loss``). Every output on a real
+position ignores padding, so a batch split across ranks computes exactly what the whole batch
+computes in one process. The text side (the byte tokenizer, a pretrained LLM's chat template)
+is ``train.text``'s and ``train.prompt``'s: the model sees token ids only.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from train.conversation import ASSISTANT, Turn, messages
 from train.models.batch import Batch
 from train.models.context import (
     context_attention,
@@ -35,76 +33,31 @@ from train.models.encoder_cache import EncoderCache, EncoderKeys
 from train.models.hf_encoder import pretrained_encoder
 from train.models.layers import apply_rope, length_mask, rope_tables
 from train.models.lora import add_adapters
+from train.models.loss import SALMOutput, aux_weight, next_token_loss
 from train.models.moe import MoE
+from train.models.packing import (
+    IGNORE_INDEX,
+    SequenceLayout,
+    batch_layout,
+    example_positions,
+    longest_example,
+    packed_length,
+    segments,
+    splice,
+)
 from train.models.shape import (
-    BOS_ID,
-    EOS_ID,
     OWN_ENCODER,
-    PAD_ID,
-    VOCAB_SIZE,
     SALMConfig,
-    audio_positions,
     llm_head_dim,
     stacked,
     subsampled_lens,
 )
 from train.parallel_dims import BASE_SEQ_MULTIPLE
-from train.prompt import Encoded
 
 if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
 
-IGNORE_INDEX = -100
 MIN_FEATURE_FRAMES = 16  # what the encoder always gets (``encode_audio``)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus pad, bos and eos: the project's own models' text.
-
-    An example is the audio, then BOS, the transcript's bytes and EOS; the loss covers every
-    token after BOS (a pretrained LLM's examples follow its chat template: ``train.prompt``).
-    """
-
-    pad_id, bos_id, eos_id, vocab_size = PAD_ID, BOS_ID, EOS_ID, VOCAB_SIZE
-    eos_ids = frozenset({EOS_ID})
-
-    def encode(self, text: str) -> list[int]:
-        return [BOS_ID, *text.encode("utf-8"), EOS_ID]
-
-    def for_tags(self, tags: Mapping[str, Any]) -> ByteTokenizer:
-        """The same codec whatever a cut's tags: the byte tokenizer has no prompt (a source
-        with ``prompt:`` tags is refused before training, train/sources.py)."""
-        return self
-
-    def example(self, text: str) -> Encoded:
-        """A training example: no prompt before the audio, the answer after BOS."""
-        tokens = self.encode(text)
-        return Encoded(tokens, audio_at=(0,), spans=((1, len(tokens)),))
-
-    def conversation(self, turns: Sequence[Turn]) -> Encoded:
-        """A conversation (``train.conversation``): BOS, then each message's bytes, each audio
-        where its turn is; a user or system message ends with a newline, an assistant message
-        (the loss's) with EOS."""
-        tokens, spans, audio_at = [BOS_ID], [], []
-        for message in messages(turns):
-            if message.role == ASSISTANT:
-                answer = [*message.text.encode("utf-8"), EOS_ID]
-                spans.append((len(tokens), len(tokens) + len(answer)))
-                tokens += answer
-                continue
-            for index, part in enumerate(message.parts):
-                if part is None:
-                    audio_at.append(len(tokens))
-                elif part:
-                    tokens += f"{' ' if index else ''}{part}".encode()
-            tokens += b"\n"
-        return Encoded(tokens, tuple(audio_at), tuple(spans))
-
-    def generation_prompt(self) -> Encoded:
-        return Encoded([BOS_ID], audio_at=(0,))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class Attention(nn.Module):
@@ -367,102 +320,6 @@ class Decoder(nn.Module):
         return cos[positions], sin[positions]
 
 
-@dataclass(frozen=True)
-class SequenceLayout:
-    """Where each example's audio and text sit in its packed decoder sequence."""
-
-    is_audio: torch.Tensor  # (B, S) audio positions
-    is_text: torch.Tensor  # (B, S) text positions (the prompt before the audio, the rest after)
-    text_index: torch.Tensor  # (B, S) index into the tokens at text positions (clamped elsewhere)
-    audio_segment: torch.Tensor  # (B, S) which of the example's audio segments (0 elsewhere)
-    audio_frame: torch.Tensor  # (B, S) the frame of that segment at audio positions (0 elsewhere)
-    labels: torch.Tensor  # (B, S) the next token where it is an answer token, else ignored
-
-    @property
-    def token_mask(self) -> torch.Tensor:
-        """Real positions (audio or text); the rest is padding."""
-        return self.is_audio | self.is_text
-
-
-def packed_length(longest: int, multiple: int) -> int:
-    """The decoder sequence length of a batch whose longest example has ``longest`` positions
-    (audio frames after subsampling plus text tokens): rounded up to ``multiple``."""
-    return max(1, math.ceil(longest / multiple)) * multiple
-
-
-def longest_example(audio_lens: torch.Tensor, token_lens: torch.Tensor) -> int:
-    """The decoder positions of a batch's longest example (a host read of the lengths)."""
-    return int((audio_lens + token_lens).max())
-
-
-def segments(
-    features: torch.Tensor, feature_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features (B, K, T, bins) and lengths (B, K) of each example's K audio segments (an
-    example without K has zero-length ones); a batch of one segment each may come as (B, T,
-    bins) and (B,)."""
-    if features.dim() == 3:
-        return features[:, None], feature_lens[:, None]
-    return features, feature_lens
-
-
-def example_positions(cfg: SALMConfig, feature_lens: torch.Tensor) -> torch.Tensor:
-    """Each example's audio positions in the decoder, all its segments together: (B,)."""
-    positions = audio_positions(cfg, feature_lens)
-    return positions.sum(-1) if positions.dim() == 2 else positions
-
-
-def sequence_layout(
-    audio_lens: torch.Tensor,
-    tokens: torch.Tensor,
-    token_lens: torch.Tensor,
-    seq_len: int,
-    audio_at: torch.Tensor,
-    target_mask: torch.Tensor,
-    offsets: torch.Tensor | None = None,
-) -> SequenceLayout:
-    """One sequence per example: its tokens with each audio segment k (``audio_lens[:, k]``
-    positions) before token ``audio_at[:, k]`` (in order), then padding; labels on the tokens
-    ``target_mask`` (B, L) marks, each at the position of the token before it (never a
-    segment's: ``Encoded``). ``offsets`` (B,): where each sequence starts (decoding's left
-    padding); before it is padding."""
-    if audio_lens.dim() == 1:  # one segment each
-        audio_lens = audio_lens[:, None]
-    audio_at = audio_at.reshape(audio_lens.shape)
-    pos = torch.arange(seq_len, device=tokens.device)[None, :]
-    if offsets is not None:
-        pos = pos - offsets[:, None]
-    starts = audio_at + torch.cumsum(audio_lens, dim=1) - audio_lens  # (B, K)
-    into = pos[..., None] - starts[:, None, :]  # (B, S, K): position relative to each segment
-    inside = (into >= 0) & (into < audio_lens[:, None, :])
-    is_audio = inside.any(-1)
-    segment_ids = torch.arange(audio_lens.shape[1], device=tokens.device)
-    audio_segment = (inside * segment_ids).sum(-1)
-    audio_frame = (inside * into).sum(-1)
-    audio_before = torch.minimum(into.clamp(min=0), audio_lens[:, None, :]).sum(-1)
-    text_pos = pos - audio_before
-    is_text = ~is_audio & (pos >= 0) & (text_pos < token_lens[:, None])
-    text_index = text_pos.clamp(0, tokens.shape[1] - 1)
-    next_index = text_pos + 1
-    next_clamped = next_index.clamp(0, tokens.shape[1] - 1)
-    is_target = (
-        is_text
-        & (next_index < token_lens[:, None])
-        & target_mask.to(torch.bool).gather(1, next_clamped)
-    )
-    next_tokens = tokens.gather(1, next_clamped)
-    labels = torch.where(is_target, next_tokens, IGNORE_INDEX)
-    return SequenceLayout(is_audio, is_text, text_index, audio_segment, audio_frame, labels)
-
-
-def batch_layout(batch: Batch, audio_lens: torch.Tensor, seq_len: int) -> SequenceLayout:
-    """The sequence layout of ``batch`` with ``audio_lens`` (B, K) positions per segment."""
-    audio_at, target_mask = batch.prompt()
-    return sequence_layout(
-        audio_lens, batch.tokens, batch.token_lens, seq_len, audio_at, target_mask
-    )
-
-
 class Projector(nn.Sequential):
     """Linear, GELU, Linear from the encoder's width to the LLM's, over groups of ``stride``
     consecutive encoder frames concatenated (an example's last group zero-padded): the LLM gets
@@ -523,61 +380,6 @@ def encode_audio(
     return audio.unflatten(0, (B, K)), audio_lens.unflatten(0, (B, K))
 
 
-def splice(audio: torch.Tensor, text: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """Sequences (B, S, d) of audio frames (B, K, A, d) and text embeddings (B, L, d): each
-    position takes its segment's frame where ``layout`` has audio, its token's embedding where
-    it has text, zeros elsewhere."""
-    B, K, A, d = audio.shape
-    if A == 0:  # no example has audio (a frozen encoder's kept frames)
-        audio, A = audio.new_zeros((B, K, 1, d)), 1
-    frames = audio.reshape(B, K * A, d)
-    frame_index = layout.audio_segment * A + layout.audio_frame.clamp(0, A - 1)
-    from_audio = frames.gather(1, frame_index[..., None].expand(-1, -1, d))
-    from_text = text.gather(1, layout.text_index[..., None].expand(-1, -1, d))
-    text_part = from_text * layout.is_text[..., None]
-    return torch.where(layout.is_audio[..., None], from_audio, text_part)
-
-
-class SALMOutput(NamedTuple):
-    """Sums rather than means, so the trainer can normalize by the global counts.
-
-    A NamedTuple, so that the output is a pytree of its tensors: FSDP2 up to torch 2.11 finds
-    the tensors to hook its pre-backward re-gather on with ``tree_flatten``, which sees a plain
-    dataclass as one leaf. The root's parameters, resharded after forward, were then never
-    gathered again for backward: every bf16 step on a GPU failed in the head's backward with
-    ``setStorage: ... storage of size 0`` (torch 2.11, H100, 2026-11-26)."""
-
-    nll_sum: torch.Tensor  # summed next-token loss over this rank's transcript targets
-    num_tokens: torch.Tensor  # how many targets that sum covers
-    aux_sum: torch.Tensor  # MoE balance loss, weighted, summed over this rank's sequences
-
-
-def loss_targets(token_lens: torch.Tensor, target_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """How many next-token targets a batch holds (the tokens ``target_mask`` marks; the byte
-    tokenizer's every token after BOS), from the CPU batch: known before the forward."""
-    if target_mask is None:
-        return (token_lens - 1).clamp(min=0).sum()
-    return target_mask.sum()
-
-
-def aux_weight(cfg: SALMConfig) -> float:
-    """Scale of one block's summed balance loss in the total: the coefficient over the blocks."""
-    return cfg.aux_loss_coef / cfg.n_layers
-
-
-def loss_for_backward(
-    out: SALMOutput,
-    global_targets: torch.Tensor,
-    global_sequences: torch.Tensor,
-    gradient_ranks: int,
-) -> torch.Tensor:
-    """The local loss whose gradient average over ``gradient_ranks`` (data-parallel x
-    context-parallel ranks) is the gradient of the global-batch loss: token losses over all
-    targets plus the balance loss over all sequences, whatever the counts per rank or per
-    microbatch."""
-    return (out.nll_sum / global_targets + out.aux_sum / global_sequences) * gradient_ranks
-
-
 def build_encoder(cfg: SALMConfig) -> nn.Module:
     """The encoder ``cfg`` names: ``AudioEncoder``, or a pretrained family's module (the same
     interface: features and lengths in, frames and lengths out)."""
@@ -623,13 +425,6 @@ class SALM(nn.Module):
             (labels != IGNORE_INDEX).sum(),
             aux_weight(self.cfg) * aux,
         )
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the labelled positions, in fp32."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
 
 
 def count_params(model: nn.Module) -> int:

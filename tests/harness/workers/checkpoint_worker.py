@@ -43,10 +43,10 @@ from train.checkpoint.manager import CheckpointManager
 from train.mesh import build_meshes
 from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
+from train.models.loss import loss_targets
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view
 from train.models.presets import get_preset
-from train.models.salm import loss_targets
 from train.parallel_dims import ParallelDims
 from train.pipeline_plan import pipeline_plan
 from train.step import WholeModelRunner

@@ -32,7 +32,8 @@ from train.models.batch import Batch
 from train.models.build import freeze_parameters
 from train.models.hf_weights import encoder_state, load_encoder_weights
 from train.models.layers import length_mask
-from train.models.salm import PAD_ID, loss_targets
+from train.models.loss import loss_targets
+from train.models.shape import PAD_ID
 from train.parallel_dims import ParallelDims
 
 FEATURE_LENS = (240, 123, 37, 181)  # some end inside a projector group, some at its end

@@ -31,7 +31,7 @@ from train.mesh import build_meshes
 from train.models.build import freeze_parameters
 from train.models.hf_names import PROJECTIONS
 from train.models.hf_weights import llm_state, load_llm_weights
-from train.models.salm import loss_targets
+from train.models.loss import loss_targets
 from train.parallel_dims import ParallelDims
 
 
