@@ -27,7 +27,7 @@ from pathlib import Path
 
 from loopback import bench_cluster  # bench/loopback.py, beside this script
 
-from orchestrator.cluster import REQUEUE_HOLD_S, URGENT_PARTITION
+from orchestrator.cluster.config import REQUEUE_HOLD_S, URGENT_PARTITION
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]

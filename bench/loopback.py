@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from orchestrator import cluster
+from orchestrator.cluster.lifecycle import down, up
 
 
 @contextmanager
@@ -24,10 +24,10 @@ def bench_cluster(
         return
     directory = work / "cluster"
     print(f"starting a loopback cluster in {directory}", flush=True)
-    info = cluster.up(directory, nodes=nodes, cpus_per_node=cpus_per_node, preemption=preemption)
+    info = up(directory, nodes=nodes, cpus_per_node=cpus_per_node, preemption=preemption)
     os.environ["SLURM_CONF"] = info.conf
     try:
         yield info.conf
     finally:
         os.environ.pop("SLURM_CONF", None)
-        cluster.down(directory)
+        down(directory)

@@ -25,7 +25,17 @@ from contract import job_env
 from contract.run_dir import LOGS_DIR, log_pattern, newest_complete_step
 from contract.seeds import chain_seeds
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
-from orchestrator.errors import SchedulerError, UsageError, prefixed
+from orchestrator.errors import SchedulerError, prefixed
+from orchestrator.launch_checks import (
+    check_dependency,
+    check_job_name,
+    check_max_stalled,
+    check_num_jobs,
+    check_restarts_in_job,
+    check_retries,
+    check_run_dir,
+    parse_exit_codes,
+)
 from orchestrator.manifest import (
     DEFAULT_MAX_STALLED,
     DEFAULT_RESTARTS_IN_JOB,
@@ -39,12 +49,6 @@ from orchestrator.manifest import (
     chain_lock,
     orch_home,
     register_chain,
-)
-from orchestrator.preflight import (
-    check_dependency,
-    check_job_name,
-    check_num_jobs,
-    check_run_dir,
 )
 from orchestrator.scripts import read_recipe
 from orchestrator.seeds import validate_base_seed
@@ -61,10 +65,6 @@ from orchestrator.snapshot import (
 # The --then job waits for the chain's last job to end, however it ended: a chain that failed or
 # timed out still gets its final answer from what it saved.
 THEN_DEPENDENCY = "afterany"
-# What a batch script runs to take part in self-healing (docs/contracts.md, "The chain hook").
-HOOK_MODULE = "orchestrator.chain_hooks"
-MAX_RETRIES = 1000  # as many as -n allows jobs
-MAX_RESTARTS_IN_JOB = 100
 
 
 @dataclass(frozen=True)
@@ -299,52 +299,6 @@ def replacement_request(manifest: Manifest, index: int, seed: int, after: str | 
         workdir=Path(manifest.workdir or manifest.run_dir),
         seed=seed,
     )
-
-
-def check_retries(retries: int, dependency_kind: str, script_text: str | None) -> None:
-    """--retries needs jobs that run the chain hook, and a chain that goes on after a failure."""
-    if not 0 <= retries <= MAX_RETRIES:
-        raise UsageError(f"--retries {retries}: give 0..{MAX_RETRIES}")
-    if retries == 0:
-        return
-    if dependency_kind == "afterok":
-        raise UsageError(
-            "--retries needs --dependency afterany or singleton: under afterok a failed job "
-            "leaves the rest of the chain pending forever, replacements included"
-        )
-    if script_text is None or HOOK_MODULE not in script_text:
-        raise UsageError(
-            f"--retries: the recipe never runs the chain hook ({HOOK_MODULE}), so no job could "
-            "queue a replacement; use a YAML recipe, or call the hook from the .sub "
-            "(docs/contracts.md, the chain hook)"
-        )
-
-
-def parse_exit_codes(text: str, retries: int) -> tuple[int, ...]:
-    """--retry-on-exit's comma-separated exit codes (1..255)."""
-    if not text:
-        return ()
-    words = [word.strip() for word in text.split(",")]
-    if not all(word.isdigit() and 1 <= int(word) <= 255 for word in words):
-        raise UsageError(
-            f"--retry-on-exit {text!r}: give exit codes 1..255, comma-separated (e.g. 1,137)"
-        )
-    if retries == 0:
-        raise UsageError("--retry-on-exit lists codes worth a retry: give --retries K too")
-    return tuple(sorted({int(word) for word in words}))
-
-
-def check_restarts_in_job(restarts: int) -> None:
-    if not 0 <= restarts <= MAX_RESTARTS_IN_JOB:
-        raise UsageError(
-            f"--restarts-in-job {restarts}: give 0 (never restart in place) .. "
-            f"{MAX_RESTARTS_IN_JOB}"
-        )
-
-
-def check_max_stalled(max_stalled: int) -> None:
-    if not 0 <= max_stalled <= MAX_RETRIES:
-        raise UsageError(f"--max-stalled {max_stalled}: give 0 (never stop) .. {MAX_RETRIES}")
 
 
 def new_chain_id(stem: str) -> str:

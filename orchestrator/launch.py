@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend
 from orchestrator.errors import UsageError, prefixed
-from orchestrator.preflight import check_local_resources, check_programs
+from orchestrator.launch_checks import (
+    check_backend_retries,
+    check_local_resources,
+    check_programs,
+)
 from orchestrator.slurm.commands import probe_partitions
 from orchestrator.slurm.partitions import Partition, check_partition
 from orchestrator.slurm.resources import JobResources
@@ -86,14 +90,6 @@ def site_for(kind: type[Backend]) -> Site:
     return Site(kind, tuple(partitions))
 
 
-def check_retries(retries: int, site: Site) -> None:
-    if retries and not site.backend.judged:
-        raise UsageError(
-            f"--retries needs the {' or '.join(registry.judged_labels())} backend, whose chains "
-            f"replace their failed jobs; this chain would run on {site.backend.label}"
-        )
-
-
 def check_jobs(
     site: Site,
     jobs: Sequence[LaunchJob],
@@ -109,10 +105,10 @@ def check_jobs(
         with prefixed(job.label):
             check_programs(job.programs)
             partitions.append(site.check_fits(job))
-    check_retries(retries, site)
+    check_backend_retries(retries, site.backend)
     if not plan_check or not any(job.training for job in jobs):
         return
-    from orchestrator.planner.preflight import plan_check_job
+    from orchestrator.planner.plan_check import plan_check_job
 
     unknown_memory: set[JobResources] = set()  # say once that the check is skipped, not per job
     for job, partition in zip(jobs, partitions, strict=True):

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster
+from orchestrator.cluster.queries import cancel_all_jobs
+from orchestrator.cluster.record import CONF_NAME
 from tests import ledger
 from tests.harness.cluster import (
     SESSION_ENV,
@@ -110,7 +111,7 @@ def slurm_cluster(
             f"{started.stderr}{started.stdout}",
             pytrace=False,
         )
-    conf = directory / cluster.CONF_NAME
+    conf = directory / CONF_NAME
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
     try:
@@ -127,7 +128,7 @@ def slurm_cluster(
 @pytest.fixture
 def empty_queue(slurm_cluster: LoopbackCluster) -> LoopbackCluster:
     """The session cluster with jobs left by earlier tests cancelled, so the queue starts empty."""
-    cluster.cancel_all_jobs(slurm_cluster.conf)
+    cancel_all_jobs(slurm_cluster.conf)
     assert slurm_cluster.queue_job_ids() == []
     return slurm_cluster
 

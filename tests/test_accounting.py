@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster
+from orchestrator.cluster.config import free_ports, render_conf
+from orchestrator.cluster.daemons import daemon_pids
+from orchestrator.cluster.record import CONF_NAME, DBD_CONF_NAME, ClusterInfo
 from orchestrator.manifest import JobRecord, Manifest, orch_home
 from tests.harness.chains import launch_json, wait_chain, write_sub
 from tests.harness.cluster import LoopbackCluster
@@ -33,11 +35,11 @@ def test_the_session_cluster_keeps_its_accounting_to_itself(
 ) -> None:
     conf = slurm_cluster.conf.read_text()
     assert "AccountingStorageType=accounting_storage/slurmdbd" in conf
-    dbd_conf = slurm_cluster.directory / cluster.DBD_CONF_NAME
+    dbd_conf = slurm_cluster.directory / DBD_CONF_NAME
     mode = dbd_conf.stat()
     assert stat.S_IMODE(mode.st_mode) == 0o600 and mode.st_uid == 0
     assert "Pass" not in dbd_conf.read_text()  # the database trusts root on its own socket
-    mariadbd = cluster.daemon_pids(slurm_cluster.directory)["mariadbd"]
+    mariadbd = daemon_pids(slurm_cluster.directory)["mariadbd"]
     argv = Path(f"/proc/{mariadbd}/cmdline").read_bytes().decode().split("\0")
     assert argv[1] == "--no-defaults" and "--skip-networking" in argv
     assert f"--datadir={slurm_cluster.directory / 'db' / 'data'}" in argv
@@ -78,10 +80,10 @@ def test_status_reads_jobs_that_left_the_queue_from_sacct(
 
 def dead_cluster_conf(directory: Path) -> Path:
     """A slurm.conf whose controller nobody runs, and no accounting: SLURM answers nothing."""
-    port = cluster.free_ports(1)[0]
-    info = cluster.ClusterInfo(
+    port = free_ports(1)[0]
+    info = ClusterInfo(
         directory=str(directory),
-        conf=str(directory / cluster.CONF_NAME),
+        conf=str(directory / CONF_NAME),
         hostname="localhost",
         nodes=["n1"],
         cpus_per_node=1,
@@ -90,7 +92,7 @@ def dead_cluster_conf(directory: Path) -> Path:
         started_munged=False,
         munged_pid=None,
     )
-    Path(info.conf).write_text(cluster.render_conf(info))
+    Path(info.conf).write_text(render_conf(info))
     return Path(info.conf)
 
 

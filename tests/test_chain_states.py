@@ -19,7 +19,8 @@ import pytest
 from contract.job_end import EXIT_CONFIG, EXIT_PEER_LOST
 from orchestrator.backends.submitit_local import SubmititLocalBackend
 from orchestrator.errors import EXIT_CHAIN_FAILED, UsageError
-from orchestrator.launch import check_retries, site_for
+from orchestrator.launch import site_for
+from orchestrator.launch_checks import check_backend_retries
 from orchestrator.manifest import (
     BLOCKED,
     CANCELLED,
@@ -115,7 +116,7 @@ def test_a_local_chain_retries_a_failed_job_at_once(tmp_path):
 
 def test_retries_need_a_backend_whose_chains_are_judged():
     with pytest.raises(UsageError, match="needs the slurm or local backend"):
-        check_retries(1, site_for(SubmititLocalBackend))
+        check_backend_retries(1, site_for(SubmititLocalBackend).backend)
 
 
 def test_the_trainers_refusal_is_the_line_the_user_sees(tmp_path):

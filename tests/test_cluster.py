@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster, processes
+from orchestrator import processes
+from orchestrator.cluster.daemons import daemon_pids, marked_pids, running_clusters
+from orchestrator.cluster.queries import node_states
+from orchestrator.cluster.record import CONF_NAME
 from tests.harness.cluster import (
     SESSION_ENV,
     LoopbackCluster,
@@ -63,7 +66,7 @@ def live_processes_mentioning(text: str) -> list[str]:
 
 
 def test_nodes_are_idle(empty_queue: LoopbackCluster) -> None:
-    assert cluster.node_states(empty_queue.conf) == {"n1": "idle", "n2": "idle"}
+    assert node_states(empty_queue.conf) == {"n1": "idle", "n2": "idle"}
 
 
 def test_two_node_job_runs_one_task_on_each_node(
@@ -115,30 +118,30 @@ def test_status_shows_conf_daemons_pids_and_nodes(empty_queue: LoopbackCluster) 
 
 
 def test_up_again_finds_the_running_cluster(slurm_cluster: LoopbackCluster) -> None:
-    before = cluster.daemon_pids(slurm_cluster.directory)
+    before = daemon_pids(slurm_cluster.directory)
     again = cluster_cli("up", "--dir", str(slurm_cluster.directory))
     assert again.returncode == 0, again.stderr
     assert "already running" in again.stderr
-    assert cluster.daemon_pids(slurm_cluster.directory) == before
+    assert daemon_pids(slurm_cluster.directory) == before
 
 
 def test_up_down_cycle_leaves_nothing_behind(
     slurm_cluster: LoopbackCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     directory = tmp_path_factory.mktemp("cycle")
-    conf = directory / cluster.CONF_NAME
+    conf = directory / CONF_NAME
     started = cluster_cli("up", "--nodes", "1", "--dir", str(directory))
     assert started.returncode == 0, started.stderr
 
     # A controller that died is restarted alone; the node daemon keeps running.
-    before = cluster.daemon_pids(directory)
+    before = daemon_pids(directory)
     dead_pid = before["slurmctld"]
     assert dead_pid is not None and set(before) == {"slurmctld", "slurmd-n1"}
     os.kill(dead_pid, signal.SIGKILL)
     restarted = cluster_cli("up", "--nodes", "1", "--dir", str(directory))
     assert restarted.returncode == 0, restarted.stderr
     assert "restarting slurmctld;" in restarted.stderr
-    daemons = cluster.daemon_pids(directory)
+    daemons = daemon_pids(directory)
     assert None not in daemons.values() and dead_pid not in daemons.values()
     assert daemons["slurmd-n1"] == before["slurmd-n1"]
 
@@ -156,7 +159,7 @@ def test_up_down_cycle_leaves_nothing_behind(
     while not live_processes_mentioning(f"{directory}/spool/n1/job"):
         assert time.monotonic() < deadline, f"job {job_id} never started"
         time.sleep(0.5)
-    started_pids = processes.with_descendants([*daemons.values(), *cluster.marked_pids(directory)])
+    started_pids = processes.with_descendants([*daemons.values(), *marked_pids(directory)])
     assert len(started_pids) >= 5  # slurmctld, slurmscriptd, slurmd, slurmstepd, the job
 
     stopped = cluster_cli("down", "--dir", str(directory))
@@ -170,7 +173,7 @@ def test_up_down_cycle_leaves_nothing_behind(
     assert again.returncode == 0, again.stderr
     assert "nothing to stop" in again.stderr
     # The session cluster (and the munged it shares) is untouched.
-    assert cluster.node_states(slurm_cluster.conf).keys() == {"n1", "n2"}
+    assert node_states(slurm_cluster.conf).keys() == {"n1", "n2"}
 
 
 def test_clusters_of_killed_sessions_are_stopped(
@@ -182,10 +185,10 @@ def test_clusters_of_killed_sessions_are_stopped(
     env = {**os.environ, SESSION_ENV: str(dead.pid)}
     started = cluster_cli("up", "--nodes", "1", "--dir", str(directory), env=env)
     assert started.returncode == 0, started.stderr
-    assert directory in cluster.running_clusters()
+    assert directory in running_clusters()
 
     down_clusters_of_dead_sessions()
-    running = cluster.running_clusters()
+    running = running_clusters()
     assert directory not in running
     assert slurm_cluster.directory in running  # its owner, this session, is alive
 

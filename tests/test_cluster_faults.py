@@ -24,7 +24,9 @@ import pytest
 
 from contract.seeds import chain_seeds
 from contract.slurm_states import END_STATES
-from orchestrator import cluster
+from orchestrator.cluster.daemons import daemon_pids
+from orchestrator.cluster.queries import node_states
+from orchestrator.cluster.record import CONF_NAME
 from orchestrator.manifest import MANIFEST_NAME, Manifest
 from orchestrator.retry import PATIENCE_ENV
 from orchestrator.slurm.commands import QUERY_TIMEOUT_S
@@ -58,7 +60,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
     started = cluster_cli("up", *shape, "--dir", str(directory), env=env)
     assert started.returncode == 0, started.stderr
     try:
-        yield Faulty(str(directory), {"SLURM_CONF": str(directory / cluster.CONF_NAME)})
+        yield Faulty(str(directory), {"SLURM_CONF": str(directory / CONF_NAME)})
     finally:
         stopped = cluster_cli("down", "--dir", str(directory))
         assert stopped.returncode == 0, stopped.stderr
@@ -166,12 +168,12 @@ def test_a_dead_slurmd_is_noticed_and_restarted_alone(faulty: Faulty, tmp_path: 
     summary = launch(env, tmp_path, num_jobs=2, nodes=2, hold_s=120)  # ended by the node's death
     first, second = (job["job_id"] for job in summary["jobs"])
     wait_for("job 0 running", lambda: queue(env).get(first) == "RUNNING")
-    before = cluster.daemon_pids(directory)
+    before = daemon_pids(directory)
 
     os.kill(before["slurmd-n1"], signal.SIGKILL)
     took = wait_for(
         "n1 marked down",
-        lambda: cluster.node_states(env["SLURM_CONF"]).get("n1", "").startswith("down"),
+        lambda: node_states(env["SLURM_CONF"]).get("n1", "").startswith("down"),
     )
     assert took < 30, f"a dead slurmd took {took:.0f} s to be noticed"
     # Job 0 lost a node; job 1 needs both nodes, so it waits for n1.
@@ -181,7 +183,7 @@ def test_a_dead_slurmd_is_noticed_and_restarted_alone(faulty: Faulty, tmp_path: 
     again = cluster_cli("up", "--dir", directory)
     assert again.returncode == 0, again.stderr
     assert "restarting slurmd-n1;" in again.stderr
-    after = cluster.daemon_pids(directory)
+    after = daemon_pids(directory)
     assert after["slurmd-n1"] not in (None, before["slurmd-n1"])
     assert {k: v for k, v in after.items() if k != "slurmd-n1"} == {
         k: v for k, v in before.items() if k != "slurmd-n1"
@@ -207,7 +209,7 @@ def test_a_dead_slurmctld_keeps_its_queue_and_status_answers_meanwhile(
     wait_for("accounting knows job 0 runs", lambda: accounted(env, ids[0]) == "RUNNING")
     _, healthy_s = timed_status(env, summary["chain_id"])
     save_controller_state(env, directory, ids[0])
-    before = cluster.daemon_pids(directory)
+    before = daemon_pids(directory)
     os.kill(before["slurmctld"], signal.SIGKILL)
 
     status, took = timed_status(env, summary["chain_id"])
@@ -233,7 +235,7 @@ def test_a_dead_slurmctld_keeps_its_queue_and_status_answers_meanwhile(
     again = cluster_cli("up", "--dir", directory)
     assert again.returncode == 0, again.stderr
     assert "restarting slurmctld;" in again.stderr
-    after = cluster.daemon_pids(directory)
+    after = daemon_pids(directory)
     assert after["slurmctld"] not in (None, before["slurmctld"])
     assert {k: v for k, v in after.items() if k != "slurmctld"} == {
         k: v for k, v in before.items() if k != "slurmctld"
@@ -249,15 +251,15 @@ def test_a_dead_slurmctld_keeps_its_queue_and_status_answers_meanwhile(
 def test_dead_accounting_daemons_are_restarted(faulty: Faulty) -> None:
     directory, env = faulty.directory, faulty.env
     job_id = slurm(env, "sbatch", "--parsable", "--output=/dev/null", "--wrap", "true").strip()
-    before = cluster.daemon_pids(directory)
+    before = daemon_pids(directory)
     for daemon in ("slurmdbd", "mariadbd"):
         os.kill(before[daemon], signal.SIGKILL)
-    wait_for("slurmdbd gone", lambda: cluster.daemon_pids(directory)["slurmdbd"] is None)
+    wait_for("slurmdbd gone", lambda: daemon_pids(directory)["slurmdbd"] is None)
 
     again = cluster_cli("up", "--dir", directory)
     assert again.returncode == 0, again.stderr
     assert "restarting mariadbd, slurmdbd;" in again.stderr
-    after = cluster.daemon_pids(directory)
+    after = daemon_pids(directory)
     assert after["slurmctld"] == before["slurmctld"]
 
     wait_for("the job in accounting", lambda: accounted(env, job_id) == "COMPLETED", timeout=30)
@@ -271,7 +273,7 @@ def test_status_answers_while_accounting_is_down(faulty: Faulty, tmp_path: Path)
     chain = launch(env, tmp_path, num_jobs=2, nodes=1, hold_s=0)["chain_id"]
     wait_chain(env, chain)
     _, healthy_s = timed_status(env, chain)
-    slurmdbd = cluster.daemon_pids(directory)["slurmdbd"]
+    slurmdbd = daemon_pids(directory)["slurmdbd"]
     os.kill(slurmdbd, signal.SIGTERM)
     try:
         # Its pid file goes first; the process may answer a little longer.
@@ -363,7 +365,7 @@ def sbatch_that_waits(tmp_path: Path, call: int) -> tuple[dict[str, str], Path, 
 def stop_controller(faulty: Faulty, job_id: str) -> None:
     """SIGKILL slurmctld once it has saved the queue (as it would have within seconds)."""
     save_controller_state(faulty.env, faulty.directory, job_id)
-    os.kill(cluster.daemon_pids(faulty.directory)["slurmctld"], signal.SIGKILL)
+    os.kill(daemon_pids(faulty.directory)["slurmctld"], signal.SIGKILL)
 
 
 def restart_controller_after(faulty: Faulty, seconds: float) -> threading.Thread:

@@ -17,7 +17,7 @@ from contract.job_end import EXIT_CHAIN_ENDED, EXITED_PREFIX
 from contract.job_env import PORT_BASE, PORT_SPAN
 from contract.slurm_states import END_STATES, ENDING_STATES, has_ended
 from orchestrator.backends.base import JobStatus
-from orchestrator.cli import follow
+from orchestrator.cli.follow_logs import follow
 from orchestrator.errors import UsageError
 from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.recipe import parse_recipe

@@ -40,7 +40,7 @@ RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 PAUSED_AT = re.compile(r"checkpoint write paused at (\S+) for \S+ s: its files ([a-z ]+),")
 INTERVAL = 2  # checkpoint.interval of every chain here: a save every other step
 TORN_STEP, MAX_STEPS = 4, 6  # the tear test: the save torn, and where its chains end
-# An armed pause: far past the loopback cluster's KillWait (2 s, orchestrator/cluster.py), so
+# An armed pause: far past the loopback cluster's KillWait (2 s, orchestrator/cluster/config.py), so
 # after scancel's SIGTERM SLURM's SIGKILL comes first and the save cannot be finished.
 PAUSE_S = 60
 # The job of a SIGKILLed rank ends within this (docs/faults.md): 3-7 s measured on a busy 2-core

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from orchestrator.planner.cluster import GIB
-from orchestrator.planner.preflight import Capacity, compose_training_config, request_and_layout
+from orchestrator.planner.plan_check import Capacity, compose_training_config, request_and_layout
 from tests.harness.hf_tiny import save_tiny
 from tests.harness.process import run_tool
 from tests.harness.training import final_weights, train

@@ -108,7 +108,7 @@ def test_no_file_a_run_writes_holds_the_secret(runs: Runs) -> None:
 
 
 def test_the_start_check_reads_no_audio(runs: Runs, monkeypatch: pytest.MonkeyPatch) -> None:
-    from orchestrator.planner.preflight import compose_training_config
+    from orchestrator.planner.plan_check import compose_training_config
     from train.trainer import preflight
 
     for key, value in runs.store.env().items():

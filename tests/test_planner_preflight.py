@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.errors import UsageError
 from orchestrator.planner.cluster import GIB
-from orchestrator.planner.preflight import (
+from orchestrator.planner.plan_check import (
     Capacity,
     capacity_for,
     check_training_fits,
@@ -50,7 +50,7 @@ def test_a_layout_that_cannot_fit_is_refused_with_nothing_queued(empty_queue, tm
         for line in done.stderr.splitlines()
         if line.startswith("import time:")
     }
-    assert "orchestrator.planner.preflight" in imported and "train.config" in imported
+    assert "orchestrator.planner.plan_check" in imported and "train.config" in imported
     # Nor what the submit path does not use (launch cost: submitit ~0.14 s, numpy ~0.13 s).
     heavy = {"torch", "numpy", "submitit", "lhotse"}
     assert not [name for name in imported if name.split(".")[0] in heavy]

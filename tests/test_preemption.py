@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cluster
+from orchestrator.cluster.config import URGENT_PARTITION
+from orchestrator.cluster.record import CONF_NAME
 from orchestrator.errors import UsageError
 from orchestrator.recipe import load_recipe
 from tests.harness.chains import launch_json, wait_chain
@@ -38,7 +39,7 @@ def preemptible(tmp_path_factory: pytest.TempPathFactory, slurm_cluster) -> Iter
         "up", "--nodes", "2", "--cpus-per-node", "2", "--preemption", "--dir", str(directory)
     )
     assert started.returncode == 0, f"{started.stderr}{started.stdout}"
-    yield directory / cluster.CONF_NAME
+    yield directory / CONF_NAME
     stopped = cluster_cli("down", "--dir", str(directory))
     assert stopped.returncode == 0, stopped.stderr
 
@@ -109,7 +110,7 @@ def test_a_preempted_job_is_requeued_or_replaced(preemptible, tmp_path, corpus, 
     wait_for_step(kept, 1)
     wait_for_step(replaced, 1)
     submitted = time.monotonic()
-    urgent = ["sbatch", "-p", cluster.URGENT_PARTITION, "-N2", "-c", "2", "-o", "/dev/null"]
+    urgent = ["sbatch", "-p", URGENT_PARTITION, "-N2", "-c", "2", "-o", "/dev/null"]
     subprocess.run([*urgent, "--wrap", "true"], check=True, capture_output=True)
     log = next((kept / "logs").glob(f"*-{job0}.out"))
     while "was requeued (restart 1)" not in log.read_text():

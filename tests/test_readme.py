@@ -17,8 +17,9 @@ import pytest
 from hydra.core.config_store import ConfigStore
 
 import hydra_plugins.orch_chain_launcher.config  # noqa: F401  (registers the chain launchers)
-from orchestrator.cli import auto_launch_parser, orchestrator_parser, split_script_args
-from orchestrator.planner.preflight import compose_training_config
+from orchestrator.cli.launch_arguments import auto_launch_parser, split_script_args
+from orchestrator.cli.main import orchestrator_parser
+from orchestrator.planner.plan_check import compose_training_config
 from tests.harness.process import REPO
 from tests.harness.readme import (
     commands,

@@ -12,7 +12,7 @@ from orchestrator.backends.local import LocalBackend
 from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.backends.submitit_local import SubmititLocalBackend
 from orchestrator.backends.submitit_slurm import SubmititSlurmBackend
-from orchestrator.cli import log_path
+from orchestrator.cli.follow_logs import log_path
 from orchestrator.errors import UsageError
 from orchestrator.manifest import Manifest
 

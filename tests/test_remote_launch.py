@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import __version__
-from orchestrator.cli import auto_launch_parser
+from orchestrator.cli.launch_arguments import auto_launch_parser
 from orchestrator.errors import UsageError
 from orchestrator.remote import (
     Remote,

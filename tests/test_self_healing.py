@@ -18,10 +18,11 @@ import pytest
 
 from contract.job_end import job_end_record, outcome_line, read_outcome
 from contract.seeds import chain_seeds
-from orchestrator import cluster, processes
+from orchestrator import processes
 from orchestrator.backends.run_dir import run_dir_status
 from orchestrator.chain_hooks import ChainKeeper
 from orchestrator.chain_judgement import BLOCKING_EXITS, ended_state, judge, stalled_jobs
+from orchestrator.cluster.daemons import daemon_pids
 from orchestrator.manifest import JobRecord, Manifest
 from tests.harness.chains import (
     STAND_IN_TRAINER,
@@ -670,7 +671,7 @@ def lose_node(directory: Path, node: str, job_id: str) -> None:
     on the loopback cluster killing slurmd alone would leave the job running. slurmctld would
     mark the silent node DOWN within ~15 s (test_cluster_faults.py); told at once, it ends the
     job NODE_FAIL the same way, without that wait."""
-    os.kill(cluster.daemon_pids(directory)[f"slurmd-{node}"], signal.SIGKILL)
+    os.kill(daemon_pids(directory)[f"slurmd-{node}"], signal.SIGKILL)
     live = list(processes.live_processes())
     stepds = [p for p in live if f"[{job_id}." in " ".join(processes.command_line(p.pid))]
     tasks = [p for p in live if processes.environment(p).get("SLURM_JOB_ID") == job_id]
@@ -721,7 +722,7 @@ def test_a_node_lost_under_a_two_node_step_is_replaced_although_the_job_saved(
         check=True,
     ).stdout.split()
     try:
-        os.kill(cluster.daemon_pids(slurm_cluster.directory)[f"slurmd-{nodes[1]}"], signal.SIGKILL)
+        os.kill(daemon_pids(slurm_cluster.directory)[f"slurmd-{nodes[1]}"], signal.SIGKILL)
         down = ["scontrol", "update", f"nodename={nodes[1]}", "state=down", "reason=lost"]
         subprocess.run(down, check=True, timeout=30)
         deadline = time.monotonic() + 120

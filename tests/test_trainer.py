@@ -12,7 +12,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from contract.job_end import read_job_end
-from orchestrator.planner.preflight import compose_training_config
+from orchestrator.planner.plan_check import compose_training_config
 from tests.harness.chains import launch_training, wait_chain
 from tests.harness.process import run_tool
 from tests.harness.training import final_weights, metrics, train, train_together

@@ -2,7 +2,7 @@
 
 Torch-free, so that everyone who must know the layout the trainer will run computes it with the
 trainer's own code: the trainer and the evaluation, the submit path's plan check
-(``orchestrator.planner.preflight``, which prices exactly this split, padding and microbatch
+(``orchestrator.planner.plan_check``, which prices exactly this split, padding and microbatch
 count) and the Hydra launcher's members, all before any torch is loaded. Every failure is one
 ``ConfigError`` line naming the setting (exit 2 in the trainer).
 """

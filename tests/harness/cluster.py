@@ -9,7 +9,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import cluster, processes
+from orchestrator import processes
+from orchestrator.cluster import queries
+from orchestrator.cluster.daemons import running_clusters
+from orchestrator.cluster.lifecycle import down
 from tests.harness.process import REPO
 
 # Inherited by the daemons of the session's clusters: names the pytest process that owns them.
@@ -23,7 +26,7 @@ class LoopbackCluster:
     env: dict[str, str]  # os.environ plus SLURM_CONF, for subprocesses
 
     def queue_job_ids(self) -> list[str]:
-        return cluster.queue_job_ids(self.conf)
+        return queries.queue_job_ids(self.conf)
 
 
 def cluster_cli(
@@ -43,10 +46,10 @@ def cluster_cli(
 def down_clusters_of_dead_sessions() -> None:
     """A session killed before its teardown leaves its cluster running: stop those, and only
     those (other sessions on the machine may be running their own)."""
-    for directory, environ in cluster.running_clusters().items():
+    for directory, environ in running_clusters().items():
         owner = environ.get(SESSION_ENV, "")
         if owner.isdigit() and not processes.alive(int(owner)):
-            cluster.down(directory)
+            down(directory)
 
 
 def open_to_every_user(directory: Path) -> None:

@@ -52,7 +52,7 @@ def trainer_in_process(run_dir: Path, corpus: Path, *overrides: str) -> Trainer:
     process (on the one-rank process group the caller made) and started as a job starts it:
     restored or fresh with its pretrained weights, its encoder's outputs kept if configured.
     For tests that call its steps themselves."""
-    from orchestrator.planner.preflight import compose_training_config
+    from orchestrator.planner.plan_check import compose_training_config
     from train.stop import StopRequest
     from train.trainer import Trainer, preflight
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch._dynamo
 import torch.distributed as dist
 
-from orchestrator.planner.preflight import compose_training_config
+from orchestrator.planner.plan_check import compose_training_config
 from train.distributed import init_distributed
 from train.stop import StopRequest
 from train.trainer import Trainer, preflight

@@ -1,5 +1,5 @@
-"""The planner as a preflight: refuse, before anything is queued, a training layout that cannot
-fit the memory of the machines it asks for.
+"""The plan check: the planner run before anything is queued, to refuse a training layout that
+cannot fit the memory of the machines it asks for.
 
 ``auto_launch`` of a YAML recipe whose command runs the trainer (``python -m train ...``) and
 each member of a chained sweep compose the trainer's config, price its layout with the planner

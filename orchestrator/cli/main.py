@@ -1,0 +1,172 @@
+"""``orchestrator``: look after chains (list, status, cancel, logs, plot), and the planner's and
+the loopback cluster's subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from contract.slurm_states import has_ended
+from orchestrator import __version__, remote
+from orchestrator.chain import last_first
+from orchestrator.chain_status import chain_status
+from orchestrator.cli.chain_view import backend_for, jobs_label, print_table
+from orchestrator.cli.follow_logs import cmd_logs
+from orchestrator.cli.program import run_program, say
+from orchestrator.cli.status_view import cmd_status
+from orchestrator.manifest import (
+    CANCELLED,
+    MANIFEST_NAME,
+    SUBMITTED,
+    Manifest,
+    chain_lock,
+    find_manifests,
+    list_chains,
+    list_sweeps,
+    orch_home,
+)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = []
+    for entry in list_chains():
+        path = Path(entry["run_dir"]) / MANIFEST_NAME
+        if not path.is_file():
+            rows.append([entry["chain_id"], "?", "?", "manifest missing", entry["run_dir"]])
+            continue
+        manifest = Manifest.load(path)
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
+        # a chain launched with --host: a local copy of its manifest, the run dir on the host
+        where = f"{entry['host']}:" if entry.get("host") else ""
+        status = manifest.status
+        if status == SUBMITTED and not where:  # running, queued, or ended unjudged: ask
+            statuses = backend_for(manifest).statuses(manifest.job_ids())
+            status = chain_status(manifest, statuses).status
+        rows.append(
+            [
+                manifest.chain_id,
+                manifest.backend,
+                jobs_label(manifest),
+                status,
+                created,
+                where + manifest.run_dir,
+            ]
+        )
+    if not rows:
+        print(f"no chains under {orch_home()}")
+        return 0
+    print_table(rows, ["chain", "backend", "jobs", "status", "created", "run_dir"])
+    sweeps = list_sweeps()
+    if sweeps:
+        print()
+        print_table(
+            [[entry["sweep_id"], str(len(entry["members"]))] for entry in sweeps],
+            ["sweep", "members"],
+        )
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    for manifest in find_manifests(args.chain):
+        backend = backend_for(manifest)
+        statuses = backend.statuses(manifest.job_ids())
+        live = [job_id for job_id, status in statuses.items() if not has_ended(status.state)]
+        backend.cancel(last_first(live))
+        with chain_lock(Path(manifest.run_dir)):  # the hooks judge no more jobs of it
+            current = Manifest.load(manifest.path)
+            if current.status == SUBMITTED:
+                current.status, current.ended = CANCELLED, f"cancelled by hand ({len(live)} job(s))"
+                current.save()
+        print(f"chain {manifest.chain_id}: cancelled {len(live)} job(s) {' '.join(live)}".rstrip())
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from orchestrator.plot import default_output, draw, plot_data
+
+    data = plot_data(args.chain)
+    out = draw(data, args.output or default_output(args.chain))
+    for chain_id in data.without_metrics:
+        say(f"chain {chain_id}: no metrics yet, left out")
+    print(out)
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from orchestrator.dashboard import load_spec, save_workspace
+
+    spec = load_spec(args.spec)
+    print(save_workspace(spec, entity=args.entity, project=args.project, name=args.name))
+    return 0
+
+
+def on_host(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``status``, ``logs`` and ``cancel`` of a chain on a login node (``--host``, or the host
+    a chain launched with ``auto_launch --host`` lives on) run there over ssh."""
+
+    def run(args: argparse.Namespace) -> int:
+        where = remote.remote_for(args)
+        if where is None:
+            return handler(args)
+        forwarded = remote.forwarded_argv(orchestrator_parser(), args.argv)
+        return remote.run_command(where, args, forwarded)
+
+    return run
+
+
+def orchestrator_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orchestrator", description="Look after chains of jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="chains launched from this machine")
+    listing.set_defaults(handler=cmd_list)
+    status = commands.add_parser("status", help="per job: id, seed, state, nodes")
+    status.add_argument("chain", help="chain id, sweep id or run dir")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=on_host(cmd_status))
+    cancel = commands.add_parser("cancel", help="cancel a chain's unfinished jobs")
+    cancel.add_argument("chain")
+    cancel.set_defaults(handler=on_host(cmd_cancel))
+    logs = commands.add_parser("logs", help="print (or --follow) a chain's job logs")
+    logs.add_argument("chain")
+    logs.add_argument("--job", type=int, help="only job K (0-based)")
+    logs.add_argument("--follow", action="store_true", help="stream until the jobs finish")
+    logs.set_defaults(handler=on_host(cmd_logs))
+    for command in (status, cancel, logs):
+        remote.add_host_options(command)
+    plot = commands.add_parser("plot", help="loss and tokens/s against step, as a PNG")
+    plot.add_argument("chain", help="chain id, sweep id or run dir")
+    plot.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="PNG to write (default: RUN_DIR/plot.png for a chain, "
+        "$ORCH_HOME/sweeps/<id>.png for a sweep)",
+    )
+    plot.set_defaults(handler=cmd_plot)
+    dashboard = commands.add_parser(
+        "dashboard", help="create the W&B workspace of the shipped dashboard spec (online)"
+    )
+    dashboard.add_argument("--entity", required=True, help="W&B user or team")
+    dashboard.add_argument("--project", required=True, help="W&B project (the trainer's: speechlm)")
+    dashboard.add_argument("--name", help="workspace name (default: the spec's)")
+    dashboard.add_argument("--spec", type=Path, help="dashboard spec (default: the shipped one)")
+    dashboard.set_defaults(handler=cmd_dashboard)
+    from orchestrator.planner.cli import add_plan_parser, cmd_plan
+
+    add_plan_parser(commands)
+    commands.choices["plan"].set_defaults(handler=cmd_plan)
+    from orchestrator.cluster.cli import add_cluster_parser
+
+    add_cluster_parser(commands)
+    return parser
+
+
+def orchestrator_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = orchestrator_parser().parse_args(argv)
+    args.argv = argv
+    return run_program(args.handler, args)
