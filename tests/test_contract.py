@@ -32,8 +32,12 @@ ALLOWED = {
     "train": {"contract", "train"},
     "orchestrator": {"contract", "train", "orchestrator"},
     "hydra_plugins": {"contract", "train", "orchestrator", "hydra_plugins"},
+    # The benchmarks drive the product as users do; three of them borrow the test harness's
+    # machinery (a login node, a training rank, the conversation mixture: its charter says so).
+    "bench": {"contract", "train", "orchestrator", "recipes", "tests"},
 }
-PROJECT = set(ALLOWED) | {"recipes", "templates", "tests", "bench"}
+PROJECT = set(ALLOWED) | {"recipes", "templates", "tests"}
+PRODUCT = ("contract", "train", "orchestrator", "hydra_plugins")
 TESTS = REPO / "tests"
 # Imports each module named in argv in this one process; names those that fail, with why.
 IMPORT_EACH = """
@@ -93,7 +97,7 @@ def imported_modules(path: Path) -> set[str]:
 def product_modules() -> dict[str, Path]:
     """Every module of the product's packages by full name (a package by its own)."""
     modules = {}
-    for package in ALLOWED:
+    for package in PRODUCT:
         for path in sorted((REPO / package).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -110,6 +114,100 @@ def test_the_product_imports_no_circle() -> None:
         for name, path in modules.items()
     }
     assert circles(graph) == []
+
+
+def imported_on_import(path: Path, root: Path = REPO) -> set[str]:
+    """The modules a file (under ``root``) imports when it is itself imported, by full name: the
+    statements at module level (inside ``if`` and ``try`` too), not those in functions or under
+    ``TYPE_CHECKING``."""
+    package = path.relative_to(root).with_suffix("").parts[:-1]
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit([*node.body, *node.orelse, *getattr(node, "finalbody", [])])
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else ()
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                found.add(module)
+                found.update(f"{module}.{alias.name}" for alias in node.names)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return found
+
+
+def loaded_with(names: set[str], modules: dict[str, Path]) -> set[str]:
+    """The product modules that importing ``names`` loads: each with its parent packages and
+    what each imports on import, followed to the end."""
+    loaded: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in loaded or name not in modules:
+            continue
+        loaded.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:end]) for end in range(1, len(parts))]
+        todo += [other for other in imported_on_import(modules[name]) if other in modules]
+    return loaded
+
+
+def test_the_train_modules_the_submit_path_reads_import_no_torch() -> None:
+    """The orchestrator and the Hydra plugins read the trainer's own code for what they must
+    agree on (the config, the layout, the model's shape, the planner's inventory), wherever they
+    import it (lazily too), on machines that may lack torch and in a launch that must stay
+    fast: each of those train modules, and everything it loads in turn, imports no torch."""
+    modules = product_modules()
+    read = {
+        other
+        for name, path in modules.items()
+        if name.split(".")[0] in ("orchestrator", "hydra_plugins")
+        for other in imported_modules(path)
+        if other.split(".")[0] == "train" and other in modules
+    }
+    loaded = loaded_with(read, modules)
+    with_torch = {
+        name: sorted(m for m in imported_on_import(modules[name]) if m.split(".")[0] == "torch")
+        for name in sorted(loaded)
+    }
+    assert {name: torch for name, torch in with_torch.items() if torch} == {}, sorted(loaded)
+    assert {"train.config", "train.layout", "train.models.inventory"} <= loaded
+
+
+def test_a_torch_import_on_the_submit_path_is_found(tmp_path: Path) -> None:
+    module = tmp_path / "train" / "shape_of_things.py"
+    module.parent.mkdir()
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import numpy\n"
+        "try:\n    import torch.nn\nexcept ImportError:\n    pass\n"
+        "def later():\n    import lhotse\n"
+    )
+    found = {m.split(".")[0] for m in imported_on_import(module, tmp_path)}
+    assert "torch" in found and "numpy" not in found and "lhotse" not in found
+
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def test_architecture_md_names_every_module() -> None:
+    """docs/architecture.md has a row for every module of the product and for the folders
+    around it, so the map a newcomer reads cannot fall behind the code."""
+    text = ARCHITECTURE.read_text()
+    missing = [
+        str(path.relative_to(REPO))
+        for path in product_modules().values()
+        if path.name != "__init__.py" and f"`{path.relative_to(REPO)}`" not in text
+    ]
+    folders = ("recipes/", "bench/", "tests/harness/", "templates/")
+    missing += [folder for folder in folders if f"| `{folder}` |" not in text]
+    assert missing == [], f"docs/architecture.md has no row for: {missing}"
 
 
 def test_circles_are_found() -> None:
