@@ -82,16 +82,22 @@ def imported_modules(path: Path) -> set[str]:
     """The modules a file imports anywhere in it (inside functions too), by full name: ``from P
     import N`` counts as P and as P.N (N may be a module); relative imports are resolved."""
     package = path.relative_to(REPO).with_suffix("").parts[:-1]
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else ()
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
+        found |= names_imported(node, package)
     return found
+
+
+def names_imported(node: ast.AST, package: tuple[str, ...]) -> set[str]:
+    """What one statement of a module in ``package`` imports: ``from P import N`` is P and
+    P.N (N may be a module); relative imports resolved. Empty for any other node."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = package[: len(package) - node.level + 1] if node.level else ()
+    module = ".".join([*base, *([node.module] if node.module else [])])
+    return {module, *(f"{module}.{alias.name}" for alias in node.names)}
 
 
 def product_modules() -> dict[str, Path]:
@@ -131,13 +137,8 @@ def imported_on_import(path: Path, root: Path = REPO) -> set[str]:
                 visit([*node.body, *node.orelse, *getattr(node, "finalbody", [])])
                 for handler in getattr(node, "handlers", []):
                     visit(handler.body)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - node.level + 1] if node.level else ()
-                module = ".".join([*base, *([node.module] if node.module else [])])
-                found.add(module)
-                found.update(f"{module}.{alias.name}" for alias in node.names)
+            else:
+                found.update(names_imported(node, package))
 
     visit(ast.parse(path.read_text(), str(path)).body)
     return found

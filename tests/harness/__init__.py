@@ -5,7 +5,8 @@ only from here, never from each other or from the conftest, so that a test modul
 without breaking another; the harness imports no test module (tests/test_contract.py checks
 both). Three benchmarks borrow it too, as the only code outside tests/ that may:
 bench/bench_recovery.py (a training rank to kill), bench/bench_remote_launch.py (the SSH login
-node) and bench/gpu_flows.py (the conversation mixture); a change here must keep them running. Its modules, none importing a later one of this list:
+node) and bench/gpu_flows.py (the conversation mixture); a change here must keep them running.
+Its modules, none importing a later one of this list:
 
 - ``graphs``, ``readme``: circles in a directed graph; the commands README shows
 - ``process``: the repository, its tools and modules run as a user runs them; a missing capability
