@@ -38,10 +38,15 @@ def test_the_layout_names_what_the_position_depends_on(tmp_path) -> None:
     base = data_layout(cfg, dp_size=2)
     assert layout_changes(base, data_layout(cfg, dp_size=2)) == []
     assert layout_changes(base, data_layout(cfg, dp_size=4)) == ["data-parallel size 2 -> 4"]
+    # A checkpoint saved before the sampler's buffer was recorded had lhotse's default.
+    older = {k: v for k, v in base.items() if k != "buffer_size"}
+    assert layout_changes(older, data_layout(cfg, dp_size=2)) == []
     cfg.data.max_duration, cfg.data.buckets, cfg.data.num_workers = 7.0, 2, 3
+    cfg.data.buffer_size = 500
     assert layout_changes(base, data_layout(cfg, dp_size=2)) == [
         "data.max_duration 20.0 -> 7.0",
         "data.buckets 4 -> 2",
+        "data.buffer_size 20000 -> 500",
     ]
     cfg.data.shar = True
     assert "streams per rank (data.num_workers with Shar) 1 -> 3" in layout_changes(

@@ -37,6 +37,7 @@ from train.watchdog import STOPPABLE
 REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"
 ON_LAYOUT_CHANGE = (REFUSE, RESTART_EPOCH, CONTINUE)
 DEFAULT_RUN_DIR = "runs/local"  # a single run's, under the directory it starts in
+BUFFER_SIZE = 20_000  # data.buffer_size's default: lhotse's own
 # The base seed of a multirun whose launcher gives none (hydra-submitit-launcher): member k takes
 # the k-th seed that ``contract.seeds`` derives from it, by the chains' own rule.
 MEMBER_SEED_ROOT = 20_261_122
@@ -103,6 +104,10 @@ class DataConfig:
     shar: bool = False
     max_duration: float = 20.0  # seconds of audio per batch per data-parallel rank
     buckets: int = 4
+    # Cuts the bucketing sampler reads ahead to fill its buckets (lhotse's buffer_size, NeMo's
+    # bucket_buffer_size): more mix batches better, fewer start sooner. An endless mixture
+    # (data.input_cfg) fills it before the first batch: from object storage, with the audio.
+    buffer_size: int = BUFFER_SIZE
     num_workers: int = 1
     # Training sources (train/sources.py): a YAML file of them or an inline list; lhotse cut
     # manifests, Shar directories or recordings + supervisions pairs, with weights, names and
@@ -113,8 +118,8 @@ class DataConfig:
     # later epochs and jobs read them instead of computing them again; None: compute each time.
     feature_cache: str | None = None
     # A job resumed with the same seed whose data layout (data-parallel size, sources, weights,
-    # max_duration, buckets, Shar workers) differs from its checkpoint's: refuse, restart_epoch
-    # or continue (train/data_layout.py).
+    # max_duration, buckets, buffer_size, Shar workers) differs from its checkpoint's: refuse,
+    # restart_epoch or continue (train/data_layout.py).
     on_layout_change: str = REFUSE
 
 
@@ -280,6 +285,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError("checkpoint.interval and checkpoint.keep must be at least 1")
     if cfg.data.max_duration <= 0:
         raise ValueError(f"data.max_duration={cfg.data.max_duration}: must be positive")
+    if cfg.data.buffer_size < 1:
+        raise ValueError(f"data.buffer_size={cfg.data.buffer_size}: must be at least 1")
     if cfg.data.on_layout_change not in ON_LAYOUT_CHANGE:
         raise ValueError(
             f"data.on_layout_change={cfg.data.on_layout_change}: choose one of "

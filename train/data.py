@@ -64,6 +64,7 @@ from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
+from train.config import BUFFER_SIZE
 from train.conversation import Turn, conversation_of
 from train.features import BadCut, Extractor, Featurizer
 from train.prompt import Encoded
@@ -335,6 +336,7 @@ def build_dataloader(
     featurize: Featurizer | None = None,
     shar: bool = False,
     buckets: int = 4,
+    buffer_size: int = BUFFER_SIZE,
     epoch: int = 0,
     position: DataPosition | None = None,
     pin_memory: bool = False,
@@ -374,7 +376,7 @@ def build_dataloader(
         cuts = CutSet.from_shar(
             fields=fields, shuffle_shards=True, stateful_shuffle=False, seed=seed
         )
-        sampler = _sampler(cuts, bins, max_duration, seed=seed, rank=0, world_size=1)
+        sampler = _sampler(cuts, bins, max_duration, buffer_size, seed=seed, rank=0, world_size=1)
         return DataLoader(SharStream(dataset, sampler, position), **common)
     if isinstance(data, list):
         cuts = mixed_stream(data, mixture_seed(job_seed, epoch))
@@ -387,6 +389,7 @@ def build_dataloader(
         cuts,
         bins,
         max_duration,
+        buffer_size,
         seed=sampler_seed(job_seed, epoch),
         rank=dp_rank,
         world_size=dp_size,
@@ -419,6 +422,7 @@ def _sampler(
     cuts: CutSet,
     bins: list[float],
     max_duration: float,
+    buffer_size: int,
     *,
     seed: int | str,
     rank: int,
@@ -428,6 +432,7 @@ def _sampler(
         cuts,
         max_duration=max_duration,
         duration_bins=bins,
+        buffer_size=buffer_size,
         shuffle=True,
         drop_last=True,
         seed=seed,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from train.config import CONTINUE, RESTART_EPOCH, TrainConfig
+from train.config import BUFFER_SIZE, CONTINUE, RESTART_EPOCH, TrainConfig
 from train.sources import Source, read_sources
 
 DATA_LAYOUT = "data_layout"  # its key in the checkpoint's trainer state
@@ -64,16 +64,20 @@ def data_layout(cfg: TrainConfig, dp_size: int, read: list[Source] | None = None
         "sources": sources,
         "max_duration": data.max_duration,
         "buckets": data.buckets,
+        "buffer_size": data.buffer_size,
         "streams": streams,
     }
 
 
+# A field a checkpoint saved before it was recorded had this value.
+SAVED_BEFORE = {"buffer_size": BUFFER_SIZE}
 # What each field is called in the error line.
 FIELD_NAMES = {
     "dp_size": "data-parallel size",
     "sources": "sources",
     "max_duration": "data.max_duration",
     "buckets": "data.buckets",
+    "buffer_size": "data.buffer_size",
     "streams": "streams per rank (data.num_workers with Shar)",
 }
 
@@ -82,7 +86,7 @@ def layout_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """Each field that differs, as ``name was -> is`` (sources: only that they differ)."""
     changes = []
     for field, name in FIELD_NAMES.items():
-        before, after = saved.get(field), now.get(field)
+        before, after = saved.get(field, SAVED_BEFORE.get(field)), now.get(field)
         if before == after:
             continue
         if field == "sources":

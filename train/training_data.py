@@ -119,6 +119,7 @@ class TrainingData:
             "text": self.text,
             "featurize": self.featurize,
             "buckets": cfg.data.buckets,
+            "buffer_size": cfg.data.buffer_size,
             "pin_memory": self.device.type == "cuda",
         }
         data, shar = (
