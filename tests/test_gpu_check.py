@@ -25,7 +25,10 @@ from tests.harness.models import pretrained_model
 from tests.harness.process import REPO, run_tool
 
 
+# Nine training processes, most compiling with inductor, on two cores beside the suite's other
+# worker: 8 min alone on 2026-11-28, past the suite's 10-min limit in a full run.
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     whisper = pretrained_model(WHISPER.name)
     command = ["bash", str(REPO / "bench/gpu_check.sh"), "--cpu", "--out", str(tmp_path)]
@@ -34,7 +37,7 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1400,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     flows = json.loads((tmp_path / "gpu_check_flows.json").read_text())
