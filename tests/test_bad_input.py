@@ -161,3 +161,21 @@ def test_a_shell_without_the_toolkits_environment_is_told_to_activate_it(tmp_pat
     assert "error: torchrun is not on PATH" in completed.stderr
     assert "source .venv/bin/activate" in completed.stderr
     assert not run_dir.exists()
+
+
+EXEMPT_FROM_PATH = {
+    "container": "command: [no-such-trainer]\ncontainer: {image: nvcr.io/nvidia/pytorch:24.01}\n",
+    "env sets PATH": "command: [no-such-trainer]\nenv: {PATH: /opt/trainer/bin}\n",
+    "absolute path": "command: [/opt/no-such/trainer]\n",
+    "expanded path": 'command: ["${ORCH_CODE_DIR}/no-such-trainer"]\n',
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXEMPT_FROM_PATH))
+def test_a_program_the_jobs_do_not_look_up_on_this_path_is_not_refused(case, tmp_path):
+    """The PATH check's exemptions: the same missing program as the refused case above, found
+    through the container's image, the recipe's own PATH or a path instead."""
+    recipe = raw(tmp_path, "r.yaml", EXEMPT_FROM_PATH[case])
+    completed = run_tool("auto_launch", "--backend", "local", "--dry-run", "-n1", recipe)
+    assert completed.returncode == 0, completed.stderr
+    assert "is not on PATH" not in completed.stderr

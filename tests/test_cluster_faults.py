@@ -93,6 +93,9 @@ def accounted(env: dict[str, str], job_id: str) -> str:
     return slurm(env, "sacct", "-X", "-n", "-P", "-j", job_id, "--format=State").strip()
 
 
+SLURM_DEFAULT_SLURMD_TIMEOUT_S = 300  # slurm.conf(5)'s SlurmdTimeout when none is set
+
+
 def wait_for(what: str, check, timeout: float = 60) -> float:
     """Poll ``check()`` until it is true; the seconds it took."""
     started = time.monotonic()
@@ -171,11 +174,14 @@ def test_a_dead_slurmd_is_noticed_and_restarted_alone(faulty: Faulty, tmp_path: 
     before = daemon_pids(directory)
 
     os.kill(before["slurmd-n1"], signal.SIGKILL)
+    # Waited on as an event; the bound only tells the cluster's SlurmdTimeout (about 15 s to
+    # notice) from SLURM's default (300 s, which would hang the chain for minutes).
     took = wait_for(
         "n1 marked down",
         lambda: node_states(env["SLURM_CONF"]).get("n1", "").startswith("down"),
+        timeout=SLURM_DEFAULT_SLURMD_TIMEOUT_S / 2,
     )
-    assert took < 30, f"a dead slurmd took {took:.0f} s to be noticed"
+    print(f"a dead slurmd noticed in {took:.0f} s")
     # Job 0 lost a node; job 1 needs both nodes, so it waits for n1.
     wait_for("job 0 gone from the queue", lambda: first not in queue(env))
     assert queue(env)[second] == "PENDING"

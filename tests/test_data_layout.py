@@ -67,14 +67,15 @@ def saved_state(run_dir: Path, step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_ranks_resumed_at_four_is_refused_or_restarts_the_epoch(
+def test_a_checkpoint_resumed_at_another_data_parallel_size_is_refused_restarted_or_continued(
     corpus, tmp_path
 ) -> None:
     """The real case: a chain saved at 2 data-parallel ranks, resumed at 4 with the same seed.
     Refused in one error line, exit 2, nothing trained or saved (every rank refuses, rank 0
     says why: at 4 ranks on 2 cores rank 0 was once stopped by the launcher before its line);
     with restart_epoch it trains on from the next epoch's first batch, and the log and
-    metrics.jsonl say so."""
+    metrics.jsonl say so. Back at 2 ranks with continue, each rank goes on counting from its
+    saved position, with a warning that names the change."""
     run_dir = tmp_path / "run"
     common = ("seed=11", "checkpoint.interval=4", "train.log_every=1")
     train(run_dir, corpus, "train.max_steps=4", *common, nproc=2)
@@ -100,3 +101,14 @@ def test_a_checkpoint_of_two_ranks_resumed_at_four_is_refused_or_restarts_the_ep
     state = saved_state(run_dir, 6)
     assert state["data_layout"]["dp_size"] == 4
     assert [(p["epoch"], p["batch_in_epoch"]) for p in state["data_positions"]] == [(1, 2)] * 4
+
+    continued = train(
+        run_dir, corpus, "train.max_steps=8", *common, "data.on_layout_change=continue", nproc=2
+    )
+    assert (
+        "warning: the data layout changed since step_6 (data-parallel size 4 -> 2); its batch "
+        "counts are applied as they are" in continued.stderr
+    ), continued.stderr[-3000:]
+    state = saved_state(run_dir, 8)
+    assert state["data_layout"]["dp_size"] == 2
+    assert [(p["epoch"], p["batch_in_epoch"]) for p in state["data_positions"]] == [(1, 4)] * 2

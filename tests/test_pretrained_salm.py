@@ -207,7 +207,8 @@ def test_an_unmoved_real_salm_exports_as_its_sources(corpus, tmp_path, nproc, la
     """Trained by one process, or at TP=3 (3 ranks: SmolLM2's 3 KV heads, the 49,152-row
     vocabulary split in three, the tied head with it), with a learning rate too small to move
     an fp32 weight, every tensor, nothing frozen, saved and exported is its converted source
-    (``assert_unmoved``)."""
+    (``assert_unmoved``). The run names its sources relative to the checkout, as the recipe
+    does; the export runs from elsewhere and finds them where the checkpoint recorded them."""
     run_dir = tmp_path / "run"
     train(
         run_dir,
@@ -220,7 +221,7 @@ def test_an_unmoved_real_salm_exports_as_its_sources(corpus, tmp_path, nproc, la
         nproc=nproc,
     )
     out = tmp_path / "out"
-    done = exported(run_dir, out)
+    done = exported(run_dir, out, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for source, folder, prefix in (
         (LLM, LLM_DIR, ""),

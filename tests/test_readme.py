@@ -19,7 +19,8 @@ from hydra.core.config_store import ConfigStore
 import hydra_plugins.orch_chain_launcher.config  # noqa: F401  (registers the chain launchers)
 from orchestrator.cli.launch_arguments import auto_launch_parser, split_script_args
 from orchestrator.cli.main import orchestrator_parser
-from orchestrator.planner.plan_check import compose_training_config
+from orchestrator.planner.plan_check import compose_training_config, train_arguments
+from orchestrator.recipe import load_recipe
 from tests.harness.process import REPO
 from tests.harness.readme import (
     commands,
@@ -27,7 +28,6 @@ from tests.harness.readme import (
     section,
     table_commands,
     table_options,
-    trainer_arguments,
 )
 
 README = (REPO / "README.md").read_text()
@@ -61,13 +61,17 @@ def check(command: list[str], where: str = "README") -> None:
     if tool == "make":
         assert set(rest) <= make_targets(REPO / "Makefile"), command
     elif tool == "auto_launch":
-        own, _ = split_script_args(rest)
+        own, script_args = split_script_args(rest)
         recipe = parse(auto_launch_parser(), own, where).recipe
         where_file = REPO / recipe if "/" in recipe else REPO / "recipes" / recipe  # shipped
         assert where_file.is_file(), f"{where} launches {recipe}, which does not exist"
+        if script_args:  # the trainer's overrides after --, added to the recipe's command
+            arguments = train_arguments([*load_recipe(where_file).command, *script_args])
+            assert arguments is not None, f"{where} passes {script_args} to {recipe}'s command"
+            compose_training_config(arguments)
     elif tool == "orchestrator":
         parse(orchestrator_parser(), rest, where)
-    elif (arguments := trainer_arguments(command)) is not None:
+    elif (arguments := train_arguments(command)) is not None:
         if "-m" in arguments:  # a multirun: its launcher exists
             named = [
                 word.split("=", 1)[1] for word in arguments if word.startswith("hydra/launcher=")

@@ -56,3 +56,23 @@ def test_the_templates_read_only_fields_of_the_schema() -> None:
         used |= set(re.findall(r"recipe\.(\w+)", template.read_text()))
     assert used
     assert used <= set(Recipe.model_fields) | {"container_flags"}, used - set(Recipe.model_fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "programs"),
+    [
+        ({"command": ["trainer"]}, ("trainer",)),
+        ({"command": ["trainer"], "template": "distributed"}, ("torchrun", "trainer")),
+        ({"command": ["trainer"], "template": "distributed", "launcher": "srun"}, ("trainer",)),
+        ({"command": ["trainer"], "container": {"image": "nvcr.io/nvidia/pytorch:24.01"}}, ()),
+        ({"command": ["trainer"], "env": {"PATH": "/opt/trainer/bin"}}, ()),
+        ({"command": ["/opt/trainer/bin/trainer"]}, ()),
+        ({"command": ["${ORCH_CODE_DIR}"]}, ()),
+    ],
+    ids=["name", "torchrun", "srun", "container", "env PATH", "path", "expanded"],
+)
+def test_a_recipe_names_the_programs_its_jobs_look_up_on_path(fields, programs) -> None:
+    """What the launch check looks up: none where the jobs do not search this shell's PATH (a
+    container's image, an env that sets PATH) or the word is no name to look up (a path, a
+    word the job's shell expands)."""
+    assert Recipe(**fields).programs() == programs

@@ -191,6 +191,7 @@ def end_record(code: int, step: int = 5, saved_on: str | None = None) -> dict:
         (None, 1, "", (1, 7), True, "listed"),
         (None, 127, "", (), False, "found no such command: the job's PATH lacks"),
         (None, 127, "", (127,), True, "listed"),
+        (None, 126, "", (), False, "cannot execute (check its permissions)"),
         (None, None, "FAILED", (), True, "without running its end hook"),
         (None, None, "OUT_OF_MEMORY", (), False, "without running its end hook"),
     ],

@@ -41,8 +41,10 @@ def evaluate(run_dir: Path, *overrides: str, nproc: int = 1, batch_size: int = 2
     }
 
 
-def exported(run_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_module("train.export", str(run_dir), "--out", str(out), *args)
+def exported(
+    run_dir: Path, out: Path, *args: str, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    return run_module("train.export", str(run_dir), "--out", str(out), *args, cwd=cwd)
 
 
 def trained_llm_agrees(run_dir: Path, folder: Path) -> None:

@@ -75,8 +75,11 @@ def run_script(
     )
 
 
-def run_module(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess[str]:
-    """``python -m MODULE ARGS`` from the repository root, under torchrun with ``nproc`` > 1."""
+def run_module(
+    module: str, *args: str, nproc: int = 1, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` from ``cwd`` (the repository root unless given), under
+    torchrun with ``nproc`` > 1."""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
@@ -84,7 +87,7 @@ def run_module(module: str, *args: str, nproc: int = 1) -> subprocess.CompletedP
         [*launcher, "-m", module, *args],
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         timeout=300,
     )

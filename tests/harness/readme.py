@@ -75,12 +75,3 @@ def table_commands(markdown: str, tool: str) -> list[tuple[list[str], list[str]]
             words.append(word)
         rows.append((words, FLAG.findall(cell)))
     return rows
-
-
-def trainer_arguments(command: list[str]) -> list[str] | None:
-    """What follows ``-m train`` in ``python -m train ...`` or ``torchrun ... -m train ...``
-    (None for another command)."""
-    for index in range(len(command) - 1):
-        if command[index] == "-m" and command[index + 1] == "train":
-            return command[index + 2 :]
-    return None
