@@ -60,6 +60,7 @@ STEPS = 4
 GRAD_CLIP = 0.05
 COMMON = (
     "seed=5",
+    "debug.device_trap=true",  # a tensor made without its device fails (train/device_trap.py)
     "data.max_duration=4",  # batches of 1-3 utterances; 16 of them stay inside one epoch
     "data.buckets=1",
     "data.num_workers=0",

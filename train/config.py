@@ -199,6 +199,10 @@ class DebugConfig:
     # (bench/gpu_check.py); "off": never. Logging, saving and validation steps stay outside.
     host_syncs: str = "off"
     host_sync_warmup: int = 2
+    # The training step, its read-back and validation's forwards with tensor factories defaulting
+    # to the meta device: a tensor made without device= fails on the CPU as it would on a GPU
+    # (train/device_trap.py; the CPU suite's layouts run under it).
+    device_trap: bool = False
     # torch.use_deterministic_algorithms: kernels that give the same bits on every run (CUDA's
     # atomics-based reductions replaced), so that a resumed chain can be compared bitwise.
     deterministic: bool = False

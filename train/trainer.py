@@ -36,6 +36,7 @@ from train.checkpoint.manager import CheckpointManager, CheckpointSaveError, Non
 from train.config import ConfigError, ModelConfig, TrainConfig
 from train.data import LoadedBatch
 from train.data_plan import DataPlan, data_plan
+from train.device_trap import trapped
 from train.distributed import clip_grad_norm, say
 from train.faults import InjectedFaults
 from train.features import Featurizer
@@ -170,8 +171,9 @@ class Trainer:
             ValidationSet(v.name, v.cuts, batch_s, self.dp_rank, self.dp_size, self.text, featurize)
             for v in prepared.data.validation
         ]
+        self.trapped = partial(trapped, cfg.debug.device_trap)
         self.validator = Validator(
-            sets, self.runner, self.meshes, self.pp_group, cfg.eval.interval, device
+            sets, self.runner, self.meshes, self.pp_group, cfg.eval.interval, device, self.trapped
         )
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -334,7 +336,7 @@ class Trainer:
             step_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             self.batch_checks.step(self.step + 1, step_batches)
             lr = self.scheduler.get_last_lr()[0]
-            with self.host_syncs.step(self.step - first_step):
+            with self.host_syncs.step(self.step - first_step), self.trapped():
                 self.train_step(step_batches)
             self.step += 1
             step, last = self.step, self.step == cfg.train.max_steps
@@ -378,13 +380,16 @@ class Trainer:
         ranks' stop flags agreed and a background save completed; the reason to stop, if any."""
         if not self.step_log.syncs(step):
             return None
-        synced = self.read_back(self.stop.local_flag())
+        with self.trapped():
+            synced = self.read_back(self.stop.local_flag())
         self.signalled = self.stop.signalled(synced.stop_flag)
         if self.step_log.logs(step):
             record = self.step_log.record(
                 step, synced, lr, self.state.tokens_seen, self.state.nonfinite_steps
             )
-            metrics.log(step, {**record, **self.data.cut_counts(self.meshes.dp.get_group())})
+            with self.trapped():
+                counts = self.data.cut_counts(self.meshes.dp.get_group())
+            metrics.log(step, {**record, **counts})
         self.finalize_save(wait=False)
         return self.stop.reason(synced.stop_flag)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -116,9 +117,10 @@ class Validator:
         pp_group: dist.ProcessGroup | None,
         interval: int,
         device: torch.device,
+        trapped: Callable[[], AbstractContextManager],
     ) -> None:
         self.sets, self.runner, self.meshes, self.pp_group = sets, runner, meshes, pp_group
-        self.interval, self.device = interval, device
+        self.interval, self.device, self.trapped = interval, device, trapped
         self.validated_step = -1
 
     def due(self, step: int, last: bool) -> bool:
@@ -132,12 +134,13 @@ class Validator:
         sums = torch.zeros((len(self.sets), 2), dtype=torch.float64, device=self.device)
         for index, validation in enumerate(self.sets):
             for batch, counts in validation:
-                nll = self.runner.loss_sum(Batch.of(batch))
-                if counts:
-                    targets = float(loss_targets(batch["token_lens"], batch["target_mask"]))
-                    sums[index] += torch.stack(
-                        [nll.double(), nll.new_tensor(targets, dtype=torch.float64)]
-                    )
+                with self.trapped():  # the set's batch is loaded outside (train/device_trap.py)
+                    nll = self.runner.loss_sum(Batch.of(batch))
+                    if counts:
+                        targets = float(loss_targets(batch["token_lens"], batch["target_mask"]))
+                        sums[index] += torch.stack(
+                            [nll.double(), nll.new_tensor(targets, dtype=torch.float64)]
+                        )
         dist.all_reduce(sums, group=self.meshes.dp.get_group())
         # The loss column alone, as a tensor of its own: a column of several sets is not
         # contiguous, and a collective on such a view reduces the wrong elements.
