@@ -101,19 +101,23 @@ def evaluate(run_dir: Path, log: Path, device: str, *overrides: str) -> dict:
     command += [f"max_new_tokens={MAX_NEW_TOKENS}", *overrides]
     run(command, log, env=env)
     [summary] = list((run_dir / "eval").glob("step_*/summary.json"))
+    return {"summary": json.loads(summary.read_text()), "hypotheses": decoded(run_dir)}
+
+
+def decoded(run_dir: Path) -> dict[str, str]:
+    """The hypotheses ``train.evaluate`` wrote for ``run_dir``, by ``set/utterance``."""
+    [summary] = list((run_dir / "eval").glob("step_*/summary.json"))
     hypotheses = {}
     for path in summary.parent.rglob("hypotheses.jsonl"):
         where = path.parent.relative_to(summary.parent)
         for row in map(json.loads, path.read_text().splitlines()):
             hypotheses[str(where / row["id"])] = row["hypothesis"]
-    return {"summary": json.loads(summary.read_text()), "hypotheses": hypotheses}
+    return hypotheses
 
 
-def differences(device: dict, cpu: dict) -> list[str]:
-    """The utterances whose hypotheses differ between two ``evaluate`` results."""
-    return sorted(
-        k for k in device["hypotheses"] if device["hypotheses"][k] != cpu["hypotheses"].get(k)
-    )
+def differences(device: dict[str, str], cpu: dict[str, str]) -> list[str]:
+    """The utterances decoded differently by two evaluations, or by one only."""
+    return sorted(k for k in device.keys() | cpu.keys() if device.get(k) != cpu.get(k))
 
 
 def export_agrees(run_dir: Path, folder: Path, device: str) -> float:
@@ -155,6 +159,7 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
         "model.freeze=[encoder\\..*]",
         "model.lora.rank=8",
         "model.lora.dropout=0.1",
+        "train.encoder_cache_mb=1024",  # as recipes/conf/asr_whisper.yaml runs it
     ]
 
     mixture, sets = conversation_mixture((out / "corpus").resolve(), out / "mixture_data")
@@ -196,9 +201,9 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
             for name, device in (("mixture", s["device"]), ("mixture_cpu", "cpu"))
         )
         chain_device, lora_result = on_device.result(), lora_eval.result()
-        chain_differences = differences(chain_device, on_cpu.result())
+        chain_differences = differences(chain_device["hypotheses"], on_cpu.result()["hypotheses"])
         mix_result = mix_device.result()
-        mix_differences = differences(mix_result, mix_cpu.result())
+        mix_differences = differences(mix_result["hypotheses"], mix_cpu.result()["hypotheses"])
     export = out / "chain_export"
     command = [sys.executable, "-m", "train.export", str(out / "chain"), "--out", str(export)]
     run(command, out / "export.log")

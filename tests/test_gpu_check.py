@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,7 @@ from tests.harness.process import REPO, run_tool
 # worker: 8 min alone on 2026-11-28, past the suite's 10-min limit in a full run.
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_gpu_check_runs_on_the_cpu(tmp_path):
+def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     whisper = pretrained_model(WHISPER.name)
     command = ["bash", str(REPO / "bench/gpu_check.sh"), "--cpu", "--out", str(tmp_path)]
     done = subprocess.run(
@@ -93,3 +94,35 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     assert (
         "| recompiles (graphs per region) | 6 (decoder_block 4, encoder_block 4) |" in done.stdout
     )
+    assert_decoding_comparison_fires(tmp_path, monkeypatch)
+
+
+def assert_decoding_comparison_fires(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU both of the check's evaluations ran there, so its empty list of decoding
+    differences is what a blind comparison gives too: on the chain's two evaluations as they
+    were written, a hypothesis planted in one and an utterance the other lost are each found."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from gpu_flows import decoded, differences
+
+    device, cpu = decoded(out / "chain"), decoded(out / "chain_cpu")
+    assert len(device) > 1 and differences(device, cpu) == []
+    planted = plant(out / "chain_cpu", 0, "planted")
+    dropped = plant(out / "chain", -1, None)
+    assert differences(decoded(out / "chain"), decoded(out / "chain_cpu")) == sorted(
+        [planted, dropped]
+    )
+
+
+def plant(run_dir: Path, index: int, hypothesis: str | None) -> str:
+    """Give the ``index``-th utterance of ``run_dir``'s evaluation ``hypothesis`` (None: drop
+    it); its key in ``decoded``."""
+    [step] = list((run_dir / "eval").glob("step_*"))
+    [written] = list(step.rglob("hypotheses.jsonl"))
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    key = str(written.parent.relative_to(step) / rows[index]["id"])
+    if hypothesis is None:
+        rows.pop(index)
+    else:
+        rows[index]["hypothesis"] = hypothesis
+    written.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return key

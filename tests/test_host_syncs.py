@@ -99,3 +99,11 @@ def test_a_training_step_reads_nothing_back(corpus, tmp_path, preset, layout, re
         assert len(got["deliberate"]) == STEPS * reads_per_step, got["deliberate"]
     sizes = [size for got in ranks for size in got["batch_sizes"]]
     assert len(set(sizes)) > 1, sizes  # real batches: their shapes vary
+    # Positive controls: the gradient norm read back in the step is recorded at its site, and
+    # the trainer's guard (CUDA's error mode stood in for) fails the step once warmed up.
+    planted = "train/trainer.py:{} train_step: _local_scalar_dense"
+    for got in ranks:
+        [read] = got["planted_reads"]
+        assert read == planted.format(read.split(":")[1].split()[0]), read
+        assert got["guard_error"] == f"called a synchronizing operation: {read}"
+        assert got["modes"] == ["error", "default"]

@@ -9,6 +9,12 @@ clipping, the optimizer; no sync step) run under ``HostReads``. Each rank writes
 ``rank<r>.json``: the reads at the deliberate sites (``DELIBERATE``: expert parallelism's split
 sizes) and every other read, each named by its site (the innermost frame in train/).
 
+Then the positive controls, with a sync planted in the step (``planted``: the gradient norm read
+back, as a step that logged it would): one step under ``HostReads`` (what it records), one under
+the trainer's own ``HostSyncGuard`` (train/host_syncs.py) for a CUDA device in ``error`` mode,
+with CUDA's sync debug mode stood in for by ``HostReads(raising=True)`` (the error it raises),
+and one under a guard still warming up (no error).
+
 What ``HostReads`` records:
 
 - a value read into Python: ``aten._local_scalar_dense`` (``.item()``, ``int``, ``float``,
@@ -55,8 +61,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from train import step
+from train import trainer as trainer_module
 from train.config import TrainConfig
 from train.distributed import init_distributed
+from train.host_syncs import HostSyncGuard
 from train.models.batch import Batch
 from train.stop import StopRequest
 from train.trainer import Trainer, preflight
@@ -66,6 +74,7 @@ THIS = Path(__file__).resolve()
 # Deliberate reads, by (file, function): expert parallelism's split sizes (train/models/moe.py).
 DELIBERATE = frozenset({("train/models/moe.py", "host_split_sizes")})
 HOST_MARK = "_host_by_design"
+PLANTED_STEPS = 3  # the positive controls' steps, after the recorded ones
 
 aten = torch.ops.aten
 VALUE_READS = frozenset({aten._local_scalar_dense, aten.equal, aten.allclose})
@@ -126,8 +135,9 @@ class HostReads(TorchDispatchMode):
     ``"file:line function: kind"``: in ``deliberate`` at a ``DELIBERATE`` site, else in
     ``reads``."""
 
-    def __init__(self) -> None:
+    def __init__(self, raising: bool = False) -> None:
         super().__init__()
+        self.raising = raising  # as CUDA's ``error`` mode: the first read outside DELIBERATE
         self.reads: list[str] = []
         self.deliberate: list[str] = []
 
@@ -135,6 +145,8 @@ class HostReads(TorchDispatchMode):
         path, line, function = site()
         reads = self.deliberate if (path, function) in DELIBERATE else self.reads
         reads.append(f"{path}:{line} {function}: {kind}")
+        if self.raising and reads is self.reads:
+            raise RuntimeError(f"called a synchronizing operation: {reads[-1]}")
 
     def __enter__(self) -> HostReads:
         for name in TO_HOST:
@@ -204,6 +216,52 @@ def syncs(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+class StandInSyncDebugMode:
+    """``torch.cuda.set_sync_debug_mode`` on a CPU: ``error`` records host reads as CUDA would
+    see syncs and raises at the first; ``default`` stops."""
+
+    def __init__(self) -> None:
+        self.modes: list[str] = []
+        self.recorder: HostReads | None = None
+
+    def __call__(self, mode: str) -> None:
+        self.modes.append(mode)
+        if self.recorder is not None:
+            self.recorder.__exit__(None, None, None)
+            self.recorder = None
+        if mode == "error":
+            self.recorder = HostReads(raising=True).__enter__()
+
+
+def planted(clip: Callable) -> Callable:
+    """``clip_grad_norm`` whose norm is read back, as a step that logged it would."""
+
+    def clip_and_read(*args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = clip(*args, **kwargs)
+        float(norm)
+        return norm
+
+    return clip_and_read
+
+
+def planted_controls(trainer: Trainer, batches: list[list]) -> dict[str, Any]:
+    """The positive controls of the module's docstring, on three more batches."""
+    trainer_module.clip_grad_norm = planted(trainer_module.clip_grad_norm)
+    with HostReads() as recorder:
+        trainer.train_step(batches[0])
+    torch.cuda.set_sync_debug_mode = stand_in = StandInSyncDebugMode()
+    cuda = torch.device("cuda")  # a device object only: nothing is allocated on it
+    with HostSyncGuard("error", 1, cuda).step(0):  # warming up: not armed
+        trainer.train_step(batches[1])
+    guard_error = None
+    try:
+        with HostSyncGuard("error", 1, cuda).step(1):
+            trainer.train_step(batches[2])
+    except RuntimeError as error:
+        guard_error = str(error)
+    return {"planted_reads": recorder.reads, "guard_error": guard_error, "modes": stand_in.modes}
+
+
 def moved_with_to(batch: Batch, device: torch.device) -> Batch:
     """``step.to_device`` through ``Tensor.to``, as on a GPU (see the module's docstring)."""
     return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in batch))
@@ -233,17 +291,19 @@ def main() -> None:
     batches = trainer.data.batches()
     trainer.train_step([next(batches)])  # the first step also measures the state's memory
 
-    step_batches = [[next(batches)] for _ in range(args.steps)]
+    step_batches = [[next(batches)] for _ in range(args.steps + PLANTED_STEPS)]
     for (batch,) in step_batches:
         mark_host(*(value for value in batch.values() if isinstance(value, torch.Tensor)))
     step.to_device = moved_with_to
+    clean, controls = step_batches[: args.steps], step_batches[args.steps :]
     with HostReads() as recorder:
-        for batch in step_batches:
+        for batch in clean:
             trainer.train_step(batch)
     result = {
         "reads": recorder.reads,
         "deliberate": recorder.deliberate,
-        "batch_sizes": [len(batch[0]["token_lens"]) for batch in step_batches],
+        "batch_sizes": [len(batch[0]["token_lens"]) for batch in clean],
+        **planted_controls(trainer, controls),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
