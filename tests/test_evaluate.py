@@ -36,6 +36,8 @@ MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and
 MEMORIZE_STEPS = 600
 BATCH = 2  # utterances per decoding batch: 5 batches, 3 and 2 on two data-parallel ranks
 
+TRAPPED = "device_trap=true"  # decoding at a layout fails on a tensor made off its device
+
 
 def trained(tmp_path_factory, corpus: Path, name: str, *overrides: str, nproc: int) -> Path:
     run_dir = tmp_path_factory.mktemp(name) / "run"
@@ -138,8 +140,9 @@ def test_one_process_writes_hypotheses_and_a_summary(dense_run, dense_alone, mem
 )
 def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides):
     """Saved by one process; decoded at 2 data-parallel ranks (3 and 2 batches of 2), tp 2 and
-    in 2 pipeline stages: the same transcripts, each row stopping at its own EOS."""
-    other = evaluate(dense_run, *overrides, nproc=2)
+    in 2 pipeline stages: the same transcripts, each row stopping at its own EOS. Decoded
+    under the device trap (train/device_trap.py): a tensor made without its device fails."""
+    other = evaluate(dense_run, *overrides, TRAPPED, nproc=2)
     assert other["rows"] == dense_alone["rows"]
     assert other["summary"]["wer"] == dense_alone["summary"]["wer"]
     assert "world=2" in other["summary"]["layout"]
@@ -148,7 +151,7 @@ def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides
 def test_the_moe_preset_decodes_the_same_at_ep2(moe_run):
     alone = evaluate(moe_run)
     learnt_it(alone)
-    experts = evaluate(moe_run, "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
+    experts = evaluate(moe_run, "parallel.dp_shard=2", "parallel.ep=2", TRAPPED, nproc=2)
     assert experts["rows"] == alone["rows"]
     assert "ep=2" in experts["summary"]["layout"]
 
@@ -193,7 +196,7 @@ def test_a_pretrained_llm_learns_in_its_chat_template_and_decodes_in_it(chat_run
     assert "LLM weights loaded" not in second and "resumed from" in second
     alone = evaluate(run_dir)
     learnt_it(alone)
-    split = evaluate(run_dir, "parallel.tp=2", nproc=2)
+    split = evaluate(run_dir, "parallel.tp=2", TRAPPED, nproc=2)
     assert split["rows"] == alone["rows"]
 
 

@@ -54,6 +54,7 @@ from train.config import ConfigError, ParallelConfig, refuse_uncomposable
 from train.conversation import conversation_of
 from train.data import encoded, pad_segments
 from train.decode import Stages, greedy_decode, initialize_sharding
+from train.device_trap import trapped
 from train.distributed import init_distributed, say
 from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
 from train.features import BadCut, Extractor, Featurizer, extractor_of
@@ -95,6 +96,9 @@ class EvaluateConfig:
     batch_size: int = 16  # utterances per batch and data-parallel rank
     max_new_tokens: int = 128  # the longest transcript decoded, in tokens (bytes)
     kv_cache: bool = True  # false recomputes every position at each step (a baseline)
+    # Decoding with tensor factories defaulting to the meta device: a tensor made without
+    # device= fails on the CPU as on a GPU (train/device_trap.py, as the trainer's debug option).
+    device_trap: bool = False
     strategy: str = "fsdp2"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(dp_shard=1))
 
@@ -291,18 +295,20 @@ class Evaluation:
         if not kept:
             raise BadCut(f"no cut of a batch can be decoded: {'; '.join(unusable.values())}")
         padded, lens = pad_segments(features, self.featurize.bins)
-        ids = greedy_decode(
-            self.model,
-            padded.to(self.device),
-            lens.to(self.device),
-            self.cfg.max_new_tokens,
-            self.any_active,
-            use_cache=self.cfg.kv_cache,
-            batch_multiple=self.plan.dims.tp,
-            stages=self.stages,
-            prompt=[self.prompt(cut, text) for cut in kept],
-            eos_ids=text.eos_ids,
-        )
+        prompts = [self.prompt(cut, text) for cut in kept]
+        with trapped(self.cfg.device_trap):
+            ids = greedy_decode(
+                self.model,
+                padded.to(self.device),
+                lens.to(self.device),
+                self.cfg.max_new_tokens,
+                self.any_active,
+                use_cache=self.cfg.kv_cache,
+                batch_multiple=self.plan.dims.tp,
+                stages=self.stages,
+                prompt=prompts,
+                eos_ids=text.eos_ids,
+            )
         return [(cut, text.decode(row)) for cut, row in zip(kept, ids, strict=True)], unusable
 
     @staticmethod
