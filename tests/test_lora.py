@@ -34,6 +34,9 @@ TRAIN_CUTS, TEST_CUTS = 16, 4
 # trained, every hypothesis runs to the limit; 128 of them cost a minute at tp=2).
 DECODE = ("max_new_tokens=16",)
 TP2 = ("parallel.tp=2", "parallel.dp_shard=1")  # the trainer checks that TP peers read alike
+# At TP the adapters' A or B is split: trained and decoded with a tensor made off its device
+# failing (train/device_trap.py).
+TRAP_TRAINING, TRAP_DECODING = "debug.device_trap=true", "device_trap=true"
 LORA = (
     "model.lora.rank=8",
     "model.lora.alpha=16",
@@ -74,7 +77,7 @@ def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str, nproc:
         f"checkpoint.interval={STEPS // 2}",
         f"model.pretrained_llm={pretrained}",
         *LORA,
-        *(TP2 if nproc == 2 else ()),
+        *((*TP2, TRAP_TRAINING) if nproc == 2 else ()),
         *overrides,
         nproc=nproc,
     )
@@ -169,7 +172,7 @@ def test_an_exported_lora_model_is_what_trained_merged_and_as_adapters(
     with torch.no_grad():
         got = adapted(tokens).logits[:, :, : expected.shape[-1]]
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), (got - expected).abs().max()
-    assert evaluate(apart, *DECODE, "parallel.tp=2", nproc=2)["rows"] == decoded
+    assert evaluate(apart, *DECODE, "parallel.tp=2", TRAP_DECODING, nproc=2)["rows"] == decoded
     from_merged = evaluate(merged, *DECODE)
     assert from_merged["rows"] == decoded and from_merged["summary"]["split"] == "test"
 
@@ -188,7 +191,7 @@ def test_a_lora_model_decodes_alike_at_tp2(chained, decoded):
     """train.evaluate rebuilds the adapters from the checkpoint's record: the same hypotheses
     from one process and from tp=2 (A whole and B split, or A split and B whole)."""
     run_dir, _ = chained
-    assert evaluate(run_dir, *DECODE, "parallel.tp=2", nproc=2)["rows"] == decoded
+    assert evaluate(run_dir, *DECODE, "parallel.tp=2", TRAP_DECODING, nproc=2)["rows"] == decoded
 
 
 def test_an_export_with_adapters_needs_a_lora_run(chained, tmp_path):
