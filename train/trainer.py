@@ -171,9 +171,14 @@ class Trainer:
             ValidationSet(v.name, v.cuts, batch_s, self.dp_rank, self.dp_size, self.text, featurize)
             for v in prepared.data.validation
         ]
-        self.trapped = partial(trapped, cfg.debug.device_trap)
         self.validator = Validator(
-            sets, self.runner, self.meshes, self.pp_group, cfg.eval.interval, device, self.trapped
+            sets,
+            self.runner,
+            self.meshes,
+            self.pp_group,
+            cfg.eval.interval,
+            device,
+            cfg.debug.device_trap,
         )
         self.checkpoints = CheckpointManager(
             self.run_dir,
@@ -336,7 +341,7 @@ class Trainer:
             step_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
             self.batch_checks.step(self.step + 1, step_batches)
             lr = self.scheduler.get_last_lr()[0]
-            with self.host_syncs.step(self.step - first_step), self.trapped():
+            with self.host_syncs.step(self.step - first_step), trapped(cfg.debug.device_trap):
                 self.train_step(step_batches)
             self.step += 1
             step, last = self.step, self.step == cfg.train.max_steps
@@ -380,14 +385,14 @@ class Trainer:
         ranks' stop flags agreed and a background save completed; the reason to stop, if any."""
         if not self.step_log.syncs(step):
             return None
-        with self.trapped():
+        with trapped(self.cfg.debug.device_trap):
             synced = self.read_back(self.stop.local_flag())
         self.signalled = self.stop.signalled(synced.stop_flag)
         if self.step_log.logs(step):
             record = self.step_log.record(
                 step, synced, lr, self.state.tokens_seen, self.state.nonfinite_steps
             )
-            with self.trapped():
+            with trapped(self.cfg.debug.device_trap):
                 counts = self.data.cut_counts(self.meshes.dp.get_group())
             metrics.log(step, {**record, **counts})
         self.finalize_save(wait=False)

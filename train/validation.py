@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from lhotse.cut import Cut
 
 from contract.run_dir import VAL_LOSS_PREFIX
 from train.data import LoadedBatch, SpeechDataset, TextCodec
+from train.device_trap import trapped
 from train.distributed import say
 from train.features import Featurizer
 from train.mesh import Meshes
@@ -117,10 +117,10 @@ class Validator:
         pp_group: dist.ProcessGroup | None,
         interval: int,
         device: torch.device,
-        trapped: Callable[[], AbstractContextManager],
+        device_trap: bool,
     ) -> None:
         self.sets, self.runner, self.meshes, self.pp_group = sets, runner, meshes, pp_group
-        self.interval, self.device, self.trapped = interval, device, trapped
+        self.interval, self.device, self.device_trap = interval, device, device_trap
         self.validated_step = -1
 
     def due(self, step: int, last: bool) -> bool:
@@ -134,7 +134,8 @@ class Validator:
         sums = torch.zeros((len(self.sets), 2), dtype=torch.float64, device=self.device)
         for index, validation in enumerate(self.sets):
             for batch, counts in validation:
-                with self.trapped():  # the set's batch is loaded outside (train/device_trap.py)
+                # The set's batch is loaded outside the trap (train/device_trap.py).
+                with trapped(self.device_trap):
                     nll = self.runner.loss_sum(Batch.of(batch))
                     if counts:
                         targets = float(loss_targets(batch["token_lens"], batch["target_mask"]))
