@@ -16,6 +16,10 @@ PYTEST_ARGS ?=
 # timers, which leaves a core for the training tests.
 TEST_WORKERS ?= 2
 PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# Python keeps each module's bytecode after its first import, even where the environment says
+# not to: the suite starts thousands of processes (commands, job hooks, ranks), and each would
+# compile the toolkit's modules from source again (0.1 s of CPU per `orchestrator` start).
+unexport PYTHONDONTWRITEBYTECODE
 # Extra options for setup-torch's pip, e.g. `--no-index --find-links DIR` to install offline.
 PIP_OPTIONS ?=
 

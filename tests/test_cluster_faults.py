@@ -313,9 +313,10 @@ def test_status_answers_while_accounting_is_down(faulty: Faulty, tmp_path: Path)
 
 # ---- the controller down while the chain talks to it (issue 39) ----
 
-# A YAML recipe's job (it runs the chain hook): it notes its seed, and fails (exit 3) where the
-# run dir says so, once.
+# A YAML recipe's job (it runs the chain hook): it waits while the run dir holds it, notes its
+# seed, and fails (exit 3) where the run dir says so, once.
 OUTAGE_JOB = """\
+while [ -e "$ORCH_RUN_DIR/hold" ]; do sleep 0.2; done
 echo "$SEED" >> "$ORCH_RUN_DIR/ran"
 if [ -e "$ORCH_RUN_DIR/fail_once" ]; then
   rm "$ORCH_RUN_DIR/fail_once"
@@ -385,10 +386,17 @@ def restart_controller_after(faulty: Faulty, seconds: float) -> threading.Thread
     return thread
 
 
-def chain_jobs(env: dict[str, str], name: str) -> list[str]:
-    """Every job SLURM has of this job name, ended ones included (sacct: none is forgotten)."""
-    out = slurm(env, "sacct", "-X", "-n", "-P", f"--name={name}", "--format=JobID")
-    return out.split()
+def assert_accounted(env: dict[str, str], name: str, ids: list[str]) -> None:
+    """Accounting holds exactly the jobs ``ids`` under this job name, ended ones included (sacct:
+    none forgotten, none doubled). Waited for: slurmctld sends its records to slurmdbd on its
+    own time, later still after a restart."""
+
+    def listed() -> list[str]:
+        out = slurm(env, "sacct", "-X", "-n", "-P", f"--name={name}", "--format=JobID")
+        return out.split()
+
+    wait_for(f"accounting to list {ids}", lambda: set(ids) <= set(listed()))
+    assert sorted(listed()) == sorted(ids)
 
 
 def test_a_controller_down_while_auto_launch_submits_leaves_the_chain_whole(
@@ -396,10 +404,16 @@ def test_a_controller_down_while_auto_launch_submits_leaves_the_chain_whole(
 ) -> None:
     """slurmctld dies after auto_launch -n8 has queued two jobs and comes back OUTAGE_S later:
     sbatch is retried, one line per retry, and the chain is its 8 jobs, in order, each with
-    its planned seed and dependency, none lost or doubled, each run once."""
+    its planned seed and dependency, none lost or doubled, each run once.
+
+    Job 0 is held running through the outage: a job that starts between the controller's last
+    save and its death is one the restarted controller does not know it started (SLURM's
+    limit, not the chain's), which a loaded machine made happen."""
     recipe = outage_recipe(tmp_path)
     wrapper, asked, down = sbatch_that_waits(tmp_path, 2)
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "hold").touch()
     command = [str(TOOLS / "auto_launch"), "--json", "-n8", "--seed", "7"]
     command += ["--run-dir", str(run_dir), "--name", "outage_submit", str(recipe)]
     launched = subprocess.Popen(
@@ -410,11 +424,14 @@ def test_a_controller_down_while_auto_launch_submits_leaves_the_chain_whole(
         text=True,
     )
     wait_for("the third submission", asked.exists)
+    first = queued_ids(run_dir)[0]
+    wait_for("job 0 running", lambda: queue(faulty.env).get(first) == "RUNNING")
     stop_controller(faulty, queued_ids(run_dir)[-1])
     down.touch()
     restarting = restart_controller_after(faulty, OUTAGE_S)
     out, err = launched.communicate(timeout=300)
     restarting.join()
+    (run_dir / "hold").unlink()
     assert launched.returncode == 0, err
     retries = [line for line in err.splitlines() if "trying again in" in line]
     assert retries and all("Unable to contact slurm controller" in line for line in retries), err
@@ -427,7 +444,7 @@ def test_a_controller_down_while_auto_launch_submits_leaves_the_chain_whole(
     assert [job["dependency"] for job in jobs[1:]] == [f"afterany:{i}" for i in ids[:-1]]
     final = wait_chain(faulty.env, manifest["chain_id"], timeout=240)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"] * 8
-    assert sorted(chain_jobs(faulty.env, "outage_submit")) == sorted(ids)
+    assert_accounted(faulty.env, "outage_submit", ids)
     assert (run_dir / "ran").read_text().split() == [str(seed) for seed in chain_seeds(8, 7)]
     assert json.loads(out.strip().splitlines()[-1])["chain_id"] == manifest["chain_id"]
 
@@ -461,7 +478,7 @@ def test_a_controller_down_while_a_jobs_end_hook_replaces_it(
         ("completed", 0),
     ]
     assert [job["state"] for job in final["jobs"]] == ["FAILED", "COMPLETED"], final
-    assert sorted(chain_jobs(faulty.env, "outage_hook")) == sorted(j["job_id"] for j in jobs)
+    assert_accounted(faulty.env, "outage_hook", [job["job_id"] for job in jobs])
     log = run_tool("orchestrator", "logs", summary["chain_id"], "--job", "0", env=faulty.env)
     retries = [line for line in log.stdout.splitlines() if "trying again in" in line]
     assert retries and "Unable to contact slurm controller" in retries[0], log.stdout

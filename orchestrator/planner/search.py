@@ -27,7 +27,6 @@ from functools import cache
 
 from orchestrator.planner.activations import (
     ActivationLayout,
-    ActivationTerms,
     Microbatch,
     activation_bytes,
     activation_terms,
@@ -103,7 +102,8 @@ def candidate_layouts(request: PlanRequest) -> list[Layout]:
 
 def pipeline_for(counts: tuple, layout: Layout, cache: dict) -> PipelinePlan | None:
     """The trainer's plan for ``layout`` (``train.pipeline_plan``: its schedule, stages per rank
-    and split; a balanced split is computed once per pp, schedule and stages per rank)."""
+    and split; a balanced split is computed once per pp, schedule and stages per rank, and a
+    plan once per its settings)."""
     if layout.pp == 1:
         return None
     blocks, first, last, _ = counts
@@ -113,16 +113,19 @@ def pipeline_for(counts: tuple, layout: Layout, cache: dict) -> PipelinePlan | N
             layout.pp, layout.schedule, layout.pp, layout.stages_per_rank, [], blocks, first, last
         ).split
     split = layout.pp_split or cache[key]
-    return plan_pipeline(
-        layout.pp,
-        layout.schedule,
-        layout.microbatches,
-        layout.stages_per_rank,
-        split,
-        blocks,
-        first,
-        last,
-    )
+    key = ("plan", layout.pp, layout.schedule, layout.microbatches, layout.stages_per_rank, split)
+    if key not in cache:
+        cache[key] = plan_pipeline(
+            layout.pp,
+            layout.schedule,
+            layout.microbatches,
+            layout.stages_per_rank,
+            split,
+            blocks,
+            first,
+            last,
+        )
+    return cache[key]
 
 
 def comm_buffer_bytes(
@@ -181,7 +184,9 @@ def estimate(
         element_bytes=request.element_bytes,
     )
     worst: dict[str, float] = {}
-    terms: dict[tuple, ActivationTerms] = {}
+    # A rank's terms depend on its part and on what activation_terms reads of the layout; layouts
+    # that differ only in dp, ep or the pipeline's schedule share them.
+    shape = (batch, layout.tp, layout.cp, layout.pp > 1, layout.ac, request.element_bytes)
     for rank, state in enumerate(states):
         if plan is None:
             part = (cfg.n_layers, True, True)
@@ -189,9 +194,10 @@ def estimate(
             stages = plan.local_stages(rank)
             blocks = sum(plan.split[stage] for stage in stages)
             part = (blocks, 0 in stages, plan.num_stages - 1 in stages)
-        if part not in terms:
-            terms[part] = activation_terms(cfg, batch, act_layout, part)
-        act = terms[part].peak(in_flight(act_layout, rank))
+        terms_key = ("terms", part, *shape)
+        if terms_key not in state_cache:
+            state_cache[terms_key] = activation_terms(cfg, batch, act_layout, part)
+        act = state_cache[terms_key].peak(in_flight(act_layout, rank))
         memory = {
             "params": state.params,
             "grads": state.grads,
