@@ -27,6 +27,7 @@ from tests.harness.chains import launch_json, wait_chain_quietly
 from tests.harness.hf_tiny import save_tiny
 from tests.harness.models import evaluate, exported, trained_llm_agrees
 from tests.harness.process import REPO, run_module, run_tool
+from tests.harness.training import TRAPPED_DECODING
 from train.config import ConfigError
 from train.data import load_cuts
 from train.evaluate import preflight
@@ -35,8 +36,6 @@ from train.normalizers import whisper_en
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones
 MEMORIZE_STEPS = 600
 BATCH = 2  # utterances per decoding batch: 5 batches, 3 and 2 on two data-parallel ranks
-
-TRAPPED = "device_trap=true"  # decoding at a layout fails on a tensor made off its device
 
 
 def trained(tmp_path_factory, corpus: Path, name: str, *overrides: str, nproc: int) -> Path:
@@ -142,7 +141,7 @@ def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides
     """Saved by one process; decoded at 2 data-parallel ranks (3 and 2 batches of 2), tp 2 and
     in 2 pipeline stages: the same transcripts, each row stopping at its own EOS. Decoded
     under the device trap (train/device_trap.py): a tensor made without its device fails."""
-    other = evaluate(dense_run, *overrides, TRAPPED, nproc=2)
+    other = evaluate(dense_run, *overrides, TRAPPED_DECODING, nproc=2)
     assert other["rows"] == dense_alone["rows"]
     assert other["summary"]["wer"] == dense_alone["summary"]["wer"]
     assert "world=2" in other["summary"]["layout"]
@@ -151,7 +150,7 @@ def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides
 def test_the_moe_preset_decodes_the_same_at_ep2(moe_run):
     alone = evaluate(moe_run)
     learnt_it(alone)
-    experts = evaluate(moe_run, "parallel.dp_shard=2", "parallel.ep=2", TRAPPED, nproc=2)
+    experts = evaluate(moe_run, "parallel.dp_shard=2", "parallel.ep=2", TRAPPED_DECODING, nproc=2)
     assert experts["rows"] == alone["rows"]
     assert "ep=2" in experts["summary"]["layout"]
 
@@ -196,7 +195,7 @@ def test_a_pretrained_llm_learns_in_its_chat_template_and_decodes_in_it(chat_run
     assert "LLM weights loaded" not in second and "resumed from" in second
     alone = evaluate(run_dir)
     learnt_it(alone)
-    split = evaluate(run_dir, "parallel.tp=2", TRAPPED, nproc=2)
+    split = evaluate(run_dir, "parallel.tp=2", TRAPPED_DECODING, nproc=2)
     assert split["rows"] == alone["rows"]
 
 

@@ -21,6 +21,7 @@ from tests.harness.cluster import queue_ids
 from tests.harness.hf_tiny import save_tiny
 from tests.harness.models import evaluate, exported, final_model, trained_llm_agrees, trained_model
 from tests.harness.process import REPO, run_module, run_tool
+from tests.harness.training import TRAPPED_DECODING, TRAPPED_TRAINING
 from train.models.hf_names import PROJECTIONS, hf_name
 from train.models.init import canonical_name
 from train.models.lora import is_adapter
@@ -34,9 +35,6 @@ TRAIN_CUTS, TEST_CUTS = 16, 4
 # trained, every hypothesis runs to the limit; 128 of them cost a minute at tp=2).
 DECODE = ("max_new_tokens=16",)
 TP2 = ("parallel.tp=2", "parallel.dp_shard=1")  # the trainer checks that TP peers read alike
-# At TP the adapters' A or B is split: trained and decoded with a tensor made off its device
-# failing (train/device_trap.py).
-TRAP_TRAINING, TRAP_DECODING = "debug.device_trap=true", "device_trap=true"
 LORA = (
     "model.lora.rank=8",
     "model.lora.alpha=16",
@@ -77,7 +75,7 @@ def train(run_dir: Path, corpus: Path, pretrained: Path, *overrides: str, nproc:
         f"checkpoint.interval={STEPS // 2}",
         f"model.pretrained_llm={pretrained}",
         *LORA,
-        *((*TP2, TRAP_TRAINING) if nproc == 2 else ()),
+        *((*TP2, TRAPPED_TRAINING) if nproc == 2 else ()),
         *overrides,
         nproc=nproc,
     )
@@ -172,7 +170,7 @@ def test_an_exported_lora_model_is_what_trained_merged_and_as_adapters(
     with torch.no_grad():
         got = adapted(tokens).logits[:, :, : expected.shape[-1]]
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max(), (got - expected).abs().max()
-    assert evaluate(apart, *DECODE, "parallel.tp=2", TRAP_DECODING, nproc=2)["rows"] == decoded
+    assert evaluate(apart, *DECODE, "parallel.tp=2", TRAPPED_DECODING, nproc=2)["rows"] == decoded
     from_merged = evaluate(merged, *DECODE)
     assert from_merged["rows"] == decoded and from_merged["summary"]["split"] == "test"
 
@@ -191,7 +189,7 @@ def test_a_lora_model_decodes_alike_at_tp2(chained, decoded):
     """train.evaluate rebuilds the adapters from the checkpoint's record: the same hypotheses
     from one process and from tp=2 (A whole and B split, or A split and B whole)."""
     run_dir, _ = chained
-    assert evaluate(run_dir, *DECODE, "parallel.tp=2", TRAP_DECODING, nproc=2)["rows"] == decoded
+    assert evaluate(run_dir, *DECODE, "parallel.tp=2", TRAPPED_DECODING, nproc=2)["rows"] == decoded
 
 
 def test_an_export_with_adapters_needs_a_lora_run(chained, tmp_path):

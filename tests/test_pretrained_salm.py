@@ -27,6 +27,7 @@ from tests.harness.models import (
     trained_model,
 )
 from tests.harness.process import REPO, run_module, run_tool
+from tests.harness.training import TRAPPED_TRAINING
 from tests.harness.workers.pretrained_worker import ENCODER, LAYOUTS, LLM, outputs
 from train.data import load_cuts
 from train.exported import ENCODER_DIR, LLM_DIR, LORA_DIR
@@ -46,6 +47,7 @@ RUN = (
     "checkpoint.interval=100",
     "model.lora.rank=4",
     "model.lora.alpha=8",
+    TRAPPED_TRAINING,
 )
 
 

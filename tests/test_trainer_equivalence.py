@@ -1,7 +1,7 @@
 """The trainer's own step, at every parallel layout, trains exactly like one process.
 
 Each case is one ``Trainer`` run (torchrun, gloo, fp32) of a few steps on the session corpus;
-the cases of one world size run one after another in one process group
+the cases of one world size (compiled ones apart) run one after another in one process group
 (tests/harness/workers/trainer_runs_worker.py), which pays torch's start-up on every rank once,
 not per case, and resets dynamo before each. Each run goes through everything a user's job
 runs: the lhotse sampler with batches that change shape every step, ``global_counts``, the step
@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.harness.conversations import conversation_mixture
-from tests.harness.training import metrics, train_together
+from tests.harness.training import TRAPPED_TRAINING, metrics, train_together
 from train.data import build_dataloader
 from train.features import AudioLimits
 from train.source_cuts import check_sources
@@ -60,7 +60,7 @@ STEPS = 4
 GRAD_CLIP = 0.05
 COMMON = (
     "seed=5",
-    "debug.device_trap=true",  # a tensor made without its device fails (train/device_trap.py)
+    TRAPPED_TRAINING,
     "data.max_duration=4",  # batches of 1-3 utterances; 16 of them stay inside one epoch
     "data.buckets=1",
     "data.num_workers=0",
@@ -89,6 +89,13 @@ class Case:
     # validated on conversation and text sets (tests/harness/conversations.py): batches and
     # ranks with no audio at all, losses over several answers per example.
     mixture: bool = False
+
+    @property
+    def group(self) -> tuple[int, bool]:
+        """The cases trained by one process group: one world size, compiled or eager (the
+        compiled ones pay dynamo's and inductor's minutes on two cores: a group of all of one
+        world size ran past the per-test timeout under CI's load)."""
+        return self.nproc, "compile=true" in self.overrides
 
 
 CASES = {
@@ -335,17 +342,17 @@ def reference(tmp_path_factory, corpus, data_overrides):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, corpus, data_overrides):
-    """Every case of one world size trained by one process group, on first use."""
+    """Every case of one group (``Case.group``) trained by one process group, on first use."""
     runs: dict[str, Trained] = {}
 
     def get(name: str) -> Trained:
         case = CASES[name]
         if name in runs:
             return runs[name]
-        same_world = {o: c for o, c in CASES.items() if c.nproc == case.nproc}
         group = {
             other: (c.preset, (*c.overrides, *data_overrides[c.mixture]))
-            for other, c in same_world.items()
+            for other, c in CASES.items()
+            if c.group == case.group
         }
         where = tmp_path_factory.mktemp(f"layouts-{name}")
         runs.update(train_cases(where / "runs", corpus, case.nproc, group))

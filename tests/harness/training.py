@@ -21,6 +21,12 @@ from tests.harness.process import REPO
 if TYPE_CHECKING:
     from train.trainer import Trainer
 
+# The overrides that run training (``python -m train``) and decoding (``python -m
+# train.evaluate``) under the device trap: a tensor made without its device fails on the CPU as
+# on a GPU (train/device_trap.py).
+TRAPPED_TRAINING = "debug.device_trap=true"
+TRAPPED_DECODING = "device_trap=true"
+
 
 def train(
     run_dir: Path,

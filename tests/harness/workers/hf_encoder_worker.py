@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness.synthetic import built, full_params, save_and_end
 from train.config import ModelConfig, TrainConfig
+from train.device_trap import trapped
 from train.layout import frozen_of, model_of
 from train.mesh import build_meshes
 from train.models.batch import Batch
@@ -62,7 +63,8 @@ def record(directory: Path, dims: ParallelDims, stride: int) -> dict:
     batch = varied_batch(cfg.n_mels)
 
     def loss() -> float:
-        total = runner.loss_sum(batch)
+        with trapped(True):  # a tensor made off its device fails (train/device_trap.py)
+            total = runner.loss_sum(batch)
         if pp_group is not None:  # the last stage holds it
             dist.all_reduce(total, group=pp_group)
         return float(total)
@@ -76,11 +78,10 @@ def record(directory: Path, dims: ParallelDims, stride: int) -> dict:
         ),
     }
     optimizer = torch.optim.AdamW(freeze_parameters(model, frozen_of(train_cfg)), lr=1e-3)
-    targets = loss_targets(batch.token_lens) * dims.dp
-    sequences = len(batch.token_lens) * dims.dp
-    runner.forward_backward(
-        [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks
-    )
+    targets = (loss_targets(batch.token_lens) * dims.dp).float()
+    sequences = torch.tensor(float(len(batch.token_lens) * dims.dp))
+    with trapped(True):
+        runner.forward_backward([batch], targets, sequences, dims.gradient_ranks)
     optimizer.step()
     result["loss_after_step"] = loss()
     result["params_after_step"] = full_params(model, pp_group)

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness.synthetic import built, full_params, save_and_end, synthetic_batch
 from train.config import LoraConfig, ModelConfig, TrainConfig
+from train.device_trap import trapped
 from train.layout import frozen_of, model_of
 from train.mesh import build_meshes
 from train.models.build import freeze_parameters
@@ -71,7 +72,8 @@ def record(directory: Path, args: argparse.Namespace) -> dict:
 
     def loss() -> float:
         """The batch's loss sum: CP ranks hold parts of it, the last stage holds it under PP."""
-        total = runner.loss_sum(batch)
+        with trapped(True):  # a tensor made off its device fails (train/device_trap.py)
+            total = runner.loss_sum(batch)
         for group in (meshes.cp.get_group() if dims.cp_enabled else None, pp_group):
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -85,12 +87,11 @@ def record(directory: Path, args: argparse.Namespace) -> dict:
     }
     optimizer = torch.optim.AdamW(freeze_parameters(model, frozen_of(train_cfg)), lr=1e-3)
     # Every data-parallel rank feeds the whole batch, as if each held a copy of it.
-    targets = loss_targets(batch.token_lens) * dims.dp
-    sequences = len(batch.token_lens) * dims.dp
+    targets = (loss_targets(batch.token_lens) * dims.dp).float()
+    sequences = torch.tensor(float(len(batch.token_lens) * dims.dp))
     for _ in range(2 if args.lora_rank else 1):
-        runner.forward_backward(
-            [batch], targets.float(), torch.tensor(float(sequences)), dims.gradient_ranks
-        )
+        with trapped(True):
+            runner.forward_backward([batch], targets, sequences, dims.gradient_ranks)
         optimizer.step()
         optimizer.zero_grad()
     result["loss_after_step"] = loss()

@@ -25,6 +25,7 @@ from tests.harness.models import pretrained_model
 from tests.harness.synthetic import built, save_and_end
 from train.config import ModelConfig
 from train.decode import gathered_root, initialize_sharding
+from train.device_trap import trapped
 from train.layout import model_of
 from train.mesh import build_meshes
 from train.models.hf_weights import load_encoder_weights, load_llm_weights
@@ -56,8 +57,10 @@ def outputs(inputs: dict[str, torch.Tensor], tp: int = 1, dp_shard: int = -1) ->
     model.eval()
     initialize_sharding(model)
     tokens = inputs["tokens"]
-    with gathered_root(model):
-        logits, _ = model.llm(model.llm.embed(tokens), torch.ones_like(tokens, dtype=torch.bool))
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    # A tensor made off its device in the real parts fails (train/device_trap.py).
+    with gathered_root(model), trapped(True):
+        logits, _ = model.llm(model.llm.embed(tokens), mask)
         frames, lens = model.encoder(inputs["features"], inputs["feature_lens"])
     return {"logits": full(logits), "frames": full(frames), "frame_lens": lens}
 
