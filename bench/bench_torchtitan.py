@@ -32,8 +32,8 @@ position, output head included) x tokens, plus 12 x layers x heads x head_dim x 
 sequence for attention (no causal discount, as torchtitan counts). tokens/s counts every
 position. The last line of stdout is the JSON of both rows per shape and the ratios ours /
 torchtitan; each row's losses (every step, warm-up included) should start near ln(vocab) and
-fall: a sanity check, not a claim that the two are equal. Ours starts far above it when the head
-is tied (Llama 3.2's shape): our init draws the embedding, hence the head, from N(0, 1).
+fall: a sanity check, not a claim that the two are equal. A tied head (Llama 3.2's shape) is
+drawn by the head's rule in both (``train.models.init``).
 
 On an H200 the GPU form takes about 3 minutes, nearly all of it in the 4 processes' start,
 initialization and compilation (``build_s``, ``warmup_s`` in the JSON); the CPU form 15-30 s.

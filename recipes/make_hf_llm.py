@@ -125,8 +125,9 @@ def transcripts(corpus: Path) -> list[str]:
 
 def preset_init(model, shape_fields: dict, seed: int) -> None:
     """Overwrite ``model``'s weights with the project's own initial values for the same
-    decoder (train.models.init: embedding N(0, 1), projections uniform(+-1/sqrt(fan_in)),
-    norms one), drawn by parameter name from ``seed`` as ``model.init_seed`` draws them."""
+    decoder (train.models.init: embedding N(0, 1), or the head's rule where tied; projections
+    uniform(+-1/sqrt(fan_in)), norms one), drawn by parameter name from ``seed`` as
+    ``model.init_seed`` draws them."""
     import torch
 
     from train.models.build import build_model

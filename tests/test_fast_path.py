@@ -6,6 +6,8 @@ parameter name. (Compiled blocks and every layout's equivalence: test_trainer_eq
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 
 import pytest
 import torch
@@ -215,6 +217,42 @@ def test_initialization_by_name_is_independent_of_how_the_model_was_built():
     assert not torch.equal(
         on_meta.llm.layers["0"].attn.wq.weight, on_meta.llm.layers["1"].attn.wq.weight
     )
+
+
+# Each preset's width and vocabulary, tied and untied, and Llama 3.2 1B's (tied, 128,256 tokens).
+# One block each: the final norm gives the head inputs of RMS 1 whatever the depth.
+INITIAL_LOSS_SHAPES = {
+    **{
+        f"{name}{'_tied' if tied else ''}": dataclasses.replace(
+            get_preset(name), n_layers=1, enc_layers=1, tie_embeddings=tied
+        )
+        for name in ("tiny", "tiny_moe", "small", "llm_1b")
+        for tied in (False, True)
+    },
+    "llama3.2_1b": dataclasses.replace(
+        get_preset("llm_1b"),
+        n_layers=1,
+        enc_layers=1,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        vocab_size=128256,
+        tie_embeddings=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", INITIAL_LOSS_SHAPES)
+def test_a_model_from_scratch_starts_near_ln_vocab(name):
+    """A from-scratch model's first loss is within 10% of ln(vocab), tied head or not (a tied
+    head drawn as the embedding, N(0, 1), started Llama 3.2 1B's shape near 1,900)."""
+    cfg = INITIAL_LOSS_SHAPES[name]
+    model = build_model(cfg, CPU, 7)
+    batch = synthetic_batch()
+    with torch.no_grad():
+        out = model(batch)
+    loss = float(out.nll_sum / out.num_tokens)
+    assert loss == pytest.approx(math.log(cfg.vocab_size), rel=0.1), loss
 
 
 def test_canonical_names_drop_wrappers():
