@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from train.host_syncs import HOST_SYNC_MODES  # noqa: E402
 from train.parallel_dims import AC_MODES  # noqa: E402
 
-CONFIGS = [(compile_, ac) for compile_ in (False, True) for ac in ("none", "selective", "full")]
+CONFIGS = [(compile_, ac) for compile_ in (False, True) for ac in AC_MODES]
 
 
 def matmul_ceiling(device) -> float:

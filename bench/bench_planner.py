@@ -1,6 +1,6 @@
 """The planner's activation formula against measured peaks, and the planner's own speed.
 
-    python bench/bench_planner.py              # tiny and small, three AC modes, two batch shapes
+    python bench/bench_planner.py              # tiny and small, every AC mode, two batch shapes
     python bench/bench_planner.py --json       # the same as one JSON list (tests read it)
     python bench/bench_planner.py --cases tiny:4:800:40:none
 
@@ -27,11 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from train.parallel_dims import AC_MODES  # noqa: E402
+
 DEFAULT_CASES = [
     f"{preset}:{shape}:{ac}"
     for preset in ("tiny", "small")
     for shape in ("4:800:40", "2:1600:120")
-    for ac in ("none", "full", "selective")
+    for ac in AC_MODES
 ]
 
 

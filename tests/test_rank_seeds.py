@@ -24,7 +24,7 @@ import torch
 
 from tests.harness.training import run_ranks, trainer_in_process
 from train.models.init import canonical_name
-from train.parallel_dims import ParallelDims
+from train.parallel_dims import AC_MODES, ParallelDims
 from train.seeding import rank_generator_seed
 from train.trainer import Trainer
 
@@ -115,13 +115,13 @@ def test_activation_checkpointing_recomputes_with_the_forwards_masks(
     """The recompute of a checkpointed block draws the masks of its forward again: the gradients,
     hence the losses and weights after each step, are those of no checkpointing."""
     trained = {}
-    for mode in ("none", "selective", "full"):
+    for mode in AC_MODES:
         trainer = trainer_in_process(
             tmp_path / mode, corpus, "seed=3", f"activation_checkpointing={mode}", *DROPOUT
         )
         trained[mode] = (train_on(trainer, batch), weights(trainer))
     losses, reference = trained["none"]
-    for mode in ("selective", "full"):
+    for mode in AC_MODES[1:]:
         assert trained[mode][0] == losses, (mode, trained[mode][0], losses)
         for name, value in trained[mode][1].items():
             assert torch.equal(value, reference[name]), (mode, name)

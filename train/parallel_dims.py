@@ -26,7 +26,9 @@ DP_VIEW = "dp"
 STRATEGIES = ("ddp", "fsdp2")
 # Activation checkpointing per block (train/models/parallelize.py), least memory saved first:
 # the trainer's activation_checkpointing values, in the order the planner tries them.
-AC_MODES = ("none", "selective", "full")
+# ``selective_op`` is torchtitan's per-op policy: every second matmul's output recomputed.
+SELECTIVE_OP = "selective_op"
+AC_MODES = ("none", "selective", SELECTIVE_OP, "full")
 BASE_SEQ_MULTIPLE = 8  # packed decoder sequences are a multiple of this at any layout
 
 

@@ -70,7 +70,7 @@ from train.models.shape import (
     llm_head_dim,
     subsampled_lens,
 )
-from train.parallel_dims import BASE_SEQ_MULTIPLE, Degrees, sequence_multiple
+from train.parallel_dims import BASE_SEQ_MULTIPLE, SELECTIVE_OP, Degrees, sequence_multiple
 
 FP32 = 4
 
@@ -101,13 +101,6 @@ class ActivationLayout(Degrees):
     element_bytes: int = FP32  # 2 for bf16 compute on a GPU
 
 
-# torchtitan's per-op selective checkpointing (``selective_ac_option="op"``): a block keeps its
-# input, attention's output and every second matmul's output, and recomputes the rest. The
-# trainer does not run it; ``orchestrator plan --layout`` prices it, so that torchtitan's
-# published measurements are priced as they ran.
-TORCHTITAN_OP = "selective_op"
-
-
 def block_bytes(
     h: int, kv: int, f: int, heads: int, ac: str, tp: int, e: int, context: bool = False
 ) -> float:
@@ -117,7 +110,7 @@ def block_bytes(
         return 2 * h / tp * e + heads / tp * FP32
     if ac == "selective":
         return (5 * h + 2 * kv + 2 * f) / tp * e + heads / tp * FP32
-    if ac == TORCHTITAN_OP:  # the input, q, v, attention's output, w1's and w2's
+    if ac == SELECTIVE_OP:  # the input, q, v, attention's output, w1's and w2's
         return (4 * h + kv + f) / tp * e + heads / tp * FP32
     own = 7 * h if context else 6 * h + 2 * kv  # CP: no K/V of its own, attention copied
     return ((own + 4 * f) / tp + 2 * h) * e + (heads / tp + 2) * FP32
@@ -253,13 +246,17 @@ def activation_terms(
     the encoder (pipeline stage 0) and the head (the last stage)."""
     blocks, has_encoder, has_head = part
     e, tp, cp = layout.element_bytes, layout.tp, layout.cp
-    ac = "selective" if layout.ac == TORCHTITAN_OP else layout.ac  # outside the LLM's blocks
+    # The rules of the pretrained encoders' blocks and of MoE FFNs have no selective_op of
+    # their own: priced as selective, which keeps more (an upper bound). The own encoder's
+    # blocks are the LLM's.
+    ac = "selective" if layout.ac == SELECTIVE_OP else layout.ac
+    encoder_ac = layout.ac if cfg.encoder == OWN_ENCODER else ac
     b = batch.sequences
     d, vocab = cfg.d_model, cfg.vocab_size
     encoder = conv = enc_block_full = conv_grads = 0.0
     if has_encoder:
         saved, conv, conv_grads, enc_block_full = (
-            b * term for term in ENCODER_TERMS[cfg.encoder](cfg, batch.frames, ac, e)
+            b * term for term in ENCODER_TERMS[cfg.encoder](cfg, batch.frames, encoder_ac, e)
         )
         audio = audio_positions(cfg, batch.frames)
         if cfg.projector_stride > 1:  # the stacked copy of the encoder's output

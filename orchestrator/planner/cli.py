@@ -10,7 +10,7 @@ from pathlib import Path
 
 from contract.gpus import GPU_KEYS, gpu_preset
 from orchestrator.errors import UsageError
-from orchestrator.planner.activations import TORCHTITAN_OP, Microbatch
+from orchestrator.planner.activations import Microbatch
 from orchestrator.planner.cluster import DEFAULT_INTER_NODE_GBPS, GIB, Cluster
 from orchestrator.planner.measured import (
     MEMORY_BOUND,
@@ -200,9 +200,8 @@ def layout_from(spec: str, request: PlanRequest) -> Layout:
         raise UsageError(f"--layout: {error}") from error
     degrees = {key: int(fields[key]) for key in DEGREES}
     microbatches = int(fields["microbatches"])
-    if fields["ac"] not in (*AC_MODES, TORCHTITAN_OP):
-        modes = ", ".join((*AC_MODES, TORCHTITAN_OP))
-        raise UsageError(f"--layout: ac={fields['ac']} is not one of {modes}")
+    if fields["ac"] not in AC_MODES:
+        raise UsageError(f"--layout: ac={fields['ac']} is not one of {', '.join(AC_MODES)}")
     world = 1
     for degree in degrees.values():
         world *= degree if degree > 0 else 1

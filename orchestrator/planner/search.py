@@ -27,6 +27,7 @@ from functools import cache
 
 from orchestrator.planner.activations import (
     ActivationLayout,
+    ActivationTerms,
     Microbatch,
     activation_bytes,
     activation_terms,
@@ -152,6 +153,25 @@ def comm_buffer_bytes(
     return 2 * block * e + block * 4
 
 
+def rank_parts(
+    cfg: SALMConfig, plan: PipelinePlan | None, layout: ActivationLayout, cache: dict
+) -> list[tuple[tuple[int, bool, bool], float]]:
+    """Per pipeline rank: its part (LLM blocks, whether it has the encoder, whether the head)
+    and the microbatches it holds in flight; once per pipeline plan."""
+    if plan is None:
+        return [((cfg.n_layers, True, True), 1.0)]
+    key = ("parts", plan)
+    if key not in cache:
+        parts = []
+        for rank in range(layout.pp):
+            stages = plan.local_stages(rank)
+            blocks = sum(plan.split[stage] for stage in stages)
+            part = (blocks, 0 in stages, plan.num_stages - 1 in stages)
+            parts.append((part, in_flight(layout, rank)))
+        cache[key] = parts
+    return cache[key]
+
+
 def estimate(
     request: PlanRequest,
     layout: Layout,
@@ -183,33 +203,36 @@ def estimate(
         ac=layout.ac,
         element_bytes=request.element_bytes,
     )
-    worst: dict[str, float] = {}
     # A rank's terms depend on its part and on what activation_terms reads of the layout; layouts
     # that differ only in dp, ep or the pipeline's schedule share them.
     shape = (batch, layout.tp, layout.cp, layout.pp > 1, layout.ac, request.element_bytes)
-    for rank, state in enumerate(states):
-        if plan is None:
-            part = (cfg.n_layers, True, True)
-        else:
-            stages = plan.local_stages(rank)
-            blocks = sum(plan.split[stage] for stage in stages)
-            part = (blocks, 0 in stages, plan.num_stages - 1 in stages)
-        terms_key = ("terms", part, *shape)
-        if terms_key not in state_cache:
-            state_cache[terms_key] = activation_terms(cfg, batch, act_layout, part)
-        act = state_cache[terms_key].peak(in_flight(act_layout, rank))
-        memory = {
-            "params": state.params,
-            "grads": state.grads,
-            "optimizer": state.optimizer,
-            "activations": act,
-            "comm_buffers": comm,
-        }
-        subtotal = sum(memory.values())
-        memory["allowance"] = framework_bytes(request) + FRAGMENTATION * subtotal
-        memory["total"] = subtotal + memory["allowance"]
-        if memory["total"] > worst.get("total", -1):
-            worst = memory
+    allowance = framework_bytes(request)
+    worst_total, worst = -1.0, (states[0], 0.0)
+    parts = rank_parts(cfg, plan, act_layout, state_cache)
+    terms: dict[tuple, ActivationTerms] = {}  # this layout's, by part
+    for state, (part, in_flight_now) in zip(states, parts, strict=True):
+        if part not in terms:
+            terms_key = ("terms", part, *shape)
+            if terms_key not in state_cache:
+                state_cache[terms_key] = activation_terms(cfg, batch, act_layout, part)
+            terms[part] = state_cache[terms_key]
+        act = terms[part].peak(in_flight_now)
+        subtotal = state.params + state.grads + state.optimizer + act + comm
+        total = subtotal * (1 + FRAGMENTATION) + allowance
+        if total > worst_total:
+            worst_total, worst = total, (state, act)
+    state, act = worst
+    memory = {
+        "params": state.params,
+        "grads": state.grads,
+        "optimizer": state.optimizer,
+        "activations": act,
+        "comm_buffers": comm,
+    }
+    subtotal = sum(memory.values())
+    memory["allowance"] = allowance + FRAGMENTATION * subtotal
+    memory["total"] = subtotal + memory["allowance"]
+    worst = memory
     fits = worst["total"] <= cluster.memory_bytes
     times = step_time(request, layout, counts[3], fsdp)
     flops = request.global_batch * _sequence_flops(cfg, request.frames, request.tokens)

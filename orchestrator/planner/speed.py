@@ -32,10 +32,10 @@ from __future__ import annotations
 from functools import cache
 from typing import TYPE_CHECKING
 
-from orchestrator.planner.activations import TORCHTITAN_OP, Microbatch
+from orchestrator.planner.activations import Microbatch
 from train.flops import ENCODER_MACS, llm_weights_per_position
 from train.models.shape import SALMConfig, audio_positions, encoder_frames, llm_head_dim
-from train.parallel_dims import sequence_multiple
+from train.parallel_dims import SELECTIVE_OP, sequence_multiple
 
 if TYPE_CHECKING:
     from orchestrator.planner.request import Layout, PlanRequest
@@ -65,7 +65,7 @@ HOST_BLOCK_S = {"eager": 3.5e-3, "compiled": 0.4e-3}
 # Eager checkpointing's dispatch mode sees every op of the forward and of its recompute from
 # Python while the GPU waits on it (the recomputed kernels are short), per block and microbatch:
 # measured as the eager step's growth over no checkpointing, less the GPU's recomputation.
-HOST_CHECKPOINT_S = {"selective": 4.1e-3, TORCHTITAN_OP: 4.1e-3, "full": 4.6e-3}
+HOST_CHECKPOINT_S = {"selective": 4.1e-3, SELECTIVE_OP: 4.1e-3, "full": 4.6e-3}
 STEP_EFFICIENCY = 0.78  # measured steps against the sum of their kernels (measurements.csv)
 BUS_SHARE = 0.80  # NCCL bus bandwidth against the link's one-way figure
 
@@ -114,7 +114,7 @@ def gpu_work(request: PlanRequest, layout: Layout) -> dict[str, float]:
     full = layout.ac == "full"
     # Recomputed matmul work, as a share of forward + backward: full redoes the forward (1/3),
     # torchtitan's per-op policy every second matmul of it (1/6).
-    recompute_fwd = {"full": 1.0 / 3, TORCHTITAN_OP: 1.0 / 6}.get(layout.ac, 0.0)
+    recompute_fwd = {"full": 1.0 / 3, SELECTIVE_OP: 1.0 / 6}.get(layout.ac, 0.0)
     # LLM blocks and head.
     llm_flops = 6.0 * _llm_weights(cfg) * sequences * local / split
     work = {

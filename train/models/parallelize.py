@@ -9,7 +9,8 @@ stage of it (a `PipelinePart`: the same modules under the same names, some of th
 
 Activation checkpointing wraps each block in a checkpoint wrapper (``full``: recompute the
 block's matmuls and elementwise work in backward, keeping only the outputs of its collectives and
-attention; ``selective``: also keep the matmuls' outputs, recompute only elementwise work).
+attention; ``selective``: also keep the matmuls' outputs, recompute only elementwise work;
+``selective_op``, torchtitan's per-op policy: keep every second matmul's output).
 Compilation then compiles each (wrapped) block's forward in place with ``fullgraph=True``: a
 graph break is an error, never a silent fall-back to eager, parameter names stay those of the
 plain model, and each stack is a region with its own recompile budget (``train.models.compiled``
@@ -49,12 +50,12 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from train.config import AC_MODES
 from train.mesh import Meshes
 from train.models.compiled import compile_region
 from train.models.lora import ADAPTER, LORA_A, LORA_B
 from train.models.moe import MoE
 from train.models.salm import BLOCK_DIMS, SALM, Block
+from train.parallel_dims import AC_MODES, SELECTIVE_OP
 
 if TYPE_CHECKING:
     from train.models.pipeline import PipelinePart
@@ -77,14 +78,18 @@ _KEPT_BY_FULL = frozenset(
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
     }
 )
-# Selective AC also keeps the matmuls' outputs and recomputes only cheap elementwise work.
-_KEPT_BY_SELECTIVE = _KEPT_BY_FULL | {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten._grouped_mm.default,
-    torch.ops.salm.grouped_mm_fp32.default,
-}
+# The matmuls: selective AC keeps all their outputs and recomputes only cheap elementwise work;
+# selective_op keeps every second one's.
+_MATMULS = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten._grouped_mm.default,
+        torch.ops.salm.grouped_mm_fp32.default,
+    }
+)
+_KEPT_BY_SELECTIVE = _KEPT_BY_FULL | _MATMULS
 
 
 @dataclass(frozen=True)
@@ -312,8 +317,28 @@ def _policy(kept: frozenset):
     return policy
 
 
+def _every_second_matmul_contexts():
+    """The contexts of one checkpointed call under ``selective_op``: what ``full`` keeps, and
+    the 1st, 3rd, 5th ... matmul's output (a dense block: wq, wv, w1 and w2; wk, wo and w3
+    recomputed), counted apart in the forward and in the recompute, which sees the same ops in
+    the same order."""
+    seen = {False: 0, True: 0}  # matmuls so far, by ctx.is_recompute
+
+    def policy(ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
+        if op in _MATMULS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        if op in _KEPT_BY_FULL or draws_out_of_place(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
-    """Activation checkpointing (``full`` or ``selective``) for each block of ``layers``.
+    """Activation checkpointing (``full``, ``selective`` or ``selective_op``) for each block
+    of ``layers``.
 
     A dense block is wrapped whole. An MoE block is checkpointed as its pieces around the token
     dispatcher, the boundary compilation uses too: FSDP's hooks on the experts must stay outside
@@ -328,10 +353,13 @@ def apply_ac(layers: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     from replaying them with ``functionalize_rng_ops``, which fails to partition the graph on a
     GPU under torch 2.11 ("Node ... was invalid, but is output").
     """
-    if mode not in ("full", "selective"):
+    if mode not in AC_MODES or mode == "none":
         raise ValueError(f"activation_checkpointing={mode}: choose one of {', '.join(AC_MODES)}")
-    policy = _policy(_KEPT_BY_SELECTIVE if mode == "selective" else _KEPT_BY_FULL)
-    options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
+    if mode == SELECTIVE_OP:
+        options = {"context_fn": _every_second_matmul_contexts}
+    else:
+        policy = _policy(_KEPT_BY_SELECTIVE if mode == "selective" else _KEPT_BY_FULL)
+        options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
     for key, block in _items(layers):
         if getattr(block, "moe", None) is None:  # a dense Block, or a pretrained encoder's
             layers[key] = checkpoint_wrapper(block, preserve_rng_state=True, **options)
