@@ -17,7 +17,7 @@ import pytest
 from orchestrator.cluster.config import free_ports, render_conf
 from orchestrator.cluster.daemons import daemon_pids
 from orchestrator.cluster.record import CONF_NAME, DBD_CONF_NAME, ClusterInfo
-from orchestrator.manifest import JobRecord, Manifest, orch_home
+from orchestrator.manifest import JobRecord, Manifest, orch_home, register_chain
 from orchestrator.slurm.commands import QUERY_TIMEOUT_S
 from tests.harness.chains import launch_json, wait_chain, write_sub
 from tests.harness.cluster import LoopbackCluster
@@ -118,6 +118,34 @@ def slurm_chain(run_dir: Path, job_ids: list[str]) -> Manifest:
     )
     manifest.save()
     return manifest
+
+
+# A job id no controller of the session has given (SLURM's largest is 67,108,863): squeue
+# refuses a lone id it does not know ("Invalid job id specified"), as it does once a finished
+# job has been purged (MinJobAge past).
+FORGOTTEN_JOB_ID = "67108000"
+
+
+def test_a_chain_whose_lone_job_slurm_forgot_is_read_from_the_run_dir(
+    slurm_cluster: LoopbackCluster, tmp_path: Path
+) -> None:
+    """``status`` and ``list`` answer for a chain whose only job SLURM no longer knows (a
+    lone-job chain a week old): the run dir tells its end. squeue's refusal of the lone id
+    once made ``orchestrator list`` fail for every chain."""
+    manifest = slurm_chain(tmp_path / "run", [FORGOTTEN_JOB_ID])
+    register_chain(manifest)
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir()
+    (logs / f"r-{FORGOTTEN_JOB_ID}.out").write_text(
+        f"[orch] job {FORGOTTEN_JOB_ID}\n[orch] training exited with status 0\n"
+    )
+    status = run_tool("orchestrator", "status", manifest.run_dir, "--json")
+    assert status.returncode == 0, status.stderr
+    [job] = json.loads(status.stdout)["jobs"]
+    assert (job["state"], job["source"]) == ("COMPLETED", "run dir"), job
+    listed = run_tool("orchestrator", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert manifest.chain_id in listed.stdout
 
 
 def test_status_without_controller_or_accounting_reads_the_run_dir(tmp_path: Path) -> None:

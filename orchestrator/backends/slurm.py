@@ -20,10 +20,10 @@ from orchestrator.backends.run_dir import run_dir_status
 from orchestrator.errors import SchedulerError, SchedulerTimeout
 from orchestrator.retry import REJECTED_MARKERS, is_transient
 from orchestrator.slurm.commands import (
-    QUERY_ATTEMPTS,
     QUERY_TIMEOUT_S,
     cancel_jobs,
     controller_problem,
+    query_jobs,
     run_slurm,
     show_job,
     update_dependency,
@@ -153,10 +153,8 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
 
 def squeue_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
     """The jobs among ``job_ids`` that are still in the queue (pending, running, completing)."""
-    queue = run_slurm(
-        ["squeue", "--noheader", "--jobs", ",".join(job_ids), "--format=%i|%T|%N|%r|%S|%M"],
-        timeout_s=QUERY_TIMEOUT_S,
-        attempts=QUERY_ATTEMPTS,
+    queue = query_jobs(
+        ["squeue", "--noheader", "--jobs", ",".join(job_ids), "--format=%i|%T|%N|%r|%S|%M"]
     )
     found: dict[str, JobStatus] = {}
     for line in queue.splitlines():

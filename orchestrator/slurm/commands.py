@@ -20,6 +20,9 @@ from orchestrator.slurm.partitions import PARTITION_FORMAT, Partition, parse_par
 # and one more try only after `scontrol ping` said the controller is up.
 QUERY_TIMEOUT_S = 5.0
 QUERY_ATTEMPTS = 2
+# What squeue and scontrol say of a job id the controller does not know (never given, or purged
+# after MinJobAge).
+INVALID_JOB_ID = "Invalid job id specified"
 
 
 def update_dependency(job_id: str, spec: str) -> None:
@@ -38,18 +41,21 @@ def requeue_job(job_id: str) -> None:
     run_slurm(["scontrol", "requeue", job_id])
 
 
+def query_jobs(argv: list[str]) -> str:
+    """The output of a query about given jobs (squeue, scontrol); empty when the controller
+    knows none of them: it refuses a lone id it has forgotten (purged after MinJobAge) where
+    it drops unknown ones from a longer list."""
+    try:
+        return run_slurm(argv, timeout_s=QUERY_TIMEOUT_S, attempts=QUERY_ATTEMPTS)
+    except SchedulerError as error:
+        if INVALID_JOB_ID in str(error):
+            return ""
+        raise
+
+
 def show_job(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
-    try:
-        output = run_slurm(
-            ["scontrol", "show", "job", "-o", job_id],
-            timeout_s=QUERY_TIMEOUT_S,
-            attempts=QUERY_ATTEMPTS,
-        )
-    except SchedulerError as error:
-        if "Invalid job id" in str(error):
-            return {}
-        raise
+    output = query_jobs(["scontrol", "show", "job", "-o", job_id])
     fields: dict[str, str] = {}
     for word in output.split():
         name, sep, value = word.partition("=")
