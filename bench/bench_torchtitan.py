@@ -62,7 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from train.flops import peak_flops, sequence_flops  # noqa: E402
-from train.models.presets import get_preset  # noqa: E402
+from train.models.presets import LLAMA_3_2_1B_DECODER, get_preset  # noqa: E402
 from train.models.shape import SALMConfig  # noqa: E402
 
 IMPLS = ("ours", "torchtitan")
@@ -86,11 +86,10 @@ class Shape:
     tied: bool
 
 
-def preset_shape(preset: str) -> Shape:
-    """The decoder of one of our presets."""
-    cfg = get_preset(preset)
+def decoder_shape(name: str, cfg: SALMConfig) -> Shape:
+    """The decoder of ``cfg``, named ``name``."""
     return Shape(
-        preset,
+        name,
         cfg.d_model,
         cfg.n_layers,
         cfg.n_heads,
@@ -102,8 +101,7 @@ def preset_shape(preset: str) -> Shape:
     )
 
 
-# Llama 3.2 1B: torchtitan's "1B" flavour (ffn 8192 = its multiple_of 1024 rule at 1.5x).
-LLAMA_3_2_1B = Shape("llama3.2_1b", 2048, 16, 32, 8, 8192, 128256, 500000.0, True)
+LLAMA_3_2_1B = decoder_shape("llama3.2_1b", SALMConfig(**LLAMA_3_2_1B_DECODER))
 TINY = Shape("tiny", 64, 2, 4, 2, 128, 256, 10000.0, False)
 
 
@@ -126,7 +124,7 @@ def settings(device: str, cpu: bool) -> Settings:
     ranks, few steps, eager (under a minute on two cores)."""
     if cpu:
         return Settings("cpu", 2, (TINY,), 4, 32, 2, 4, compile=False)
-    shapes = (preset_shape("llm_1b"), LLAMA_3_2_1B)
+    shapes = (decoder_shape("llm_1b", get_preset("llm_1b")), LLAMA_3_2_1B)
     return Settings(device, 1, shapes, 4, 2048, 3, 10, compile=True)
 
 

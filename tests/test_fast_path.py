@@ -28,7 +28,7 @@ from train.models.parallelize import (
     compute_autocast,
     mixed_precision_policies,
 )
-from train.models.presets import get_preset
+from train.models.presets import LLAMA_3_2_1B_DECODER, get_preset
 from train.models.salm import SALM
 
 CPU = torch.device("cpu")
@@ -230,14 +230,7 @@ INITIAL_LOSS_SHAPES = {
         for tied in (False, True)
     },
     "llama3.2_1b": dataclasses.replace(
-        get_preset("llm_1b"),
-        n_layers=1,
-        enc_layers=1,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_hidden=8192,
-        vocab_size=128256,
-        tie_embeddings=True,
+        get_preset("llm_1b"), **{**LLAMA_3_2_1B_DECODER, "n_layers": 1}, enc_layers=1
     ),
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import train.models.moe  # noqa: F401  (registers torch.ops.salm)
 from train.models.batch import Batch
 from train.models.init import canonical_name
 
@@ -15,6 +16,7 @@ MATMULS = frozenset(
         torch.ops.aten.addmm.default,
         torch.ops.aten.bmm.default,
         torch.ops.aten._grouped_mm.default,
+        torch.ops.salm.grouped_mm_fp32.default,  # the MoE's experts in fp32 (train/models/moe.py)
     }
 )
 

@@ -70,7 +70,7 @@ def initial_value(
     raise TypeError(f"no initialization rule for {type(module).__name__}.{attr}")
 
 
-def head_rules(model: nn.Module) -> dict[int, nn.Linear]:
+def linear_owners(model: nn.Module) -> dict[int, nn.Linear]:
     """The linear layer that owns each weight, by the weight's id: a tied embedding's matrix
     is also its output layer's weight, and is drawn by that layer's rule."""
     return {id(m.weight): m for m in model.modules() if isinstance(m, nn.Linear)}
@@ -86,7 +86,7 @@ def init_weights(model: nn.Module, init_seed: int) -> None:
     an untied head; torchtitan likewise gives a tied weight its head's init): drawn from the
     embedding's N(0, 1), every logit would be N(0, d_model) and a from-scratch run at Llama 3.2
     1B's shape would start at a loss near 1,900 rather than near ln(vocab)."""
-    heads = head_rules(model)
+    owners = linear_owners(model)
     filled: set[int] = set()
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
@@ -95,7 +95,7 @@ def init_weights(model: nn.Module, init_seed: int) -> None:
             filled.add(id(param))
             name = canonical_name(f"{module_name}.{attr}" if module_name else attr)
             generator = torch.Generator().manual_seed(name_seed(init_seed, name))
-            rule = heads.get(id(param), module)
+            rule = owners.get(id(param), module)
             if is_adapter_b(name):
                 full = torch.zeros(param.shape, dtype=param.dtype, device="cpu")
             else:

@@ -17,6 +17,18 @@ from train.models.shape import SALMConfig
 
 _FASTCONFORMER = {"enc_dim": 1024, "enc_layers": 24, "enc_heads": 8, "enc_ffn_hidden": 4096}
 _LLAMA_VOCAB = 128256
+# Llama 3.2 1B's decoder as torchtitan's "1B" flavour builds it (FFN 8192: its multiple_of 1024
+# rule at 1.5x; a tied head): what bench/bench_torchtitan.py compares, no preset of its own.
+LLAMA_3_2_1B_DECODER = {
+    "d_model": 2048,
+    "n_layers": 16,
+    "n_heads": 32,
+    "n_kv_heads": 8,
+    "ffn_hidden": 8192,
+    "vocab_size": _LLAMA_VOCAB,
+    "rope_theta": 500000.0,
+    "tie_embeddings": True,
+}
 
 PRESETS: dict[str, SALMConfig] = {
     # CPU tests: a few seconds per step on one core.
