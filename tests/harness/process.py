@@ -78,19 +78,13 @@ def run_script(
 def run_module(
     module: str, *args: str, nproc: int = 1, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m MODULE ARGS`` from ``cwd`` (the repository root unless given), under
-    torchrun with ``nproc`` > 1."""
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return subprocess.run(
-        [*launcher, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
+    """``python -m MODULE ARGS`` from ``cwd`` (the repository root unless given) on ``nproc``
+    ranks, forked from the test process's zygote (tests/harness/zygote.py). The return code
+    is the code of the rank that failed first."""
+    from tests.harness.zygote import run_python
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return run_python(["-m", module, *args], nproc, env, cwd, timeout=300)
 
 
 # What the checkout holds that is not a test's business: git's, the environment's, the caches.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +15,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.harness.process import REPO
+from tests.harness.zygote import run_python
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -92,26 +91,10 @@ def train_together(
 def run_ranks(
     args: list[str], nproc: int, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """``python ARGS`` as ``nproc`` ranks under torchrun (one process: no torchrun)."""
-    if nproc > 1:
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *args,
-        ]
-    else:
-        argv = [sys.executable, *args]
-    completed = subprocess.run(
-        argv,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})},
-    )
+    """``python ARGS`` on ``nproc`` ranks, forked from the test process's zygote
+    (tests/harness/zygote.py): the return code is the code of the rank that failed first."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    completed = run_python(args, nproc, env)
     if check:
         causes = [line for line in completed.stderr.splitlines() if "Error" in line]
         assert completed.returncode == 0, "\n".join(causes[:20]) or completed.stderr[-4000:]
