@@ -9,7 +9,6 @@ hide that nothing was checked.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,8 @@ from tests.harness.cluster import (
 )
 from tests.harness.corpora import LIBRISPEECH_UTTERANCES, TINY_CORPUS
 from tests.harness.disk import tmpfs
-from tests.harness.process import REPO, checkout_paths
+from tests.harness.process import REPO, checkout_paths, run_script
+from tests.harness.zygote import run_python
 
 # Two shared cores: every torch process the tests start stays on one thread.
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -137,21 +137,9 @@ def empty_queue(slurm_cluster: LoopbackCluster) -> LoopbackCluster:
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real speech corpus (espeak-ng voices, lhotse manifests, fbank), made once."""
     out = tmp_path_factory.mktemp("corpus") / "corpus"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "recipes/make_corpus.py"),
-            "--out",
-            str(out),
-            "--num",
-            "64",
-            "--jobs",
-            "2",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    made = run_script(REPO / "recipes/make_corpus.py", "--out", str(out), "--num", "64",
+                      "--jobs", "2", timeout=300)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
     return out
 
 
@@ -160,24 +148,9 @@ def librispeech(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny corpus in LibriSpeech's own layout with lhotse's manifests (made by lhotse's own
     `lhotse prepare librispeech`) in manifests/, made once per session."""
     out = tmp_path_factory.mktemp("librispeech") / "corpus"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.make_librispeech",
-            "--out",
-            str(out),
-            "--utterances",
-            str(LIBRISPEECH_UTTERANCES),
-            "--jobs",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=120,
-    )
+    command = ["-m", "recipes.make_librispeech", "--out", str(out)]
+    command += ["--utterances", str(LIBRISPEECH_UTTERANCES), "--jobs", "2"]
+    result = run_python(command, 1, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode == 0, result.stderr
     return out
 
@@ -193,14 +166,7 @@ def small_disk(tmp_path) -> Iterator[Path]:
 def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 16-utterance corpus in 4-utterance Shar shards, made once per session."""
     out = tmp_path_factory.getbasetemp() / "tiny_corpus"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "recipes/make_corpus.py"), "--out", str(out), *TINY_CORPUS],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        cwd=REPO,
-        timeout=120,
-    )
+    result = run_script(REPO / "recipes/make_corpus.py", "--out", str(out), *TINY_CORPUS)
     assert result.returncode == 0, result.stderr
     return out
 

@@ -1,7 +1,7 @@
 """Checkpoints: resharding across layouts, atomic saves, torn directories, state round trips.
 
 The layout tests run tests/harness/workers/checkpoint_worker.py as gloo ranks on CPU
-(``_worker`` starts them as torchrun would): the tiny SALM trains 3 AdamW steps at FSDP2 x TP
+(``_worker`` forks them as torchrun's ranks): the tiny SALM trains 3 AdamW steps at FSDP2 x TP
 2x2 and is saved, then loaded at 2x2, at FSDP2 4x1 and into one plain process. Loaded parameters
 must equal the saved ones bitwise. One more step from the loaded state must match one more step
 from the in-memory state: exactly enough at the same layout, and within the tolerance of
@@ -23,10 +23,8 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +42,7 @@ from contract.run_dir import MARKER
 from tests.harness.disk import fill_disk, tmpfs
 from tests.harness.process import REPO
 from tests.harness.training import metrics, train, train_together
+from tests.harness.zygote import run_python
 from train.checkpoint import manager as checkpoint
 from train.checkpoint.manager import (
     CheckpointError,
@@ -67,46 +66,17 @@ TRAINER_STATE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _worker(*args: str, world: int, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``checkpoint_worker.py ARGS`` as ``world`` (> 1) ranks of one gloo group, each started
-    here with the rendezvous variables torchrun gives its workers: a torchrun process would only
-    import torch once more. A rank that fails stops the others; stderr is every rank's, rank 0's
-    first."""
+    """``checkpoint_worker.py ARGS`` as ``world`` (> 1) ranks of one gloo group, forked from
+    the test process's zygote (tests/harness/zygote.py). A rank that fails stops the others and
+    fails the test with every rank's stderr."""
     assert world > 1, "one plain process: _load_here"
-    command = [sys.executable, str(WORKER), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env |= {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
-        ranks = [
-            subprocess.Popen(command, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             stdout=subprocess.DEVNULL, stderr=logs[r], text=True)
-            for r in range(world)
-        ]  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while any(rank.poll() is None for rank in ranks) and not any(r.returncode for r in ranks):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-                rank.wait()
-        stderr = ""
-        for log in logs:
-            log.seek(0)
-            stderr += log.read()
-    codes = [rank.returncode for rank in ranks]
-    failed = f"{' '.join(command)} on {world} ranks: exit codes {codes}"
-    assert codes == [0] * world, f"{failed}\n{stderr[-4000:]}"
-    return subprocess.CompletedProcess(command, 0, "", stderr)
+    completed = run_python([str(WORKER), *args], world, env, timeout=timeout)
+    assert completed.returncode == 0, (
+        f"{completed.args} on {world} ranks\n{completed.stderr[-4000:]}"
+    )
+    return completed
 
 
 @contextlib.contextmanager

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from transformers import (
 from tests.harness.hf_tiny import ENCODER_KINDS, save_tiny_encoder
 from tests.harness.process import REPO
 from tests.harness.workers.hf_encoder_worker import record, varied_batch
+from tests.harness.zygote import run_python
 from train.checkpoint.manager import CheckpointManager
 from train.config import ModelConfig, TrainConfig
 from train.export import main as export_main
@@ -246,13 +245,9 @@ def test_fsdp_and_pipeline_stages_load_and_train_as_one_process(encoders, tmp_pa
     reading its shards: the same weights bitwise, the same loss, and one step moves every
     trainable parameter alike and no frozen one."""
     directories = [encoders["whisper"], encoders["parakeet_ctc"]]
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
-        *(str(WORKER), "--out", str(tmp_path / "out.pt"), *map(str, directories)),
-    ]
+    command = [str(WORKER), "--out", str(tmp_path / "out.pt"), *map(str, directories)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = run_python(command, 2, env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     loaded_under = torch.load(tmp_path / "out.pt")
     for directory in directories:

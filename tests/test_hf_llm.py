@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from transformers import (
 from tests.harness.hf_tiny import FAMILIES, save_tiny
 from tests.harness.process import REPO
 from tests.harness.workers.hf_load_worker import record
+from tests.harness.zygote import run_python
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.inventory import inventory
@@ -144,13 +143,9 @@ def one_process_lora(every_family) -> dict[str, dict]:
 
 
 def _load_under(layout: list[str], world: int, directories: list[Path], out: Path) -> dict:
-    command = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"),
-        *(str(WORKER), *layout, "--out", str(out), *map(str, directories)),
-    ]
+    command = [str(WORKER), *layout, "--out", str(out), *map(str, directories)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_python(command, world, env, timeout=300)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
     return torch.load(out)
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.harness.process import REPO
 from tests.harness.workers.host_sync_worker import HostReads, mark_host
+from tests.harness.zygote import run_python
 
 WORKER = REPO / "tests" / "harness" / "workers" / "host_sync_worker.py"
 STEPS = 3
@@ -67,30 +66,9 @@ def test_the_recorder_sees_every_kind_of_read():
     ids=["fsdp2", "moe_ep2"],
 )
 def test_a_training_step_reads_nothing_back(corpus, tmp_path, preset, layout, reads_per_step):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={RANKS}",
-            str(WORKER),
-            "--corpus",
-            str(corpus),
-            "--preset",
-            preset,
-            *layout,
-            "--steps",
-            str(STEPS),
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    command = [str(WORKER), "--corpus", str(corpus), "--preset", preset, *layout]
+    command += ["--steps", str(STEPS), "--out", str(tmp_path)]
+    result = run_python(command, RANKS, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
     assert [got["reads"] for got in ranks] == [[]] * RANKS, [got["reads"] for got in ranks]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from transformers import WhisperFeatureExtractor
 from tests.harness.hf_tiny import save_tiny_encoder
 from tests.harness.process import REPO
 from tests.harness.training import metrics, run_ranks, train, train_overrides
+from tests.harness.zygote import run_python
 
 
 def make_data(root: Path, corpus: Path, librispeech: Path) -> Path:
@@ -45,13 +46,8 @@ def data(tmp_path, corpus, librispeech) -> Path:
 
 
 def evaluate(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "train.evaluate", f"run_dir={run_dir}", *overrides],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-    )
+    command = ["-m", "train.evaluate", f"run_dir={run_dir}", *overrides]
+    return run_python(command, 1, dict(os.environ))
 
 
 @dataclass(frozen=True)

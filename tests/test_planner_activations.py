@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from orchestrator.planner.activations import ActivationLayout, Microbatch, activation_bytes
 from tests.harness.planner_cases import CASES, measured, pipeline
 from tests.harness.process import REPO
+from tests.harness.zygote import run_python
 from train.parallel_dims import AC_MODES
 
 pytestmark = pytest.mark.slow
@@ -39,20 +38,8 @@ CASES_ONE_PROCESS = [
 
 
 def test_activation_formula_is_within_ten_percent_of_measured_peaks():
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench/bench_planner.py"),
-            "--json",
-            "--cases",
-            *CASES_ONE_PROCESS,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    command = [str(REPO / "bench/bench_planner.py"), "--json", "--cases", *CASES_ONE_PROCESS]
+    done = run_python(command, 1, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert [row["case"] for row in rows] == CASES_ONE_PROCESS

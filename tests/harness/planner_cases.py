@@ -11,13 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tests.harness.process import REPO
+from tests.harness.zygote import run_python
 from train.config import LoraConfig, ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.models.hf_names import PROJECTIONS
@@ -103,15 +102,8 @@ def launch(ranks: int) -> Launch:
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "cases.json", Path(tmp) / "rows.json"
         spec.write_text(json.dumps({name: asdict(case) for name, case in cases.items()}))
-        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        done = subprocess.run(
-            [sys.executable, *(torchrun if ranks > 1 else []), str(WORKER), str(out), str(spec)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        done = run_python([str(WORKER), str(out), str(spec)], ranks, env)
         if done.returncode:
             return Launch((), done.stderr[-3000:])
         return Launch(tuple(json.loads(out.read_text())), "")

@@ -64,15 +64,12 @@ def run_into_closed_pipe(
 def run_script(
     script: Path, *args: str, env: dict | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    """``python SCRIPT ARGS`` from the repository root, as a user runs the repo's scripts."""
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})},
-        cwd=REPO,
-        timeout=timeout,
-    )
+    """``python SCRIPT ARGS`` from the repository root, as a user runs the repo's scripts,
+    forked from the test process's zygote (tests/harness/zygote.py)."""
+    from tests.harness.zygote import run_python
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return run_python([str(script), *args], 1, env, timeout=timeout)
 
 
 def run_module(
