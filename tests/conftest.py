@@ -27,8 +27,7 @@ from tests.harness.cluster import (
 )
 from tests.harness.corpora import LIBRISPEECH_UTTERANCES, TINY_CORPUS
 from tests.harness.disk import tmpfs
-from tests.harness.process import REPO, checkout_paths, run_script
-from tests.harness.zygote import run_python
+from tests.harness.process import REPO, checkout_paths, run_python, run_script
 
 # Two shared cores: every torch process the tests start stays on one thread.
 os.environ["OMP_NUM_THREADS"] = "1"

@@ -40,9 +40,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from contract.run_dir import MARKER
 from tests.harness.disk import fill_disk, tmpfs
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_python
 from tests.harness.training import metrics, train, train_together
-from tests.harness.zygote import run_python
 from train.checkpoint import manager as checkpoint
 from train.checkpoint.manager import (
     CheckpointError,
@@ -68,7 +67,7 @@ TRAINER_STATE = {
 
 def _worker(*args: str, world: int, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``checkpoint_worker.py ARGS`` as ``world`` (> 1) ranks of one gloo group, forked from
-    the test process's zygote (tests/harness/zygote.py). A rank that fails stops the others and
+    the test process's zygote (tests/harness/process.py). A rank that fails stops the others and
     fails the test with every rank's stderr."""
     assert world > 1, "one plain process: _load_here"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -25,9 +25,8 @@ from transformers import (
 )
 
 from tests.harness.hf_tiny import ENCODER_KINDS, save_tiny_encoder
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_python
 from tests.harness.workers.hf_encoder_worker import record, varied_batch
-from tests.harness.zygote import run_python
 from train.checkpoint.manager import CheckpointManager
 from train.config import ModelConfig, TrainConfig
 from train.export import main as export_main

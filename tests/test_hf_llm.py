@@ -18,9 +18,8 @@ from transformers import (
 )
 
 from tests.harness.hf_tiny import FAMILIES, save_tiny
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_python
 from tests.harness.workers.hf_load_worker import record
-from tests.harness.zygote import run_python
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.inventory import inventory

@@ -13,9 +13,8 @@ import os
 import pytest
 import torch
 
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_python
 from tests.harness.workers.host_sync_worker import HostReads, mark_host
-from tests.harness.zygote import run_python
 
 WORKER = REPO / "tests" / "harness" / "workers" / "host_sync_worker.py"
 STEPS = 3

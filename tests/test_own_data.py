@@ -23,9 +23,8 @@ import pytest
 from transformers import WhisperFeatureExtractor
 
 from tests.harness.hf_tiny import save_tiny_encoder
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_python
 from tests.harness.training import metrics, run_ranks, train, train_overrides
-from tests.harness.zygote import run_python
 
 
 def make_data(root: Path, corpus: Path, librispeech: Path) -> Path:

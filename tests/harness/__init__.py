@@ -9,7 +9,8 @@ node) and bench/gpu_flows.py (the conversation mixture); a change here must keep
 Its modules, none importing a later one of this list:
 
 - ``graphs``, ``readme``: circles in a directed graph; the commands README shows
-- ``process``: the repository, its tools and modules run as a user runs them; a missing capability
+- ``process``: the repository, its tools and modules run as a user runs them (Python's ranks
+  forked from a zygote that imported the trainer once); a missing capability
 - ``wheel``: the project's wheel, built as a user's pip builds it
 - ``login_node``: an SSH login node on loopback where a second Unix user runs the toolkit
 - ``cluster``: the loopback SLURM cluster's handle, command line and queue
@@ -24,5 +25,5 @@ Its modules, none importing a later one of this list:
 - ``corpora``: the sizes of the corpora the session's fixtures make
 - ``hf_tiny``, ``synthetic``, ``planner_cases``: tiny Hugging Face models, a synthetic batch,
   the planner's measured layouts
-- ``workers/``: the scripts tests start as processes (plain, or ranks under torchrun)
+- ``workers/``: the scripts tests start as processes (plain, or ranks), and the rank zygote
 """

@@ -15,8 +15,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.harness.process import REPO
-from tests.harness.zygote import run_python
+from tests.harness.process import REPO, run_python
 from train.config import LoraConfig, ModelConfig, TrainConfig
 from train.layout import frozen_of, model_of
 from train.models.hf_names import PROJECTIONS

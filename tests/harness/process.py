@@ -1,11 +1,20 @@
-"""The repository, its command-line tools and Python modules run as a user runs them, and what
-a test does on a machine that lacks something it needs."""
+"""The repository, its command-line tools and Python modules run as a user runs them (Python's
+forked from a zygote that imported the trainer once), and what a test does on a machine that
+lacks something it needs."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -61,13 +70,123 @@ def run_into_closed_pipe(
         os.close(write)
 
 
+# Variables read when the interpreter, torch or transformers start, not when a rank runs.
+IMPORT_TIME_PREFIXES = (
+    "PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "CUDA", "HF_", "TRANSFORMERS", "LD_",
+)  # fmt: skip
+
+
+class Zygote:
+    """A process that has imported the trainer and forks the ranks of each command
+    (tests/harness/workers/rank_zygote.py), with the environment it was started with.
+
+    One serves each test process, started on its first command and stopped when the process
+    exits: the same ranks, rendezvous and exit codes as fresh processes, without ~7 CPU-seconds
+    of imports per rank and ~3 for torchrun. A command whose environment differs from the
+    zygote's in a variable read at import (``IMPORT_TIME_PREFIXES``) starts fresh instead."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.harness.workers.rank_zygote"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lock = threading.Lock()
+        self.unread = b""  # the zygote's answers read from its pipe, not yet taken
+        self.read(timeout=300)  # {"ready": true}: the imports done
+
+    def serves(self, env: dict[str, str]) -> bool:
+        changed = {key for key, _ in set(env.items()) ^ set(self.env.items())}
+        if env.get("PYTHONPATH") == str(REPO):  # the zygote's sys.path starts with the checkout
+            changed.discard("PYTHONPATH")
+        return not any(key.startswith(IMPORT_TIME_PREFIXES) for key in changed)
+
+    def read(self, timeout: float) -> dict:
+        """The zygote's next answer; read from the pipe's descriptor, as select sees it (a
+        buffered reader could hold the next answer where select cannot see it)."""
+        deadline = time.monotonic() + timeout
+        fd = self.process.stdout.fileno()  # type: ignore[union-attr]
+        while b"\n" not in self.unread:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the rank zygote exited ({self.process.wait()})")
+            self.unread += chunk
+        line, self.unread = self.unread.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(
+        self, argv: list[str], nproc: int, env: dict[str, str], cwd: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        with self.lock, tempfile.TemporaryDirectory(prefix="ranks-") as outputs:
+            out, err = Path(outputs, "stdout"), Path(outputs, "stderr")
+            request = {
+                "argv": argv, "nproc": nproc, "env": env, "cwd": str(cwd),
+                "stdout": str(out), "stderr": str(err),
+            }  # fmt: skip
+            self.process.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+            self.process.stdin.flush()  # type: ignore[union-attr]
+            deadline = time.monotonic() + timeout
+            pids = self.read(timeout)["pids"]
+            command = [sys.executable, *argv]
+            try:
+                done = self.read(max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                for pid in pids:
+                    kill_session(pid)
+                self.read(timeout=60)
+                raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
+            code = 0 if done["first"] is None else done["codes"][done["first"]]
+            return subprocess.CompletedProcess(command, code, read(out), read(err))
+
+    def stop(self) -> None:
+        self.process.stdin.close()  # type: ignore[union-attr]
+        self.process.wait(timeout=30)
+
+
+def kill_session(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+_zygote: Zygote | None = None
+
+
+def run_python(
+    argv: list[str], nproc: int, env: dict[str, str], cwd: Path = REPO, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGV`` (``-m MODULE ARGS`` or ``SCRIPT ARGS``) on ``nproc`` ranks (one: no
+    process group) with exactly ``env``, forked from this process's zygote where it can serve
+    ``env``, else as fresh processes (torchrun for several ranks)."""
+    global _zygote
+    if _zygote is None or _zygote.process.poll() is not None:
+        _zygote = Zygote({**os.environ, "OMP_NUM_THREADS": "1"})
+        atexit.register(_zygote.stop)
+    if _zygote.serves(env):
+        return _zygote.run(argv, nproc, env, cwd, timeout)
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run(
+        [*launcher, *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
+
+
 def run_script(
     script: Path, *args: str, env: dict | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     """``python SCRIPT ARGS`` from the repository root, as a user runs the repo's scripts,
-    forked from the test process's zygote (tests/harness/zygote.py)."""
-    from tests.harness.zygote import run_python
-
+    forked from the test process's zygote (``run_python``)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     return run_python([str(script), *args], 1, env, timeout=timeout)
 
@@ -76,10 +195,8 @@ def run_module(
     module: str, *args: str, nproc: int = 1, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGS`` from ``cwd`` (the repository root unless given) on ``nproc``
-    ranks, forked from the test process's zygote (tests/harness/zygote.py). The return code
-    is the code of the rank that failed first."""
-    from tests.harness.zygote import run_python
-
+    ranks, forked from the test process's zygote (``run_python``). The return code is the
+    code of the rank that failed first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return run_python(["-m", module, *args], nproc, env, cwd, timeout=300)
 

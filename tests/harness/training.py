@@ -15,7 +15,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.harness.zygote import run_python
+from tests.harness.process import run_python
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -92,7 +92,7 @@ def run_ranks(
     args: list[str], nproc: int, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """``python ARGS`` on ``nproc`` ranks, forked from the test process's zygote
-    (tests/harness/zygote.py): the return code is the code of the rank that failed first."""
+    (tests/harness/process.py): the return code is the code of the rank that failed first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     completed = run_python(args, nproc, env)
     if check:
