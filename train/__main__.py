@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 register()
 
-REFUSAL_GRACE_S = 30.0  # how long a refusing rank other than 0 leaves rank 0 to say why
-
 
 def record_job_end(
     cfg: TrainConfig,
@@ -89,7 +87,7 @@ def main(raw: DictConfig) -> None:
     # submission (`python -m train -m ...`) runs this module without calling main, torch-free.
     import torch.distributed as dist
 
-    from train.distributed import init_distributed
+    from train.distributed import REFUSAL_GRACE_S, init_distributed
     from train.trainer import Trainer, TrainingDiverged, preflight
 
     try:

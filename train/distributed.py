@@ -13,6 +13,10 @@ from torch.distributed.tensor import DTensor
 
 from train.watchdog import process_group_timeout
 
+# How long a rank other than 0 that refuses the config leaves rank 0 to say why before it exits:
+# a peer that exited first would have the launcher (torchrun) stop rank 0 before its line.
+REFUSAL_GRACE_S = 30.0
+
 
 def say(line: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:

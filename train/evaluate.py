@@ -55,7 +55,7 @@ from train.conversation import conversation_of
 from train.data import encoded, pad_segments
 from train.decode import Stages, greedy_decode, initialize_sharding
 from train.device_trap import trapped
-from train.distributed import init_distributed, say
+from train.distributed import REFUSAL_GRACE_S, init_distributed, say
 from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
 from train.features import BadCut, Extractor, Featurizer, extractor_of
 from train.layout import checked_dims, model_of
@@ -502,6 +502,8 @@ def main(raw: DictConfig) -> None:
     except (ConfigError, CheckpointError) as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
+        else:  # rank 0 says why; the launcher's SIGTERM, which rank 0's exit brings, ends this
+            time.sleep(REFUSAL_GRACE_S)
         sys.exit(EXIT_CONFIG)
     device = init_distributed()
     try:
