@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 # Graphs a region may need under this policy: (training, validation) x (batch 1, batch > 1).
 GRAPHS_PER_REGION = 4
@@ -80,6 +79,8 @@ def compile_region(
 
 def graph_counts() -> dict[str, int]:
     """Graphs each compiled region holds now (regions that have not run yet hold none)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # dynamo: ~1 s to import
+
     counts: dict[str, int] = {}
     for (region, _), code in _REGIONS.items():
         counts[region] = counts.get(region, 0) + len(_debug_get_cache_entry_list(code))

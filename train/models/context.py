@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from train.compat import all_gather_autograd
 
@@ -78,6 +77,8 @@ def prefix_causal_attention(
 def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of the last ``L`` positions over all ``S`` keys by SDPA's lower-right
     causal bias, which CUDA runs on its flash or memory-efficient kernel without a mask."""
+    from torch.nn.attention.bias import causal_lower_right  # imports dynamo: ~1 s
+
     bias = causal_lower_right(q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
 

@@ -23,17 +23,12 @@ targets and no real positions, so it changes no loss and no gradient, only costs
 from __future__ import annotations
 
 import copy
+import importlib
 from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from train.models.batch import Batch
 from train.models.context import shard_sequence
@@ -44,10 +39,12 @@ from train.models.shape import PAD_ID, audio_positions
 from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
 from train.step import host_seq_len, to_device
 
+# torch's schedule classes by the name ``parallel.pp_schedule`` gives; imported when a pipeline
+# is built (torch.distributed.pipelining imports dynamo: ~1 CPU-second of every rank's start-up).
 SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
 }
 SCHEDULES_CACHED = 8  # distinct batch shapes whose schedules are kept
 
@@ -194,11 +191,12 @@ class PipelineRunner:
         logits = torch.empty(
             (micro, seq_len // self.cp, cfg.vocab_size), dtype=self.hidden_dtype, device="meta"
         )
+        pipelining = importlib.import_module("torch.distributed.pipelining")
         stages = []
         for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
             last = stage_id == self.plan.num_stages - 1
             stages.append(
-                PipelineStage(
+                pipelining.PipelineStage(
                     part,
                     stage_id,
                     self.plan.num_stages,
@@ -208,7 +206,7 @@ class PipelineRunner:
                     group=self.group,
                 )
             )
-        schedule_class = SCHEDULE_CLASSES[self.plan.schedule]
+        schedule_class = getattr(pipelining, SCHEDULE_CLASSES[self.plan.schedule])
         schedule = schedule_class(
             stages if self.plan.schedule in MULTI_STAGE_SCHEDULES else stages[0],
             n_microbatches=self.plan.microbatches,
