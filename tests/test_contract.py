@@ -23,7 +23,7 @@ from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.recipe import parse_recipe
 from orchestrator.render import render_recipe
 from tests.harness.graphs import circles
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_python
 from train.metrics import scrub_secrets
 
 # Which top-level packages each package of the project may import (besides third parties).
@@ -327,3 +327,30 @@ def test_scripts_carry_the_contract_numbers() -> None:
     assert f"$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))" in script
     assert f"if [[ $orch_hook_status -eq {EXIT_CHAIN_ENDED} ]]; then exit 0; fi" in script
     assert f'echo "{EXITED_PREFIX} ${{orch_status}}"' in script
+
+
+RANK_SCRIPT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} argv {sys.argv[1:]}", flush=True)
+if sys.argv[1] == "fail" and rank == 1:
+    sys.exit(7)
+time.sleep(120)
+"""
+
+
+def test_the_zygote_ends_ranks_as_torchrun_does(tmp_path: Path) -> None:
+    """The tests' rank launcher (harness/process.run_python): a failed rank's code is the
+    command's and its peer is stopped at once; a command past its timeout is killed, and the
+    next command still runs (its answers are not read as the next one's)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ)
+    # Within torchrun's 30 s before the SIGKILL that follows an unheeded SIGTERM: SIGTERM did it.
+    failed = run_python([str(script), "fail"], 2, env, timeout=20)
+    assert failed.returncode == 7, failed.stderr
+    assert sorted(failed.stdout.splitlines()) == [f"rank {r} of 2 argv ['fail']" for r in (0, 1)]
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python([str(script), "sleep"], 2, env, timeout=3)
+    again = run_python([str(script), "fail"], 2, env, timeout=20)
+    assert again.returncode == 7, again.stderr

@@ -133,17 +133,27 @@ class Zygote:
             self.process.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
             self.process.stdin.flush()  # type: ignore[union-attr]
             deadline = time.monotonic() + timeout
-            pids = self.read(timeout)["pids"]
             command = [sys.executable, *argv]
+            pids: list[int] = []
             try:
+                pids = self.read(timeout)["pids"]
                 done = self.read(max(deadline - time.monotonic(), 0))
-            except TimeoutError:
-                for pid in pids:
-                    kill_session(pid)
-                self.read(timeout=60)
-                raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
+            except BaseException as error:  # a timeout, or the test stopped (pytest-timeout)
+                self.abandon(pids)
+                if isinstance(error, TimeoutError):
+                    output = read(out), read(err)
+                    raise subprocess.TimeoutExpired(command, timeout, *output) from None
+                raise
             code = 0 if done["first"] is None else done["codes"][done["first"]]
             return subprocess.CompletedProcess(command, code, read(out), read(err))
+
+    def abandon(self, pids: list[int]) -> None:
+        """Kill a command's ranks and the zygote itself, whose answers to that command would
+        otherwise be read as the next one's: the next command starts a new zygote."""
+        for pid in pids:
+            kill_session(pid)
+        self.process.kill()
+        self.process.wait()
 
     def stop(self) -> None:
         self.process.stdin.close()  # type: ignore[union-attr]
