@@ -2,8 +2,9 @@
 
 tests/test_planner_memory.py (state bytes) and tests/test_planner_activations.py (activations
 under TP, CP and PP) read the same runs: one launch of tests/harness/workers/planner_worker.py
-per world size (1, 2 and 4 ranks, torchrun and gloo for more than one), each training every case
-of that size in turn, made once per test session. No torch here: the test process stays torch-free.
+per world size (1, 2 and 4 gloo ranks, forked from the zygote: harness/process.run_python),
+each training every case of that size in turn, made once per test session. No torch here: the
+test process stays torch-free.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The trainer run as jobs run it (``python -m train``, ranks under torchrun) on the test corpus,
-or built in the test's own process, and what its runs leave: metrics rows and checkpointed
-weights."""
+"""The trainer run as jobs run it (``python -m train`` on gloo ranks, forked from the test
+process's zygote: harness/process.run_python) on the test corpus, or built in the test's own
+process, and what its runs leave: metrics rows and checkpointed weights."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def wait_until(condition, timeout: float, what: str):
 
 
 def training_rank(run_dir: Path) -> psutil.Process | None:
-    """A rank of the run (a child of torchrun), not torchrun itself."""
+    """A rank of a run queued on the cluster (a child of torchrun), not torchrun itself."""
     for process in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(process.info["cmdline"] or [])
         if f"run_dir={run_dir}" not in cmdline or "torchrun" in cmdline:
