@@ -180,8 +180,9 @@ def run_python(
     ``env``, else as fresh processes (torchrun for several ranks)."""
     global _zygote
     if _zygote is None or _zygote.process.poll() is not None:
+        if _zygote is None:
+            atexit.register(lambda: _zygote.stop())  # whichever zygote is current at exit
         _zygote = Zygote({**os.environ, "OMP_NUM_THREADS": "1"})
-        atexit.register(_zygote.stop)
     if _zygote.serves(env):
         return _zygote.run(argv, nproc, env, cwd, timeout)
     launcher = [sys.executable]

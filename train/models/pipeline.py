@@ -23,7 +23,6 @@ targets and no real positions, so it changes no loss and no gradient, only costs
 from __future__ import annotations
 
 import copy
-import importlib
 from collections import OrderedDict
 
 import torch
@@ -191,7 +190,8 @@ class PipelineRunner:
         logits = torch.empty(
             (micro, seq_len // self.cp, cfg.vocab_size), dtype=self.hidden_dtype, device="meta"
         )
-        pipelining = importlib.import_module("torch.distributed.pipelining")
+        from torch.distributed import pipelining  # here, not at import: it imports dynamo
+
         stages = []
         for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
             last = stage_id == self.plan.num_stages - 1

@@ -28,12 +28,13 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 from functools import partial
+
+from orchestrator.cluster.config import free_ports
 
 # What the commands run through the zygote import: loaded here once, before any fork.
 PRELOADED = (
@@ -49,12 +50,6 @@ PRELOADED = (
     "tests.harness.workers.trainer_runs_worker",
 )
 KILL_AFTER_TERM_S = 30  # torchrun's wait between a failed rank's peers' SIGTERM and SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_rank(request: dict, rank: int, port: int) -> None:
@@ -113,7 +108,7 @@ def exit_code(stop: SystemExit) -> int:
 
 
 def run(request: dict) -> None:
-    port = free_port()
+    port = free_ports(1)[0]
     pids = []
     sys.stdout.flush()
     sys.stderr.flush()
