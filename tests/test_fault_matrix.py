@@ -32,7 +32,7 @@ from contract.run_dir import MARKER, scan_checkpoints
 from tests.harness.chains import tiny_training_chain, wait_chain, wait_chain_quietly
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import run_tool
-from tests.harness.training import metrics, training_rank, wait_until
+from tests.harness.training import KILLED_RANK_ENDS_JOB_S, metrics, training_rank, wait_until
 from train.checkpoint.pauses_for_tests import PAUSE_ENV, PAUSED_SUFFIX
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -44,13 +44,6 @@ TORN_STEP, MAX_STEPS = 4, 6  # the tear test: the save torn, and where its chain
 # An armed pause: far past the loopback cluster's KillWait (2 s, orchestrator/cluster/config.py), so
 # after scancel's SIGTERM SLURM's SIGKILL comes first and the save cannot be finished.
 PAUSE_S = 60
-# The job of a SIGKILLed rank ends within this (docs/faults.md): 3-7 s measured on a busy 2-core
-# machine, held here under torchrun's 30-s SIGKILL of a rank that ignores its SIGTERM (a rank
-# stuck in a collective would take that long), with room for a machine loaded by other runs. On
-# a machine so loaded that the job's own start took longer, that start is the bound: ending a job
-# (an interpreter's shutdown, torchrun's exit, the end hook) slows with the load as starting one
-# does; the survivor's exit 6 (its collective failed, no kill) is checked besides.
-KILLED_RANK_ENDS_JOB_S = 20
 
 
 def launch(

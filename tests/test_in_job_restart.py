@@ -18,12 +18,14 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from orchestrator.in_job import MIN_RESTART_S, checkpoint_interval_s, refusal
 from tests.harness.chains import launch_json, tiny_training_chain, wait_chain_quietly
 from tests.harness.process import run_tool
 from tests.harness.training import (
+    KILLED_RANK_ENDS_JOB_S,
     metrics,
     metrics_or_empty,
     run_ranks,
@@ -80,28 +82,36 @@ def test_a_killed_rank_restarts_in_place_as_an_uninterrupted_run_from_its_checkp
     checkpoint and finishes, one job, one restart on record (manifest, status, metrics rows).
     Its losses equal, bit for bit, those of a run started from a copy of that checkpoint.
     Timed against the job's own first launch (submission to first step) on the same machine:
-    the restart, from the kill to its first step, pays a launch plus the old step's teardown."""
+    the killed rank's peers end, and the new ranks start, within the bound of a job's end after
+    such a kill."""
     run_dir = tmp_path / "run"
     overrides = (f"train.max_steps={MAX_STEPS}", f"checkpoint.interval={INTERVAL}")
     summary = tiny_training_chain(run_dir, corpus, 1, 0, *overrides, "checkpoint.keep=10")
     submitted, chain = time.time(), summary["chain_id"]
     wait_until(lambda: len(losses(metrics_or_empty(run_dir))) >= INTERVAL + 2, 300, "step 6")
     victim = wait_until(lambda: training_rank(run_dir), 30, "a rank of the job")
-    killed = time.monotonic()
+    peers = [rank for rank in victim.parent().children() if rank.pid != victim.pid]
+    first_launch_s = min(r["time"] for r in metrics(run_dir) if "loss" in r) - submitted
+    killed = time.time()
     os.kill(victim.pid, signal.SIGKILL)
+    psutil.wait_procs(peers, timeout=120)
+    peers_ended = time.time()
+    relaunched = wait_until(lambda: training_rank(run_dir), 120, "a rank of the new launch")
+    relaunch_s = relaunched.create_time() - peers_ended
     restarted = wait_until(
         lambda: next((r for r in metrics_or_empty(run_dir) if r.get("in_job_restart")), None),
         120,
         "the restarted training's first step",
     )
-    restart_s = time.monotonic() - killed
     final = wait_chain_quietly(run_dir, chain, timeout=240)
     assert [job["state"] for job in final["jobs"]] == ["COMPLETED"], final
     [job] = json.loads((run_dir / "manifest.json").read_text())["jobs"]
     assert (job["outcome"], job["in_job_restarts"]) == ("finished", 1), job
     log = job_log(run_dir)
     resumed = re.findall(r"resumed from \S+/step_(\d+) at step", log)
-    assert len(resumed) == 1 and f"{RESTARTED} (1 of 2)" in log, log[-3000:]
+    assert len(resumed) == 1 and f"(exit 6): a rank lost a peer: {RESTARTED} (1 of 2)" in log, log[
+        -3000:
+    ]
     saved = int(resumed[0])
     assert restarted["step"] == saved + 1
     rows = metrics(run_dir)
@@ -123,12 +133,18 @@ def test_a_killed_rank_restarts_in_place_as_an_uninterrupted_run_from_its_checkp
     run_ranks([*command, "wandb.enabled=false", *overrides], 2, env={"ORCH_JOB_INDEX": "0"})
     assert losses(metrics(again)) == after
 
-    # The baseline: the job's own first launch, from its submission to its first step.
-    first_launch_s = min(row["time"] for row in rows if "loss" in row) - submitted
-    print(f"restart in place {restart_s:.1f} s; first launch {first_launch_s:.1f} s")
-    # The restart pays a launch and the old step's teardown (2 s alone), on a machine whose load
-    # may change between the two: twice the launch and 10 s more, never torchrun's 30-s kill.
-    assert restart_s < 2 * first_launch_s + 10, (restart_s, first_launch_s)
+    # The restart's own seconds, against the job's first launch (submission to first step) as
+    # a machine's load changes them: the killed rank's peers end as a job's do after such a kill
+    # (never by torchrun's 30-s SIGKILL), and the end hook, srun and torchrun start the new ranks
+    # within the same bound (no stalled step creation, no wait). The new ranks' own start and
+    # resume is any launch's (docs/faults.md times it end to end).
+    teardown_s = peers_ended - killed
+    print(f"peers ended {teardown_s:.1f} s after the kill, new ranks {relaunch_s:.1f} s later,")
+    print(f"first restarted step {restarted['time'] - killed:.1f} s after the kill;")
+    print(f"the first launch took {first_launch_s:.1f} s")
+    bound = max(KILLED_RANK_ENDS_JOB_S, first_launch_s)
+    assert teardown_s < bound and relaunch_s < bound, (teardown_s, relaunch_s, log[-3000:])
+    assert "forcefully exiting via" not in log and "temporarily disabled" not in log
 
 
 # A command of its own that fails as a lost peer does (exit 6) on its first FAILS launches of

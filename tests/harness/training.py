@@ -25,6 +25,13 @@ if TYPE_CHECKING:
 # on a GPU (train/device_trap.py).
 TRAPPED_TRAINING = "debug.device_trap=true"
 TRAPPED_DECODING = "device_trap=true"
+# A SIGKILLed rank's peers, and its job, end within this (docs/faults.md): 3-7 s measured on a
+# busy 2-core machine, held here under torchrun's 30-s SIGKILL of a rank that ignores its SIGTERM
+# (a rank stuck in a collective would take that long), with room for a machine loaded by other
+# runs. On a machine so loaded that the job's own start took longer, that start is the bound:
+# ending a run (an interpreter's shutdown, torchrun's exit, the end hook) slows with the load as
+# starting one does. Callers check the survivors' exit 6 (a failed collective, no kill) besides.
+KILLED_RANK_ENDS_JOB_S = 20
 
 
 def train(
