@@ -120,10 +120,13 @@ def test_ddp_on_cuda_autocasts_to_bf16_and_fsdp_does_not():
 
 
 def test_the_model_computes_in_bf16_under_autocast():
-    """What ddp's autocast does on CUDA, on the CPU: matmuls in bf16, the loss in fp32."""
+    """What ddp's autocast does on CUDA, on the CPU: matmuls in bf16, the loss in fp32 (the
+    head's matmuls: tests/test_head_loss.py)."""
     model = build_model(get_preset("tiny"), CPU, 1)
     dtypes = []
-    model.llm.lm_head.register_forward_hook(lambda _m, _i, out: dtypes.append(out.dtype))
+    model.llm.layers["0"].attn.wq.register_forward_hook(
+        lambda _m, _i, out: dtypes.append(out.dtype)
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(synthetic_batch())
     assert dtypes == [torch.bfloat16]

@@ -55,16 +55,19 @@ def test_a_model_whose_state_fsdp_shards_over_the_node_gets_data_parallelism_onl
     assert "data parallelism alone fits" in result.best.reasoning
 
 
-def test_when_data_parallelism_alone_does_not_fit_tp_comes_inside_the_node():
+def test_when_data_parallelism_alone_does_not_fit_the_sequence_is_split_inside_the_node():
     """16,384-position sequences without checkpointing: no FSDP-only layout holds their
-    activations; TP with sequence parallelism divides them."""
+    activations; TP with sequence parallelism divides them, and so does CP, which wins (since
+    the loss holds no full logits, CP=2 fits)."""
     req = request("llama_8b", 8, seconds=0.0, tokens=16384, global_batch=8, ac_modes=("none",))
     result = plan(req)
     assert not any(e.layout.tp == e.layout.cp == 1 for e in result.feasible)
+    assert any(e.layout.tp > 1 and e.layout.cp == 1 for e in result.feasible)
     best = result.best.layout
-    assert best.tp > 1 and best.pp == 1
+    assert best.tp * best.cp > 1 and best.pp == 1
     assert "data parallelism alone does not fit" in result.best.reasoning
-    assert f"TP={best.tp} inside the node" in result.best.reasoning
+    split = f"TP={best.tp} inside the node" if best.tp > 1 else f"CP={best.cp} for 16384-position"
+    assert split in result.best.reasoning, result.best.reasoning
 
 
 def test_on_several_nodes_tp_stays_inside_a_node_and_the_fastest_wins():

@@ -28,7 +28,7 @@ from contract.seeds import chain_seeds
 from contract.spelling import closest
 from train.host_syncs import HOST_SYNC_MODES
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
-from train.parallel_dims import AC_MODES, STRATEGIES, Degrees
+from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, STRATEGIES, Degrees
 from train.sources import Source, read_sources
 from train.watchdog import STOPPABLE
 
@@ -218,6 +218,9 @@ class TrainConfig:
     # AOT autograd without code generation (to tell a numerics problem from a tracing one).
     compile_backend: str = "inductor"
     activation_checkpointing: str = "none"  # none | full | selective (keep matmul outputs)
+    # Positions whose fp32 logits the loss holds at once (train/models/head_loss.py): 1,024
+    # at vocabulary 128K is 0.5 GiB, and the same again for their gradient.
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
     mixed_precision: bool = True  # bf16 on CUDA: FSDP2 params / fp32 reduce, or ddp autocast
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -281,6 +284,8 @@ def validate(cfg: TrainConfig) -> None:
             f"activation_checkpointing={cfg.activation_checkpointing}: choose one of "
             f"{', '.join(AC_MODES)}"
         )
+    if cfg.loss_chunk < 1:
+        raise ValueError(f"loss_chunk={cfg.loss_chunk}: must be at least 1 (positions per chunk)")
     if not 0 <= cfg.seed < SEED_LIMIT:
         raise ValueError(f"seed={cfg.seed}: give an integer in [0, 2**31)")
     if cfg.train.max_steps < 1:

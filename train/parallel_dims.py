@@ -30,6 +30,8 @@ STRATEGIES = ("ddp", "fsdp2")
 SELECTIVE_OP = "selective_op"
 AC_MODES = ("none", "selective", SELECTIVE_OP, "full")
 BASE_SEQ_MULTIPLE = 8  # packed decoder sequences are a multiple of this at any layout
+# Positions whose fp32 logits the loss holds at once (train/models/head_loss.py, train.loss_chunk).
+DEFAULT_LOSS_CHUNK = 1024
 
 
 def sequence_multiple(tp: int = 1, cp: int = 1) -> int:

@@ -153,6 +153,7 @@ class Trainer:
             compile=cfg.compile,
             compile_backend=cfg.compile_backend,
             mixed_precision=cfg.mixed_precision,
+            loss_chunk=cfg.loss_chunk,
         )
         self.pp_group = self.meshes.pp.get_group() if self.plan is not None else None
         self.runner = self.build_runner()

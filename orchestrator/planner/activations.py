@@ -37,11 +37,16 @@ Counted from what the model's autograd graph saves (``train/models/salm.py``), p
   every checkpointing mode, projector strides 1 and 2) against ``MemTracker`` as the presets
   are: within 10% (docs/planner.md);
 - the head saves the final norm's tensors (its input and normalized value, split by TP, and
-  its output, gathered whole) and the log-probabilities (vocab, fp32: the loss casts).
+  its output, gathered whole) and one fp32 log-sum-exp per position: the loss computes the
+  logits a chunk of positions at a time and keeps none (``train/models/head_loss.py``). A
+  loss over the full logits (``loss_chunk=0``: torchtitan's, which the published measurements
+  ran) keeps the log-probabilities instead (vocab, fp32), and its backward adds the gradients
+  of the log-probabilities and of the logits, fp32, a pipeline's last stage its output logits.
 
-The peak is the largest of these moments: the loss's backward (everything saved, plus the
-gradients of the log-probabilities and of the logits, fp32; a pipeline's last stage also keeps
-its output logits for the schedule's backward); a block's backward (everything saved but the
+The peak is the largest of these moments: the loss's backward (everything saved, plus one
+chunk's logits recomputed, fp32, and their cast to the compute dtype, over this rank's
+vocabulary rows; the hidden states' gradient; the head's gradient summed in fp32 and one
+chunk's product); a block's backward (everything saved but the
 head's, plus the gradient arriving at the FFN and the FFN's two largest gradients, d + 2f);
 under checkpointing the same with one LLM block recomputed, and one encoder block recomputed;
 and the convolutions' backward (their saved tensors plus the gradients of conv2's output). A
@@ -70,7 +75,13 @@ from train.models.shape import (
     llm_head_dim,
     subsampled_lens,
 )
-from train.parallel_dims import BASE_SEQ_MULTIPLE, SELECTIVE_OP, Degrees, sequence_multiple
+from train.parallel_dims import (
+    BASE_SEQ_MULTIPLE,
+    DEFAULT_LOSS_CHUNK,
+    SELECTIVE_OP,
+    Degrees,
+    sequence_multiple,
+)
 
 FP32 = 4
 
@@ -99,6 +110,7 @@ class ActivationLayout(Degrees):
     microbatches: int = 1  # per optimizer step and data-parallel rank (pipeline or accumulation)
     ac: str = "none"
     element_bytes: int = FP32  # 2 for bf16 compute on a GPU
+    loss_chunk: int = DEFAULT_LOSS_CHUNK  # train.loss_chunk; 0: a loss over the full logits
 
 
 def block_bytes(
@@ -279,10 +291,16 @@ def activation_terms(
     llm_block_full = b * (local * per_position_full + 2 * whole_kv)
     ffn = cfg.top_k * cfg.moe_hidden if cfg.n_experts else cfg.ffn_hidden
     head = loss_backward = 0.0
-    if has_head:
+    if has_head and not layout.loss_chunk:  # the full logits, their fp32 cast kept
         head = b * local * ((2 * d / tp + d) * e + vocab * FP32)
         kept = b * local * vocab * e if layout.pp > 1 else 0.0  # the stage's output
         loss_backward = kept + 2 * b * local * vocab * FP32
+    elif has_head:
+        gathered = b * local  # the positions whose hidden states the loss takes whole
+        head = gathered * ((2 * d / tp + d) * e + FP32)
+        rows = math.ceil(vocab / tp)
+        chunk = min(layout.loss_chunk, gathered) * rows * (FP32 + (e if e != FP32 else 0))
+        loss_backward = chunk + gathered * d * e + rows * d * (FP32 + e)
     checkpointed = ac != "none"
     return ActivationTerms(
         encoder=encoder,

@@ -27,7 +27,7 @@ from train.models.hf_config import decoder_fields
 from train.models.inventory import inventory
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, freeze_rules, with_lora
 from train.models.presets import PRESETS, get_preset
-from train.parallel_dims import AC_MODES, DEGREES
+from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, DEGREES
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
 SHAPE_FLAGS = {
@@ -120,6 +120,14 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         help="price eager execution (compile=false; default: compiled)",
     )
     choices.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=DEFAULT_LOSS_CHUNK,
+        metavar="N",
+        help=f"positions whose logits the loss holds at once (train.loss_chunk, default "
+        f"{DEFAULT_LOSS_CHUNK}); 0 prices a loss over the full logits, as torchtitan's",
+    )
+    choices.add_argument(
         "--llm-only",
         action="store_true",
         help="the LLM alone, without the audio encoder and projector (text-only training, as "
@@ -149,6 +157,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 def request_from(args: argparse.Namespace) -> PlanRequest:
     if args.gpus is None:
         raise UsageError("orchestrator plan: --gpus is required")
+    if args.loss_chunk < 0:
+        raise UsageError(f"--loss-chunk {args.loss_chunk}: give positions per chunk, or 0")
     try:
         shape = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()}
         model = get_preset(args.model)
@@ -189,6 +199,7 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         frozen=frozenset(frozen),
         compiled=not args.eager,
         llm_only=args.llm_only,
+        loss_chunk=args.loss_chunk,
     )
 
 

@@ -127,6 +127,7 @@ def request_and_layout(
         strategy=cfg.strategy,
         frozen=frozenset(frozen_of(cfg)),
         compiled=cfg.compile,
+        loss_chunk=cfg.loss_chunk,
     )
     return request, layout
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.planner.cluster import Cluster
 from train.models.shape import SALMConfig
-from train.parallel_dims import AC_MODES, Degrees, ParallelDims
+from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, Degrees, ParallelDims
 
 FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 
@@ -26,6 +26,9 @@ class PlanRequest:
     strategy: str = "fsdp2"  # or ddp (whole replicas)
     frozen: frozenset[str] = frozenset()  # parameter names model.freeze leaves frozen
     compiled: bool = True  # torch.compile per block (the GPU recipes' default); False: eager
+    # The loss's chunk of positions (train.loss_chunk); 0: a loss over the full logits, as
+    # torchtitan (the published measurements) and our trainer before 2026-11-29 held them.
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
     llm_only: bool = False  # the LLM alone: no encoder or projector (text-only training)
 
     @property

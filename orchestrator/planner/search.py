@@ -202,6 +202,7 @@ def estimate(
         microbatches=layout.microbatches,
         ac=layout.ac,
         element_bytes=request.element_bytes,
+        loss_chunk=request.loss_chunk,
     )
     # A rank's terms depend on its part and on what activation_terms reads of the layout; layouts
     # that differ only in dp, ep or the pipeline's schedule share them.
@@ -260,9 +261,10 @@ def full_state_fits(request: PlanRequest, params: int, trainable: int) -> tuple[
     parameters: their weights only)."""
     one = Microbatch(1, request.frames, request.tokens)
     ac = request.ac_modes[-1]
-    act = activation_bytes(
-        request.model, one, ActivationLayout(ac=ac, element_bytes=request.element_bytes)
-    ).peak
+    act_layout = ActivationLayout(
+        ac=ac, element_bytes=request.element_bytes, loss_chunk=request.loss_chunk
+    )
+    act = activation_bytes(request.model, one, act_layout).peak
     needed = WEIGHT_BYTES * params + (FULL_STATE_BYTES - WEIGHT_BYTES) * trainable + act
     needed += framework_bytes(request) + FRAGMENTATION * needed
     return needed <= request.cluster.memory_bytes, needed

@@ -115,11 +115,13 @@ def gpu_work(request: PlanRequest, layout: Layout) -> dict[str, float]:
     # Recomputed matmul work, as a share of forward + backward: full redoes the forward (1/3),
     # torchtitan's per-op policy every second matmul of it (1/6).
     recompute_fwd = {"full": 1.0 / 3, SELECTIVE_OP: 1.0 / 6}.get(layout.ac, 0.0)
-    # LLM blocks and head.
+    # LLM blocks and head; the loss computes the head's logits again in its backward
+    # (train/models/head_loss.py): one more forward matmul of the head, whatever the AC mode.
     llm_flops = 6.0 * _llm_weights(cfg) * sequences * local / split
-    work = {
-        "matmul": llm_flops * (1 + recompute_fwd) / (peak * matmul_share(cfg.d_model / layout.tp))
-    }
+    head_recompute = 2.0 * cfg.d_model * cfg.vocab_size * sequences * local / split
+    head_recompute *= 1 if request.loss_chunk else 0
+    matmul_flops = llm_flops * (1 + recompute_fwd) + head_recompute
+    work = {"matmul": matmul_flops / (peak * matmul_share(cfg.d_model / layout.tp))}
     heads_width = cfg.n_heads * llm_head_dim(cfg) / layout.tp
     causal = 2.0 * positions * positions / 2 * heads_width / layout.cp  # forward, per sequence
     passes = ATTENTION_BACKWARD + 1 + (1 if full else 0)

@@ -6,9 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from train.models.packing import IGNORE_INDEX
 from train.models.shape import SALMConfig
 
 
@@ -50,10 +48,3 @@ def loss_for_backward(
     targets plus the balance loss over all sequences, whatever the counts per rank or per
     microbatch."""
     return (out.nll_sum / global_targets + out.aux_sum / global_sequences) * gradient_ranks
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the labelled positions, in fp32."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )

@@ -55,7 +55,7 @@ from train.models.compiled import compile_region
 from train.models.lora import ADAPTER, LORA_A, LORA_B
 from train.models.moe import MoE
 from train.models.salm import BLOCK_DIMS, SALM, Block
-from train.parallel_dims import AC_MODES, SELECTIVE_OP
+from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, SELECTIVE_OP
 
 if TYPE_CHECKING:
     from train.models.pipeline import PipelinePart
@@ -99,6 +99,7 @@ class ParallelizeOptions:
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend (see TrainConfig)
     mixed_precision: bool = True  # bf16 compute on CUDA: FSDP2 params, or autocast under ddp
+    loss_chunk: int = DEFAULT_LOSS_CHUNK  # positions whose logits the loss holds at once
 
 
 def block_lists(model: SALM | PipelinePart) -> list[nn.ModuleList | nn.ModuleDict]:
@@ -124,6 +125,7 @@ def parallelize(
 ) -> SALM | PipelinePart:
     """Parallelize ``model`` in place (on the meta device, or initialized identically)."""
     dims = meshes.dims
+    model.loss_chunk = options.loss_chunk
     if dims.cp_enabled:
         apply_cp(model, meshes)
     if dims.tp_enabled:

@@ -31,7 +31,7 @@ from torch import nn
 
 from train.models.batch import Batch
 from train.models.context import shard_sequence
-from train.models.loss import aux_weight, next_token_loss
+from train.models.loss import aux_weight
 from train.models.packing import batch_layout, segments
 from train.models.salm import SALM, embed_inputs
 from train.models.shape import PAD_ID, audio_positions
@@ -73,13 +73,16 @@ class PipelinePart(nn.Module):
 
     ``model`` must be a fresh copy (the part prunes its decoder in place). The first stage
     takes the batch (features, feature lengths, tokens, token lengths[, prompt]) and builds the
-    decoder's input; the others take the previous stage's hidden state. The last returns the logits.
+    decoder's input; the others take the previous stage's hidden state. Every stage returns its
+    blocks' output: the last one's goes to the runner's loss, which applies the final norm and
+    the head a chunk of positions at a time (train/models/head_loss.py).
     """
 
     def __init__(self, model: SALM, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.cfg = model.cfg
         self.seq_multiple = model.seq_multiple
+        self.loss_chunk = model.loss_chunk
         self.encoder = model.encoder if first else None
         self.projector = model.projector if first else None
         llm = model.llm
@@ -104,7 +107,7 @@ class PipelinePart(nn.Module):
             (x,) = self.llm.enter(x)
         else:
             (x,) = inputs
-        out, aux = self.llm(x, token_mask)
+        out, aux = self.llm(x, token_mask, head=False)
         if not self.cfg.n_experts:
             return out
         aux = aux_weight(self.cfg) * aux
@@ -165,8 +168,13 @@ class PipelineRunner:
         self.loss_scale = torch.zeros((), device=device)
         self.nll_total = torch.zeros((), device=device)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        nll = next_token_loss(logits, labels)
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one microbatch: the last stage's blocks' output through its
+        norm and head. Their parameters stay gathered from the stage's forward to its backward
+        (FSDP keeps a pipeline stage's parameters gathered), and their gradients reach FSDP
+        before the stage's own backward does."""
+        last = self.parts[self.stage_ids.index(self.plan.num_stages - 1)]
+        nll = last.llm.head_loss(hidden, labels, last.loss_chunk)
         self.nll_total = self.nll_total + nll.detach()
         return nll * self.loss_scale
 
@@ -187,14 +195,10 @@ class PipelineRunner:
         first_inputs = tuple(
             torch.empty((micro, *t.shape[1:]), dtype=t.dtype, device="meta") for t in batch
         )
-        logits = torch.empty(
-            (micro, seq_len // self.cp, cfg.vocab_size), dtype=self.hidden_dtype, device="meta"
-        )
         from torch.distributed import pipelining  # here, not at import: it imports dynamo
 
         stages = []
         for stage_id, part in zip(self.stage_ids, self.parts, strict=True):
-            last = stage_id == self.plan.num_stages - 1
             stages.append(
                 pipelining.PipelineStage(
                     part,
@@ -202,7 +206,7 @@ class PipelineRunner:
                     self.plan.num_stages,
                     self.device,
                     input_args=first_inputs if stage_id == 0 else hidden,
-                    output_args=logits if last else hidden,
+                    output_args=hidden,
                     group=self.group,
                 )
             )

@@ -30,10 +30,11 @@ from train.models.context import (
     shard_sequence,
 )
 from train.models.encoder_cache import EncoderCache, EncoderKeys
+from train.models.head_loss import head_loss
 from train.models.hf_encoder import pretrained_encoder
 from train.models.layers import apply_rope, length_mask, rope_tables
 from train.models.lora import add_adapters
-from train.models.loss import SALMOutput, aux_weight, next_token_loss
+from train.models.loss import SALMOutput, aux_weight
 from train.models.moe import MoE
 from train.models.packing import (
     IGNORE_INDEX,
@@ -52,7 +53,7 @@ from train.models.shape import (
     stacked,
     subsampled_lens,
 )
-from train.parallel_dims import BASE_SEQ_MULTIPLE
+from train.parallel_dims import BASE_SEQ_MULTIPLE, DEFAULT_LOSS_CHUNK
 
 if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
@@ -287,13 +288,14 @@ class Decoder(nn.Module):
         return tuple(shard_sequence(t, self.cp_mesh) for t in (x, *per_position))
 
     def forward(
-        self, x, token_mask, positions: torch.Tensor | None = None
+        self, x, token_mask, positions: torch.Tensor | None = None, head: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` (B, S, d) (under CP this rank's chunks, under TP its sequence shard of those),
         ``token_mask`` (B, S) for the same positions as ``x`` before TP; ``positions`` (S,)
         the RoPE positions when they are not ``0 .. S - 1`` (decoding).
 
-        Returns the logits (the hidden states if this part has no head) and the MoE balance
+        Returns the logits (the blocks' output if this part has no head, or without ``head``:
+        the training loss applies the norm and head itself, ``head_loss``) and the MoE balance
         losses of its blocks, summed over blocks and sequences.
         """
         if positions is None:
@@ -306,9 +308,14 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             x, layer_aux = layer(x, cos, sin, None, token_mask)
             aux = aux + layer_aux
-        if self.lm_head is None:
+        if self.lm_head is None or not head:
             return x, aux
         return self.lm_head(self.norm(x)), aux
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The summed next-token loss of the blocks' output ``x`` at the positions ``labels``
+        marks, ``chunk`` positions' logits at a time (train/models/head_loss.py)."""
+        return head_loss(self.norm(x), self.lm_head.weight, labels, chunk)
 
     def rope(self, local_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables at the global positions of this rank's ``local_len`` positions."""
@@ -398,6 +405,7 @@ class SALM(nn.Module):
         self.projector: Projector | None = Projector(cfg.enc_dim, cfg.d_model, cfg.projector_stride)
         self.llm = Decoder(cfg)
         self.seq_multiple = BASE_SEQ_MULTIPLE  # parallelize sets the layout's (tp, cp)
+        self.loss_chunk = DEFAULT_LOSS_CHUNK  # and train.loss_chunk
         # A frozen encoder's kept outputs (train.encoder_cache_mb): the trainer sets it.
         self.encoder_cache: EncoderCache | None = None
 
@@ -419,9 +427,9 @@ class SALM(nn.Module):
             encoder = partial(self.encoder_cache.encode, encoder_keys)
         x, layout = embed_inputs(encoder, self.projector, self.llm.embed, batch, seq_len)
         x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
-        logits, aux = self.llm(x, token_mask)
+        x, aux = self.llm(x, token_mask, head=False)
         return SALMOutput(
-            next_token_loss(logits, labels),
+            self.llm.head_loss(x, labels, self.loss_chunk),
             (labels != IGNORE_INDEX).sum(),
             aux_weight(self.cfg) * aux,
         )
