@@ -123,6 +123,13 @@ def sequence_flops(cfg: SALMConfig, frames, tokens):
     return 6 * (encoder + projector + llm_matmul + llm_attn)
 
 
+def loss_recompute_flops(cfg: SALMConfig, positions):
+    """The FLOPs the loss adds beyond the model's: the head's logits computed again in its
+    backward, at every decoder position (train/models/head_loss.py). Not model FLOPs: MFU
+    leaves them out, as it leaves out activation checkpointing's recompute."""
+    return 2 * cfg.d_model * cfg.vocab_size * positions
+
+
 def step_flops(cfg: SALMConfig, feature_lens: torch.Tensor, token_lens: torch.Tensor) -> float:
     """Training FLOPs (forward + backward) of one batch, from its CPU length tensors."""
     return float(sequence_flops(cfg, feature_lens.double(), token_lens.double()).sum())

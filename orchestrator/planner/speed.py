@@ -33,7 +33,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from orchestrator.planner.activations import Microbatch
-from train.flops import ENCODER_MACS, llm_weights_per_position
+from train.flops import ENCODER_MACS, llm_weights_per_position, loss_recompute_flops
 from train.models.shape import SALMConfig, audio_positions, encoder_frames, llm_head_dim
 from train.parallel_dims import SELECTIVE_OP, sequence_multiple
 
@@ -118,7 +118,7 @@ def gpu_work(request: PlanRequest, layout: Layout) -> dict[str, float]:
     # LLM blocks and head; the loss computes the head's logits again in its backward
     # (train/models/head_loss.py): one more forward matmul of the head, whatever the AC mode.
     llm_flops = 6.0 * _llm_weights(cfg) * sequences * local / split
-    head_recompute = 2.0 * cfg.d_model * cfg.vocab_size * sequences * local / split
+    head_recompute = loss_recompute_flops(cfg, sequences * local) / split
     head_recompute *= 1 if request.loss_chunk else 0
     matmul_flops = llm_flops * (1 + recompute_fwd) + head_recompute
     work = {"matmul": matmul_flops / (peak * matmul_share(cfg.d_model / layout.tp))}

@@ -54,7 +54,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (hidden[rows] @ weight.t()).float()
             grad = logits.sub_(lse[rows, None]).exp_()  # softmax over the whole vocabulary
             local, owned = _owned(labels[rows], ctx.vocab_start, weight.shape[0])
-            grad.scatter_add_(1, local[:, None], -owned[:, None].to(grad.dtype))
+            # Minus one at each owned target, through the flat view: scatter_add_ on a
+            # one-dimensional CUDA tensor has a deterministic kernel (debug.deterministic).
+            at = torch.arange(local.shape[0], device=local.device) * weight.shape[0] + local
+            grad.view(-1).scatter_add_(0, at, -owned.to(grad.dtype))
             grad *= ((labels[rows] != IGNORE_INDEX) * grad_total)[:, None]
             grad = grad.to(weight.dtype)
             grad_hidden[rows] = grad @ weight
