@@ -378,21 +378,8 @@ def build_dataloader(
         )
         sampler = _sampler(cuts, bins, max_duration, buffer_size, seed=seed, rank=0, world_size=1)
         return DataLoader(SharStream(dataset, sampler, position), **common)
-    if isinstance(data, list):
-        cuts = mixed_stream(data, mixture_seed(job_seed, epoch))
-        durations = mixed_stream(data, mixture_seed(job_seed, epoch), durations_only=True)
-        bins = duration_bins(durations.subset(first=BIN_SAMPLE), buckets)
-    else:
-        cuts = load_cuts(Path(data))
-        bins = duration_bins(cuts, buckets)
-    sampler = _sampler(
-        cuts,
-        bins,
-        max_duration,
-        buffer_size,
-        seed=sampler_seed(job_seed, epoch),
-        rank=dp_rank,
-        world_size=dp_size,
+    sampler = rank_sampler(
+        data, max_duration, job_seed, dp_rank, dp_size, buckets, buffer_size, epoch
     )
     taken = 0 if position is None else position.streams[0]
     if taken:
@@ -416,6 +403,36 @@ class MixtureEpoch:
 
     def __iter__(self) -> Iterator[LoadedBatch]:
         return itertools.islice(self.loader, max(self.batches, 0))
+
+
+def rank_sampler(
+    data: str | Path | list[SourceCheck],
+    max_duration: float,
+    job_seed: int,
+    dp_rank: int,
+    dp_size: int,
+    buckets: int,
+    buffer_size: int = BUFFER_SIZE,
+    epoch: int = 0,
+) -> DynamicBucketingSampler:
+    """The sampler of ``dp_rank``'s batches of a manifest or of checked sources in ``epoch``,
+    as ``build_dataloader`` reads them: its batches are CutSets, nothing loaded."""
+    if isinstance(data, list):
+        cuts = mixed_stream(data, mixture_seed(job_seed, epoch))
+        durations = mixed_stream(data, mixture_seed(job_seed, epoch), durations_only=True)
+        bins = duration_bins(durations.subset(first=BIN_SAMPLE), buckets)
+    else:
+        cuts = load_cuts(Path(data))
+        bins = duration_bins(cuts, buckets)
+    return _sampler(
+        cuts,
+        bins,
+        max_duration,
+        buffer_size,
+        seed=sampler_seed(job_seed, epoch),
+        rank=dp_rank,
+        world_size=dp_size,
+    )
 
 
 def _sampler(

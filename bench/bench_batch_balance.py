@@ -1,0 +1,131 @@
+"""How evenly the sampler deals work to data-parallel ranks, and how much of the encoder's input
+is padding, from real batches on the CPU.
+
+    python bench/bench_batch_balance.py --data data/corpus_asr/cuts_train.jsonl.gz
+    python bench/bench_batch_balance.py --data data/mix/input_cfg.yaml --ranks 8 64 --steps 40
+
+Each rank's sampler is built as the trainer builds it (``train.data.rank_sampler``: the same
+seeds, buckets and batch budget), and its first ``--steps`` batches are read as cut lists,
+nothing loaded: an example's audio segments (a speech cut's audio, a conversation's audio
+turns) as lhotse's fbank frames of their durations (10 ms hop), its tokens as the byte
+tokenizer renders it (the presets' codec). Per step:
+
+- **busiest / mean**: the training FLOPs (forward + backward) of each rank's batch by
+  ``train.flops.sequence_flops`` (encoder with its attention, projector, decoder with its
+  attention) at ``--preset``'s shape; the step waits for the busiest rank, so
+  ``busiest / mean - 1`` is the share of the step the others idle;
+- **encoder padding**: the frames the encoder runs on as the batch pads them
+  (``train.data.pad_segments``: examples x most segments x longest segment) that hold no audio.
+
+Printed per data set and rank count: the mean and worst busiest/mean over the steps, and the
+padding share over all batches of all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from lhotse.utils import compute_num_frames
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from train.conversation_cuts import turn_recordings  # noqa: E402
+from train.data import encoded, rank_sampler  # noqa: E402
+from train.features import FBANK_HOP_S, AudioLimits  # noqa: E402
+from train.flops import sequence_flops  # noqa: E402
+from train.models.presets import get_preset  # noqa: E402
+from train.models.shape import SALMConfig  # noqa: E402
+from train.source_cuts import check_sources  # noqa: E402
+from train.sources import read_sources  # noqa: E402
+from train.text import ByteTokenizer  # noqa: E402
+
+SAMPLING_RATE = 16000
+
+
+def segment_frames(cut) -> list[int]:
+    """The fbank frames of each of the cut's audio segments."""
+    recordings = turn_recordings(cut)
+    durations = [cut.duration] if recordings is None else [r.duration for r in recordings]
+    return [compute_num_frames(d, FBANK_HOP_S, SAMPLING_RATE) for d in durations]
+
+
+def batch_work(cfg: SALMConfig, cuts, text) -> tuple[float, int, int]:
+    """One batch's training FLOPs, and its encoder's real and padded input frames."""
+    segments = [segment_frames(cut) for cut in cuts]
+    tokens = torch.tensor([len(encoded(text, cut).tokens) for cut in cuts], dtype=torch.float64)
+    most = max(1, *(len(found) for found in segments))
+    frames = torch.zeros((len(segments), most), dtype=torch.float64)
+    for row, found in enumerate(segments):
+        frames[row, : len(found)] = torch.tensor(found, dtype=torch.float64)
+    flops = float(sequence_flops(cfg, frames, tokens).sum())
+    return flops, int(frames.sum()), int(frames.shape[0] * most * frames.max())
+
+
+def measure(data, cfg: SALMConfig, ranks: int, steps: int, args) -> dict[str, float]:
+    text = ByteTokenizer()
+    samplers = [
+        iter(rank_sampler(data, args.max_duration, args.seed, rank, ranks, args.buckets))
+        for rank in range(ranks)
+    ]
+    ratios, real, padded = [], 0, 0
+    for _ in range(steps):
+        try:
+            batches = [next(sampler) for sampler in samplers]
+        except StopIteration:  # a small data set's epoch dealt out
+            break
+        work = [batch_work(cfg, cuts, text) for cuts in batches]
+        flops = [w[0] for w in work]
+        ratios.append(max(flops) / statistics.fmean(flops))
+        real += sum(w[1] for w in work)
+        padded += sum(w[2] for w in work)
+    return {
+        "steps": len(ratios),
+        "mean": statistics.fmean(ratios),
+        "worst": max(ratios),
+        "padding": 1 - real / padded if padded else 0.0,
+    }
+
+
+def source_of(path: Path, max_duration: float):
+    """A manifest as it is, or an input_cfg's sources checked as the trainer checks them."""
+    if path.name.endswith((".jsonl.gz", ".jsonl")):
+        return path
+    sources = read_sources(path, "data.input_cfg")
+    return check_sources(sources, max_duration, AudioLimits(SAMPLING_RATE), lambda _line: None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--data", type=Path, nargs="+", required=True, help="manifests or input_cfgs"
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--preset", default="llm_1b")
+    parser.add_argument("--max-duration", type=float, default=60.0, help="data.max_duration")
+    parser.add_argument("--buckets", type=int, default=4, help="data.buckets")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    cfg = get_preset(args.preset)
+    print(f"{args.preset}, data.max_duration={args.max_duration}, data.buckets={args.buckets}, ")
+    print(f"up to {args.steps} steps from the first\n")
+    print("| data | ranks | steps | busiest / mean (mean) | worst step | encoder padding |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for path in args.data:
+        data = source_of(path, args.max_duration)
+        for ranks in args.ranks:
+            got = measure(data, cfg, ranks, args.steps, args)
+            print(
+                f"| {path} | {ranks} | {got['steps']} | {got['mean']:.3f} | {got['worst']:.3f} "
+                f"| {got['padding']:.1%} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
