@@ -109,9 +109,8 @@ def test_a_killed_rank_restarts_in_place_as_an_uninterrupted_run_from_its_checkp
     assert (job["outcome"], job["in_job_restarts"]) == ("finished", 1), job
     log = job_log(run_dir)
     resumed = re.findall(r"resumed from \S+/step_(\d+) at step", log)
-    assert len(resumed) == 1 and f"(exit 6): a rank lost a peer: {RESTARTED} (1 of 2)" in log, log[
-        -3000:
-    ]
+    restart_line = f"(exit 6): a rank lost a peer: {RESTARTED} (1 of 2)"
+    assert len(resumed) == 1 and restart_line in log, log[-3000:]
     saved = int(resumed[0])
     assert restarted["step"] == saved + 1
     rows = metrics(run_dir)

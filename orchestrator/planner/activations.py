@@ -299,8 +299,8 @@ def activation_terms(
         gathered = b * local  # the positions whose hidden states the loss takes whole
         head = gathered * ((2 * d / tp + d) * e + FP32)
         rows = math.ceil(vocab / tp)
-        chunk = min(layout.loss_chunk, gathered) * rows * (FP32 + (e if e != FP32 else 0))
-        loss_backward = chunk + gathered * d * e + rows * d * (FP32 + e)
+        chunk_bytes = min(layout.loss_chunk, gathered) * rows * (FP32 + (e if e != FP32 else 0))
+        loss_backward = chunk_bytes + gathered * d * e + rows * d * (FP32 + e)
     checkpointed = ac != "none"
     return ActivationTerms(
         encoder=encoder,

@@ -118,8 +118,8 @@ def gpu_work(request: PlanRequest, layout: Layout) -> dict[str, float]:
     # LLM blocks and head; the loss computes the head's logits again in its backward
     # (train/models/head_loss.py): one more forward matmul of the head, whatever the AC mode.
     llm_flops = 6.0 * _llm_weights(cfg) * sequences * local / split
-    head_recompute = loss_recompute_flops(cfg, sequences * local) / split
-    head_recompute *= 1 if request.loss_chunk else 0
+    chunked = request.loss_chunk > 0
+    head_recompute = loss_recompute_flops(cfg, sequences * local) / split if chunked else 0.0
     matmul_flops = llm_flops * (1 + recompute_fwd) + head_recompute
     work = {"matmul": matmul_flops / (peak * matmul_share(cfg.d_model / layout.tp))}
     heads_width = cfg.n_heads * llm_head_dim(cfg) / layout.tp

@@ -162,6 +162,8 @@ class PipelineRunner:
         self.stage_ids = plan.local_stages(self.pp_rank)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
+        # The last stage's part, whose norm and head the schedule's loss applies.
+        self.head_part = parts[self.stage_ids.index(plan.num_stages - 1)] if self.has_last else None
         self.cp_mesh = parts[0].llm.cp_mesh
         self.cp = 1 if self.cp_mesh is None else self.cp_mesh.size()
         self.schedules: OrderedDict[tuple, object] = OrderedDict()
@@ -173,8 +175,7 @@ class PipelineRunner:
         norm and head. Their parameters stay gathered from the stage's forward to its backward
         (FSDP keeps a pipeline stage's parameters gathered), and their gradients reach FSDP
         before the stage's own backward does."""
-        last = self.parts[self.stage_ids.index(self.plan.num_stages - 1)]
-        nll = last.llm.head_loss(hidden, labels, last.loss_chunk)
+        nll = self.head_part.llm.head_loss(hidden, labels, self.head_part.loss_chunk)
         self.nll_total = self.nll_total + nll.detach()
         return nll * self.loss_scale
 
