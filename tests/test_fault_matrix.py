@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from contract.run_dir import MARKER, scan_checkpoints
+from orchestrator.cluster.config import KILL_WAIT_S
 from tests.harness.chains import tiny_training_chain, wait_chain, wait_chain_quietly
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import run_tool
@@ -41,9 +42,9 @@ RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 PAUSED_AT = re.compile(r"checkpoint write paused at (\S+) for \S+ s: its files ([a-z ]+),")
 INTERVAL = 2  # checkpoint.interval of every chain here: a save every other step
 TORN_STEP, MAX_STEPS = 4, 6  # the tear test: the save torn, and where its chains end
-# An armed pause: far past the loopback cluster's KillWait (2 s, orchestrator/cluster/config.py), so
+# An armed pause: far past the loopback cluster's KillWait (orchestrator/cluster/config.py), so
 # after scancel's SIGTERM SLURM's SIGKILL comes first and the save cannot be finished.
-PAUSE_S = 60
+PAUSE_S = 6 * KILL_WAIT_S
 
 
 def launch(

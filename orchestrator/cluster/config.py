@@ -12,6 +12,10 @@ from orchestrator.cluster.record import DB_NAME, DBD_CONF_NAME, ClusterInfo, log
 
 URGENT_PARTITION = "urgent"  # with --preemption: its jobs preempt those of the default one
 PREEMPT_GRACE_S = 20  # a preempted job's time to save between SIGTERM and SIGKILL
+# From a job's SIGTERM (scancel, NODE_FAIL, the time limit) to SLURM's SIGKILL: the trainer's save
+# and exit and the end hook's Python start must fit, on a loaded machine too (2 s did not, under
+# a full test run). SLURM's default is 30 s; a job that exits on its SIGTERM ends sooner.
+KILL_WAIT_S = 10
 REQUEUE_HOLD_S = 11  # how long SLURM holds a requeued job before it may start again
 SLURM_USER = "root"  # runs every daemon (slurmd and munged need root here anyway)
 
@@ -93,7 +97,7 @@ def render_conf(info: ClusterInfo) -> str:
         "# (only its slurmd died), so a requeued copy would run beside it. A job submitted with",
         "# --requeue (a recipe's `requeue: true`) is still requeued when it is preempted.",
         "JobRequeue=0",
-        "KillWait=2",
+        f"KillWait={KILL_WAIT_S}",
         "MinJobAge=300",
         f"FirstJobId={first_job_id(info.controller_port)}",
         "InactiveLimit=0",
