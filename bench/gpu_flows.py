@@ -2,14 +2,15 @@
 
 Five trainings start together (the GPU is shared: these are checks, not timings), each
 ``python -m train`` with validation, asynchronous checkpoints, deterministic kernels and the
-host-sync check over every step after the second:
+host-sync check over every step after the second. "Compiled" is inductor on a GPU, dynamo and
+AOT autograd alone (``aot_eager``) in the CPU form:
 
-- ``whole``: compiled (inductor) with selective activation checkpointing, bf16 on a GPU;
+- ``whole``: compiled with selective activation checkpointing, bf16 on a GPU;
 - ``chain``: the same as two jobs of half the steps each, the second resumed from the first's
   checkpoint: its losses, gradient norms and validation losses must equal ``whole``'s bitwise;
 - ``fp32``: eager in fp32, the reference the compiled bf16 losses are compared with;
 - ``whisper_lora``: the real Whisper tiny.en encoder (frozen) under the preset decoder with
-  LoRA adapters (peft's layers, dropout 0.1 on their input), compiled by inductor with selective
+  LoRA adapters (peft's layers, dropout 0.1 on their input), compiled with selective
   checkpointing (the recompute keeps the forward's masks), then decoded by ``train.evaluate``;
 - ``mixture``: compiled bf16 on speech, NeMo multimodal conversations (one or two audio turns,
   audio opening or in the middle of a conversation) and text-only pairs mixed by weight
@@ -150,8 +151,11 @@ def host_syncs(*logs: str) -> list[str]:
 
 def part_flows(s: dict, out: Path, whisper: Path) -> dict:
     steps = s["steps"]
-    compiled = ["compile=true", "activation_checkpointing=selective"]
-    job = [*compiled, f"train.max_steps_per_run={steps // 2}"]
+    compiled = [
+        "compile=true",
+        f"compile_backend={s['compile_backend']}",
+        "activation_checkpointing=selective",
+    ]
     whisper_run = [
         *compiled,
         f"model.pretrained_encoder={whisper}",
@@ -164,6 +168,7 @@ def part_flows(s: dict, out: Path, whisper: Path) -> dict:
 
     mixture, sets = conversation_mixture((out / "corpus").resolve(), out / "mixture_data")
     mixture_run = [*compiled, f"data.input_cfg={mixture}", f"eval.sets={sets}"]
+    job = [*compiled, f"train.max_steps_per_run={steps // 2}"]
 
     def chain() -> list[str]:
         return [train(s, out, "chain", *job, log=f"chain_job{n}") for n in (1, 2)]
