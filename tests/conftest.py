@@ -28,9 +28,13 @@ from tests.harness.cluster import (
 from tests.harness.corpora import LIBRISPEECH_UTTERANCES, TINY_CORPUS
 from tests.harness.disk import tmpfs
 from tests.harness.process import REPO, checkout_paths, run_python, run_script
+from tests.harness.wandb_runs import WANDB_MODE
 
 # Two shared cores: every torch process the tests start stays on one thread.
 os.environ["OMP_NUM_THREADS"] = "1"
+# Every process the tests start, SLURM's jobs included, runs W&B disabled unless its test asks for
+# it (tests/harness/wandb_runs.py: WANDB_OFFLINE, base_env).
+os.environ["WANDB_MODE"] = WANDB_MODE
 # The checkout's paths as the session starts (the controller's, under pytest-xdist).
 CHECKOUT_BEFORE = pytest.StashKey[set[str]]()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.harness.training import final_weights, metrics, train
-from tests.harness.wandb_runs import base_env, of_type, wandb_records
+from tests.harness.wandb_runs import WANDB_OFFLINE, base_env, of_type, wandb_records
 from train.batch_hash import batch_hash
 from train.data import (
     DataPosition,
@@ -150,6 +150,7 @@ def test_resumed_jobs_train_exactly_as_one(tmp_path, corpus, shar, num_workers):
             split,
             corpus,
             *common,
+            WANDB_OFFLINE,
             "eval.interval=3",
             f"train.max_steps_per_run={budget}",
             nproc=2,
@@ -157,7 +158,7 @@ def test_resumed_jobs_train_exactly_as_one(tmp_path, corpus, shar, num_workers):
         )
     assert "resumed from" in job.stderr
     if not shar:
-        finished = train(split, corpus, *common, "eval.interval=3", nproc=2, env=env)
+        finished = train(split, corpus, *common, WANDB_OFFLINE, "eval.interval=3", nproc=2, env=env)
         assert f"training already finished at step {last}" in finished.stderr
 
     losses = [(m["step"], m["loss"]) for m in metrics(whole) if "loss" in m]

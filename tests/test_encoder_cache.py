@@ -149,7 +149,6 @@ def run(run_dir: Path, corpus: Path, *overrides: str, nproc: int = 2):
         f"run_dir={run_dir}",
         f"data.corpus={corpus}",
         "data.max_duration=8",
-        "wandb.mode=offline",
         "optim.warmup_steps=2",
         "train.log_every=1",
         *overrides,

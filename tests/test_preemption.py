@@ -24,6 +24,7 @@ from tests.harness.chains import launch_json, wait_chain
 from tests.harness.cluster import cluster_cli
 from tests.harness.process import BIN, REPO, run_tool
 from tests.harness.training import metrics, wait_for_step
+from tests.harness.wandb_runs import WANDB_OFFLINE
 
 INTERVAL = 4  # checkpoint interval
 MAX_STEPS = 24  # enough that neither chain finishes before the preemption reaches it, under load
@@ -60,7 +61,7 @@ def launch_training(run_dir: Path, recipe: Path, corpus: Path, *options: str) ->
         "--",
         f"data.corpus={corpus}",
         "data.max_duration=8",
-        "wandb.mode=offline",
+        WANDB_OFFLINE,
         f"train.max_steps={MAX_STEPS}",
         f"checkpoint.interval={INTERVAL}",
         cwd=REPO,

@@ -24,7 +24,7 @@ def launch_json(
 
 
 def launch_training(jobs: int, run_dir: Path, recipe: str, corpus: Path, *overrides: str) -> dict:
-    """Submit a chain of ``recipe`` on the test corpus (short batches, W&B offline)."""
+    """Submit a chain of ``recipe`` on the test corpus (short batches)."""
     return launch_json(
         f"-n{jobs}",
         "--run-dir",
@@ -33,7 +33,6 @@ def launch_training(jobs: int, run_dir: Path, recipe: str, corpus: Path, *overri
         "--",
         f"data.corpus={corpus}",
         "data.max_duration=8",
-        "wandb.mode=offline",
         *overrides,
         cwd=REPO,
     )
@@ -50,7 +49,7 @@ def tiny_training_chain(
     recipe: str = "recipes/train_tiny_fsdp2.yaml",
 ) -> dict:
     """``auto_launch`` of the tiny FSDP2 recipe (2 ranks; or ``recipe``, a variant of it) on
-    ``corpus``, W&B offline; ``env`` reaches the jobs (sbatch exports the submitting
+    ``corpus``; ``env`` reaches the jobs (sbatch exports the submitting
     environment)."""
     return launch_json(
         f"-n{jobs}",
@@ -63,7 +62,6 @@ def tiny_training_chain(
         "--",
         f"data.corpus={corpus}",
         "data.max_duration=8",
-        "wandb.mode=offline",
         *overrides,
         cwd=REPO,
         env=env,

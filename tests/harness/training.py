@@ -48,12 +48,11 @@ def train(
 
 
 def train_overrides(run_dir: Path, corpus: Path, *overrides: str) -> list[str]:
-    """The test corpus with short batches and W&B offline, then ``overrides``."""
+    """The test corpus with short batches, then ``overrides``."""
     return [
         f"run_dir={run_dir}",
         f"data.corpus={corpus}",
         "data.max_duration=8",
-        "wandb.mode=offline",
         "optim.warmup_steps=2",
         *overrides,
     ]
@@ -100,7 +99,7 @@ def run_ranks(
 ) -> subprocess.CompletedProcess[str]:
     """``python ARGS`` on ``nproc`` ranks, forked from the test process's zygote
     (tests/harness/process.py): the return code is the code of the rank that failed first."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     completed = run_python(args, nproc, env)
     if check:
         causes = [line for line in completed.stderr.splitlines() if "Error" in line]

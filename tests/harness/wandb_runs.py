@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 
 WANDB = [sys.executable, "-m", "wandb"]
+# The test session's WANDB_MODE: an offline run costs ~4 CPU-s of a training's start and end
+# (wandb-core and its files), half of a tiny run's own. The tests of W&B (test_metrics, test_plot,
+# test_data_resume, test_preemption) run it offline through chains, resumes and preemption: with
+# WANDB_OFFLINE among a run's overrides, or in ``base_env``, which drops the session's setting.
+WANDB_MODE = "disabled"
+WANDB_OFFLINE = "wandb.mode=offline"
 ORCH_KEYS = ("ORCH_CHAIN_ID", "ORCH_SWEEP_ID", "ORCH_JOB_INDEX", "ORCH_SEED", "SLURM_JOB_ID")
 
 
