@@ -63,12 +63,17 @@ def open_to_every_user(directory: Path) -> None:
         parent.chmod(parent.stat().st_mode | 0o011)
 
 
-def queue_ids() -> list[str]:
+def queue_reasons() -> dict[str, str]:
+    """Each queued job's id and SLURM's reason for its state (``None`` while it runs)."""
     completed = subprocess.run(
-        ["squeue", "--noheader", "--format=%i"], capture_output=True, text=True, timeout=30
+        ["squeue", "--noheader", "--format=%i %r"], capture_output=True, text=True, timeout=30
     )
     assert completed.returncode == 0, completed.stderr
-    return completed.stdout.split()
+    return dict(line.split(maxsplit=1) for line in completed.stdout.splitlines() if line.strip())
+
+
+def queue_ids() -> list[str]:
+    return list(queue_reasons())
 
 
 def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
