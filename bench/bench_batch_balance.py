@@ -4,11 +4,13 @@ is padding, from real batches on the CPU.
     python bench/bench_batch_balance.py --data data/corpus_asr/cuts_train.jsonl.gz
     python bench/bench_batch_balance.py --data data/mix/input_cfg.yaml --ranks 8 64 --steps 40
 
-Each rank's sampler is built as the trainer builds it (``train.data.rank_sampler``: the same
-seeds, buckets and batch budget), and its first ``--steps`` batches are read as cut lists,
-nothing loaded: an example's audio segments (a speech cut's audio, a conversation's audio
-turns) as lhotse's fbank frames of their durations (10 ms hop), its tokens as the byte
-tokenizer renders it (the presets' codec). Per step:
+The sampler is built as the trainer builds it (``train.data.rank_sampler``: the same seeds,
+buckets and batch budget). lhotse's sampler of every rank draws the batches of all ranks of a
+step and keeps its own (``CutSampler.__next__``), so one sampler's draws are every rank's
+batches (``step_batches``): 64 ranks cost one sampler, not 64. The first ``--steps`` steps are
+read as cut lists, nothing loaded: an example's audio segments (a speech cut's audio, a
+conversation's audio turns) as lhotse's fbank frames of their durations (10 ms hop), its tokens
+as the byte tokenizer renders it (the presets' codec). Per step:
 
 - **busiest / mean**: the training FLOPs (forward + backward) of each rank's batch by
   ``train.flops.sequence_flops`` (encoder with its attention, projector, decoder with its
@@ -66,16 +68,22 @@ def batch_work(cfg: SALMConfig, cuts, text) -> tuple[float, int, int]:
     return flops, int(frames.sum()), int(frames.shape[0] * most * frames.max())
 
 
+def step_batches(sampler) -> list:
+    """The batches of every rank for the sampler's next step, in rank order: what each rank's
+    own sampler draws before it keeps ``batches[rank]`` (lhotse's ``CutSampler.__next__``).
+    StopIteration once a rank would have none (the end of the epoch, where lhotse deals the
+    rest out again)."""
+    return [sampler._next_batch() for _ in range(sampler.world_size)]
+
+
 def measure(data, cfg: SALMConfig, ranks: int, steps: int, args) -> dict[str, float]:
     text = ByteTokenizer()
-    samplers = [
-        iter(rank_sampler(data, args.max_duration, args.seed, rank, ranks, args.buckets))
-        for rank in range(ranks)
-    ]
+    sampler = rank_sampler(data, args.max_duration, args.seed, 0, ranks, args.buckets)
+    iter(sampler)
     ratios, real, padded = [], 0, 0
     for _ in range(steps):
         try:
-            batches = [next(sampler) for sampler in samplers]
+            batches = step_batches(sampler)
         except StopIteration:  # a small data set's epoch dealt out
             break
         work = [batch_work(cfg, cuts, text) for cuts in batches]
