@@ -23,7 +23,7 @@ from orchestrator.manifest import JobRecord, Manifest
 from orchestrator.recipe import parse_recipe
 from orchestrator.render import render_recipe
 from tests.harness.graphs import circles
-from tests.harness.process import REPO, run_python
+from tests.harness.process import REPO, imports_alike, run_python
 from train.metrics import scrub_secrets
 
 # Which top-level packages each package of the project may import (besides third parties).
@@ -354,3 +354,15 @@ def test_the_zygote_ends_ranks_as_torchrun_does(tmp_path: Path) -> None:
         run_python([str(script), "sleep"], 2, env, timeout=3)
     again = run_python([str(script), "fail"], 2, env, timeout=20)
     assert again.returncode == 7, again.stderr
+
+
+def test_the_zygote_serves_a_command_unless_it_would_import_differently() -> None:
+    """A variable torch sets in the test process after the zygote started (inductor's cache
+    folder, once a test compiled in-process) must not send later commands to fresh
+    interpreters, whose torchrun answers a failed rank with its own exit code 1; one read at
+    import (a torch or Python setting) must."""
+    started = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert imports_alike(started, {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"})
+    assert imports_alike(started, {**started, "SLURM_JOB_ID": "77"})
+    assert not imports_alike(started, {**started, "TORCH_LOGS": "recompiles"})
+    assert not imports_alike(started, {**started, "OMP_NUM_THREADS": "2"})
