@@ -31,6 +31,7 @@ from contract.job_end import (
     write_job_end,
 )
 from train.config import ConfigError, TrainConfig, first_line, refuse_uncomposable, register
+from train.garbage import pause as pause_collector
 from train.launch_env import apply_launch_env
 from train.stop import StopRequest
 
@@ -85,6 +86,8 @@ def main(raw: DictConfig) -> None:
     stop.install()
     # The trainer (torch) is imported here, once the stop signal is handled: a sweep's
     # submission (`python -m train -m ...`) runs this module without calling main, torch-free.
+    # Python's collector stays quiet until the training loop runs it (train/garbage.py).
+    pause_collector()
     import torch.distributed as dist
 
     from train.distributed import REFUSAL_GRACE_S, init_distributed

@@ -149,6 +149,9 @@ class TrainLoopConfig:
     # MiB of device memory per rank for a frozen encoder's outputs, kept per utterance so that
     # each is encoded once a job (train/models/encoder_cache.py); 0: encode every batch
     encoder_cache_mb: int = 0
+    # steps between Python's collections of reference cycles, on every rank at the same step
+    # (train/garbage.py); 0: Python's automatic collection
+    gc_interval: int = 50
 
 
 @dataclass
@@ -311,6 +314,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"train.grad_accum={cfg.train.grad_accum}: must be at least 1")
     if cfg.train.encoder_cache_mb < 0:
         raise ValueError("train.encoder_cache_mb must be 0 (no cache) or positive MiB")
+    if cfg.train.gc_interval < 0:
+        raise ValueError(
+            f"train.gc_interval={cfg.train.gc_interval}: must be 0 (Python's automatic "
+            "collection) or a positive number of steps"
+        )
     if cfg.train.hang_timeout_s < 0:
         raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
     if cfg.debug.host_syncs not in HOST_SYNC_MODES:

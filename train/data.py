@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader
 from train.config import BUFFER_SIZE
 from train.conversation import Turn, conversation_of
 from train.features import BadCut, Extractor, Featurizer
+from train.garbage import worker_start
 from train.prompt import Encoded
 from train.seeding import mixture_seed, rank_data_seed, sampler_seed, seed_everything
 from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, transcript
@@ -264,6 +265,7 @@ def init_worker(worker_id: int, *, job_seed: int, dp_rank: int, epoch: int) -> N
     Also publishes the seed where lhotse's ``seed="randomized"`` looks for it, replacing
     lhotse's own ``worker_init_fn`` (which offsets seeds by ``100000 * rank``).
     """
+    worker_start()  # the rank's collector was paused (train/garbage.py)
     seed = rank_data_seed(job_seed, dp_rank, worker_id, epoch=epoch)
     seed_everything(seed)
     os.environ[LHOTSE_PROCESS_SEED] = str(seed)

@@ -40,6 +40,7 @@ from train.device_trap import trapped
 from train.distributed import clip_grad_norm, say
 from train.faults import InjectedFaults
 from train.features import Featurizer
+from train.garbage import Collector
 from train.host_syncs import HostSyncGuard
 from train.layout import frozen_of, model_of, training_layout
 from train.memory import gradient_bytes, state_bytes
@@ -197,6 +198,7 @@ class Trainer:
         self.faults = InjectedFaults(cfg.debug, self.rank)
         stop_in = cfg.debug.stop_in if cfg.debug.stop_rank == self.rank else None
         self.watchdog = Watchdog(cfg.train.hang_timeout_s, self.rank, stop_in, self.record_hang)
+        self.collector = Collector(cfg.train.gc_interval)
         self.signalled = False  # a stop signal (not a budget) ended training
         self.error: str | None = None  # the error line training stopped on, for the job's record
         self.state_memory: dict[str, int] | None = None  # measured at this job's first step
@@ -329,6 +331,7 @@ class Trainer:
             say(f"checkpoint {path.name}: being written in the background")
         else:
             say(f"checkpoint saved: {path}")
+        self.collector.at_pause()
 
     # loop -------------------------------------------------------------------------------------
 
@@ -346,6 +349,7 @@ class Trainer:
                 self.train_step(step_batches)
             self.step += 1
             step, last = self.step, self.step == cfg.train.max_steps
+            self.collector.after_step(step)
             if step == first_step + 1:
                 log_state_memory(metrics, step, self.rank, self.state_memory)
             why = self.sync(step, lr, metrics) or self.step_budget_spent(step - first_step)
@@ -429,6 +433,7 @@ class Trainer:
         """The validation loss at the current weights (``Validator.run``), watched."""
         self.watchdog.beat(self.step, VALIDATION)
         self.validator.run(self.step, metrics)
+        self.collector.at_pause()
 
     def record_hang(self, step: int, line: str) -> None:
         """The end-of-job record of a job this rank's watchdog ends (exit 5) saying ``line``,
@@ -446,8 +451,9 @@ class Trainer:
 
     def run(self) -> int:
         """Restore, train, save and validate, all watched: a rank hung anywhere from the
-        checkpoint load to the last validation ends the job (exit 5)."""
-        with self.watchdog:
+        checkpoint load to the last validation ends the job (exit 5). Python's collector runs at
+        the loop's steps (train/garbage.py)."""
+        with self.watchdog, self.collector:
             return self.run_watched()
 
     def run_watched(self) -> int:

@@ -23,12 +23,14 @@ import torch.distributed as dist
 
 from orchestrator.planner.plan_check import compose_training_config
 from train.distributed import init_distributed
+from train.garbage import pause as pause_collector
 from train.stop import StopRequest
 from train.trainer import Trainer, preflight
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    pause_collector()  # as python -m train does before it imports and builds (train/garbage.py)
     device = init_distributed()
     for overrides in spec["runs"]:
         torch._dynamo.reset()
