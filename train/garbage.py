@@ -36,8 +36,9 @@ def worker_start() -> None:
 
 
 class Collector:
-    """The collections of one training run (a context: the collector's state is given back as
-    it was, for a process that runs more than the trainer)."""
+    """The collections of one training run, a context for a process that runs more than the
+    trainer: on exit the collector is switched back as it was, and everything frozen is
+    unfrozen (what was frozen before the run too, such as a forking parent's heap)."""
 
     def __init__(self, interval: int) -> None:
         self.interval = interval
