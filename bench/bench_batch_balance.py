@@ -4,7 +4,7 @@ is padding, from real batches on the CPU.
     python bench/bench_batch_balance.py --data data/corpus_asr/cuts_train.jsonl.gz
     python bench/bench_batch_balance.py --data data/mix/input_cfg.yaml --ranks 8 64 --steps 40
 
-The sampler is built as the trainer builds it (``train.data.rank_sampler``: the same seeds,
+The sampler is built as the trainer builds it (``train.data.loader.rank_sampler``: the same seeds,
 buckets and batch budget). lhotse's sampler of every rank draws the batches of all ranks of a
 step and keeps its own (``CutSampler.__next__``), so one sampler's draws are every rank's
 batches (``step_batches``): 64 ranks cost one sampler, not 64. The first ``--steps`` steps are
@@ -17,7 +17,8 @@ as the byte tokenizer renders it (the presets' codec). Per step:
   attention) at ``--preset``'s shape; the step waits for the busiest rank, so
   ``busiest / mean - 1`` is the share of the step the others idle;
 - **encoder padding**: the frames the encoder runs on as the batch pads them
-  (``train.data.pad_segments``: examples x most segments x longest segment) that hold no audio.
+  (``train.data.loader.pad_segments``: examples x most segments x longest segment) that hold no
+  audio.
 
 Printed per data set and rank count: the mean and worst busiest/mean over the steps, and the
 padding share over all batches of all ranks.
@@ -36,15 +37,15 @@ from lhotse.utils import compute_num_frames
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from train.conversation_cuts import turn_recordings  # noqa: E402
-from train.data import encoded, rank_sampler  # noqa: E402
-from train.features import FBANK_HOP_S, AudioLimits  # noqa: E402
+from train.data.conversation_cuts import turn_recordings  # noqa: E402
+from train.data.features import FBANK_HOP_S, AudioLimits  # noqa: E402
+from train.data.loader import encoded, rank_sampler  # noqa: E402
+from train.data.source_cuts import check_sources  # noqa: E402
+from train.data.sources import read_sources  # noqa: E402
+from train.data.text import ByteTokenizer  # noqa: E402
 from train.flops import sequence_flops  # noqa: E402
 from train.models.presets import get_preset  # noqa: E402
 from train.models.shape import SALMConfig  # noqa: E402
-from train.source_cuts import check_sources  # noqa: E402
-from train.sources import read_sources  # noqa: E402
-from train.text import ByteTokenizer  # noqa: E402
 
 SAMPLING_RATE = 16000
 

@@ -63,14 +63,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
-    from train.mesh import build_meshes
+    from train.loop.step import WholeModelRunner, host_seq_len
     from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.loss import loss_targets
     from train.models.parallelize import ParallelizeOptions
     from train.models.presets import get_preset
-    from train.parallel_dims import ParallelDims
-    from train.step import WholeModelRunner, host_seq_len
+    from train.parallel.dims import ParallelDims
+    from train.parallel.mesh import build_meshes
 
     dist.init_process_group("gloo")
     cp = dist.get_world_size()

@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from train.host_syncs import HOST_SYNC_MODES  # noqa: E402
-from train.parallel_dims import AC_MODES  # noqa: E402
+from train.loop.host_syncs import HOST_SYNC_MODES  # noqa: E402
+from train.parallel.dims import AC_MODES  # noqa: E402
 
 CONFIGS = [(compile_, ac) for compile_ in (False, True) for ac in AC_MODES]
 
@@ -85,18 +85,18 @@ def run_one(args: argparse.Namespace, spec: str, device, ceiling: float | None) 
     its figures. Timed steps run under ``args.host_syncs`` (a host sync raises on CUDA)."""
     import torch
 
-    from train.distributed import clip_grad_norm
     from train.flops import peak_flops, step_flops
-    from train.host_syncs import checked_for_host_syncs
-    from train.mesh import build_meshes
+    from train.loop.host_syncs import checked_for_host_syncs
+    from train.loop.step import host_seq_len
     from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.loss import loss_for_backward
     from train.models.parallelize import ParallelizeOptions, compute_autocast
     from train.models.presets import get_preset
     from train.models.shape import audio_positions
-    from train.parallel_dims import ParallelDims
-    from train.step import host_seq_len
+    from train.parallel.dims import ParallelDims
+    from train.parallel.distributed import clip_grad_norm
+    from train.parallel.mesh import build_meshes
 
     compile_, ac, utterances, seconds, tokens = parse_run(spec)
     torch._dynamo.reset()

@@ -2,7 +2,7 @@
 
 One process (one dataloader worker's share of a core), the same utterances of the LibriSpeech-
 layout corpus (`make librispeech`: FLAC, 16 kHz) through each way a batch's features are made
-(train/features.py): the own encoder's 80-bin fbank computed from the audio, Whisper's and
+(train/data/features.py): the own encoder's 80-bin fbank computed from the audio, Whisper's and
 Parakeet's feature extractors (their default configs saved locally, nothing downloaded), and the
 feature cache read back (``data.feature_cache``). The baseline is the cache read: what every
 epoch after the first costs. Prints utterances per second per worker, ms per utterance and each
@@ -44,7 +44,7 @@ def main() -> None:
     from lhotse import CutSet, RecordingSet, SupervisionSet
     from transformers import ParakeetFeatureExtractor, WhisperFeatureExtractor
 
-    from train.features import Extractor, Featurizer
+    from train.data.features import Extractor, Featurizer
 
     torch.set_num_threads(1)
     part = "train-clean-100"

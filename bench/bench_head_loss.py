@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from train.models.head_loss import head_loss  # noqa: E402
 from train.models.packing import IGNORE_INDEX  # noqa: E402
-from train.parallel_dims import DEFAULT_LOSS_CHUNK  # noqa: E402
+from train.parallel.dims import DEFAULT_LOSS_CHUNK  # noqa: E402
 
 GIB = 2**30
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.mesh import build_meshes
+from train.loop.step import WholeModelRunner
 from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
 from train.models.loss import loss_targets
@@ -53,9 +53,9 @@ from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view, pipeline_parts
 from train.models.salm import SALM
 from train.models.shape import SALMConfig
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import pipeline_plan
-from train.step import WholeModelRunner
+from train.parallel.dims import ParallelDims
+from train.parallel.mesh import build_meshes
+from train.parallel.pipeline_plan import pipeline_plan
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = SALMConfig(

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from train.parallel_dims import AC_MODES  # noqa: E402
+from train.parallel.dims import AC_MODES  # noqa: E402
 
 DEFAULT_CASES = [
     f"{preset}:{shape}:{ac}"
@@ -43,14 +43,14 @@ def measure(preset: str, sequences: int, frames: int, tokens: int, ac: str) -> i
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    from train.mesh import build_meshes
+    from train.loop.step import WholeModelRunner
     from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.loss import loss_targets
     from train.models.parallelize import ParallelizeOptions
     from train.models.presets import get_preset
-    from train.parallel_dims import ParallelDims
-    from train.step import WholeModelRunner
+    from train.parallel.dims import ParallelDims
+    from train.parallel.mesh import build_meshes
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

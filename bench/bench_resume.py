@@ -50,8 +50,8 @@ def ensure_corpus(corpus: Path, num: int) -> None:
 
 def epoch_batches(corpus: Path) -> int:
     """Batches in epoch 0 of the one-process run, counted by the sampler (no features read)."""
-    from train.data import build_dataloader
-    from train.text import ByteTokenizer
+    from train.data.loader import build_dataloader
+    from train.data.text import ByteTokenizer
 
     loader = build_dataloader(
         corpus / "cuts_train.jsonl.gz",

@@ -174,13 +174,13 @@ def build_ours(
 ) -> tuple[torch.nn.Module, Step]:
     """Our model as the trainer builds it (meta init, ``parallelize``, sharded init), and its
     step on ``tokens`` with no audio."""
-    from train.distributed import clip_grad_norm
-    from train.mesh import build_meshes
     from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.loss import loss_for_backward
     from train.models.parallelize import ParallelizeOptions
-    from train.parallel_dims import ParallelDims
+    from train.parallel.dims import ParallelDims
+    from train.parallel.distributed import clip_grad_norm
+    from train.parallel.mesh import build_meshes
 
     cfg = salm_config(shape)
     options = ParallelizeOptions(activation_checkpointing="selective", compile=run.compile)

@@ -67,12 +67,12 @@ def hand_written_loop(args: argparse.Namespace) -> float:
     """The baseline: the same model and batches in a plain loop, timed the same way."""
     import torch
 
-    from train.data import build_dataloader
+    from train.data.loader import build_dataloader
+    from train.data.text import ByteTokenizer
     from train.models.batch import Batch
     from train.models.build import build_model
     from train.models.packing import example_positions
     from train.models.presets import get_preset
-    from train.text import ByteTokenizer
 
     cfg = get_preset(args.preset)
     model = build_model(cfg, torch.device("cpu"), 1234)

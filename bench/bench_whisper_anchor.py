@@ -12,9 +12,9 @@ real pretrained recognizer, Whisper tiny.en as `make pretrained` converts it, ru
 Whisper is meant to run and never trained here: each utterance padded to 30 s of log-mel by the
 folder's WhisperFeatureExtractor, then transformers' ``generate`` (greedy, English, no
 timestamps: the folder's generation config), batched, fp32 on CPU. Sets are read, checked,
-normalized and scored by train.evaluate's own code (train.sources, train.source_cuts,
-train.normalizers, train.wer: corpus-level rates), so the WER is the row a trained model has to
-beat.
+normalized and scored by train.evaluate's own code (train.data.sources, train.data.source_cuts,
+train.eval.normalizers, train.eval.wer: corpus-level rates), so the WER is the row a trained model
+has to beat.
 
 The first normalizer named is the headline (its pairs are the examples shown); the default
 ``basic`` is train.evaluate's default, which the learning tables use. Whisper writes numbers as
@@ -42,11 +42,11 @@ from lhotse.cut import Cut
 from transformers import WhisperForConditionalGeneration, WhisperTokenizerFast
 
 from recipes.pretrained import DEFAULT_OUT, WHISPER
-from train.features import AudioLimits, Featurizer, extractor_of
-from train.normalizers import DEFAULT_NORMALIZER, NORMALIZERS, Normalizer, normalizer
-from train.source_cuts import check_sources, load_source_cuts, transcript
-from train.sources import read_sources
-from train.wer import score_corpus, score_pair
+from train.data.features import AudioLimits, Featurizer, extractor_of
+from train.data.source_cuts import check_sources, load_source_cuts, transcript
+from train.data.sources import read_sources
+from train.eval.normalizers import DEFAULT_NORMALIZER, NORMALIZERS, Normalizer, normalizer
+from train.eval.wer import score_corpus, score_pair
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = 4  # hypothesis/reference pairs printed per set

@@ -49,8 +49,8 @@ from gpu_pack import PACK, WHISPER, unpack_whisper  # noqa: E402
 
 from contract.gpus import gpu_of_device  # noqa: E402
 from orchestrator.planner.measured import PRICED, append  # noqa: E402
-from train.host_syncs import HOST_SYNC_MODES  # noqa: E402
-from train.parallel_dims import AC_MODES  # noqa: E402
+from train.loop.host_syncs import HOST_SYNC_MODES  # noqa: E402
+from train.parallel.dims import AC_MODES  # noqa: E402
 
 # Fast-path batches: (utterances, audio seconds, transcript tokens) per step.
 BATCHES = {"audio": (8, 20.0, 128), "text": (4, 0.5, 2048)}

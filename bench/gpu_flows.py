@@ -127,9 +127,9 @@ def export_agrees(run_dir: Path, folder: Path, device: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
     from train.export import load_trained
-    from train.layout import model_of
-    from train.saved_run import find_checkpoint, saved_model, saved_state
+    from train.parallel.layout import model_of
 
     checkpoint = find_checkpoint(run_dir, None, None)
     shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))

@@ -18,7 +18,7 @@ without learning faster per step.
 Every choice that sets it apart from the project's byte-level preset decoder is an option, so
 that each can be tried alone (bench/bench_hf_factors.py): ``--family llama`` (no q/k/v biases),
 ``--untied`` (an output head of its own), ``--tokenizer`` (bytes at ids 0-255, as the
-preset's, or a BPE), ``--template none`` (the plain format of ``train.prompt``, with the
+preset's, or a BPE), ``--template none`` (the plain format of ``train.data.prompt``, with the
 preset's pad, bos and eos ids), ``--init preset`` (the project's own rules by parameter name,
 ``train.models.init``, instead of transformers' normal(0, std)). With ``--family llama
 --untied --template none --init preset`` and the preset's exact rows and epsilon, the directory

@@ -16,7 +16,8 @@ The source corpus must be complete (its COMPLETE.json is present) and is only re
 
 Layout of --out (paths inside manifests are relative to it, so the corpus can be moved):
     feats/                    float32 fbank features, one .npy per long cut (NumpyFilesWriter)
-    cuts_<split>.jsonl.gz     one per --splits; feature-only cuts (no recording: train/data.py
+    cuts_<split>.jsonl.gz     one per --splits; feature-only cuts (no recording:
+    train/data/loader.py
                               reads features and transcripts only), each listing its source
                               cut ids in custom["source_cuts"]
     COMPLETE.json             written last, with the settings; its presence is the only sign of
@@ -43,7 +44,7 @@ from lhotse.utils import fastcopy
 
 from orchestrator.errors import UsageError
 from recipes.corpus_dir import MARKER, build_whole, completed
-from train.data import load_cuts
+from train.data.loader import load_cuts
 
 PROGRESS_EVERY = 16  # long cuts between progress lines
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train.stop import ignore_usr1_from_exit
+from train.loop.stop import ignore_usr1_from_exit
 
 
 class StopRequest:

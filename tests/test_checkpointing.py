@@ -15,12 +15,12 @@ from tests.harness.hf_tiny import save_tiny_encoder
 from tests.harness.recompute import training_pass
 from tests.harness.synthetic import synthetic_batch
 from train.config import ModelConfig
-from train.layout import model_of
-from train.mesh import build_meshes
 from train.models.build import build_model
 from train.models.parallelize import ParallelizeOptions
 from train.models.presets import get_preset
-from train.parallel_dims import AC_MODES, ParallelDims
+from train.parallel.dims import AC_MODES, ParallelDims
+from train.parallel.layout import model_of
+from train.parallel.mesh import build_meshes
 
 CPU = torch.device("cpu")
 MODELS = ("tiny", "tiny_moe", "whisper", "parakeet")

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.harness.process import REPO
 from train import compat
-from train.mesh import build_meshes
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
+from train.parallel.mesh import build_meshes
 
 SCANNED = [
     *(path for path in sorted((REPO / "train").rglob("*.py")) if path.name != "compat.py"),

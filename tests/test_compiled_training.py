@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from train.mesh import build_meshes
 from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.compiled import GRAPHS_PER_REGION, graph_counts
 from train.models.parallelize import ParallelizeOptions
 from train.models.presets import get_preset
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
+from train.parallel.mesh import build_meshes
 
 
 @pytest.fixture

@@ -179,7 +179,7 @@ def test_the_train_modules_the_submit_path_reads_import_no_torch() -> None:
         for name in sorted(loaded)
     }
     assert {name: torch for name, torch in with_torch.items() if torch} == {}, sorted(loaded)
-    assert {"train.config", "train.layout", "train.models.inventory"} <= loaded
+    assert {"train.config", "train.parallel.layout", "train.models.inventory"} <= loaded
 
 
 def test_a_torch_import_on_the_submit_path_is_found(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
-"""Conversations and text-only examples (train/conversation.py, train/conversation_cuts.py): the
-loss covers exactly the assistant's turns, token by token, on real chat templates (SmolLM2's from
-``make pretrained``, and tiny Llama 3, Qwen2, Qwen3 and plain ones); the audio lands where its
-turn is; NeMo's conversation and text formats read as NeMo writes them; conversations and text
-mix with speech by weight, resume exactly and decode after the conversation so far. Training
-them at every parallel layout: tests/test_trainer_equivalence.py (the ``mix_*`` cases)."""
+"""Conversations and text-only examples (train/data/conversation.py,
+train/data/conversation_cuts.py): the loss covers exactly the assistant's turns, token by token, on
+real chat templates (SmolLM2's from ``make pretrained``, and tiny Llama 3, Qwen2, Qwen3 and plain
+ones); the audio lands where its turn is; NeMo's conversation and text formats read as NeMo writes
+them; conversations and text mix with speech by weight, resume exactly and decode after the
+conversation so far. Training them at every parallel layout: tests/test_trainer_equivalence.py (the
+``mix_*`` cases)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from tests.harness.conversations import conversation_mixture
 from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tokenizer
 from tests.harness.models import pretrained_model
 from tests.harness.process import REPO, run_script
-from train.batch_hash import batch_hash
-from train.conversation import ConversationError, Turn, messages
-from train.conversation_cuts import turn_recordings
-from train.data import (
+from train.data.batch_hash import batch_hash
+from train.data.conversation import ConversationError, Turn, messages
+from train.data.conversation_cuts import turn_recordings
+from train.data.features import AudioLimits
+from train.data.loader import (
     DataPosition,
     SpeechDataset,
     batches_from,
@@ -32,16 +34,15 @@ from train.data import (
     load_cuts,
     pad_segments,
 )
-from train.decode import greedy_decode
-from train.features import AudioLimits
+from train.data.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
+from train.data.source_cuts import check_sources, load_source_cuts, source_of, transcript
+from train.data.sources import read_sources
+from train.data.text import ByteTokenizer
+from train.eval.decode import greedy_decode
 from train.models.build import build_model
 from train.models.packing import IGNORE_INDEX, sequence_layout
 from train.models.presets import get_preset
 from train.models.shape import audio_positions
-from train.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
-from train.source_cuts import check_sources, load_source_cuts, source_of, transcript
-from train.sources import read_sources
-from train.text import ByteTokenizer
 
 ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats", "call two")
 # A text exchange, then a spoken question in the middle of the conversation, a follow-up, and a

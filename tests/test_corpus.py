@@ -9,7 +9,7 @@ import pytest
 from lhotse import CutSet, RecordingSet
 
 from tests.harness.process import REPO, run_script
-from train.data import load_cuts
+from train.data.loader import load_cuts
 
 SCRIPT = REPO / "recipes" / "make_corpus.py"
 TINY = ["--num", "16", "--jobs", "2", "--shard-size", "4"]

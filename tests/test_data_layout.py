@@ -1,7 +1,7 @@
 """No silent change of the data position: a job resumed with its checkpoint's seed under another
 data layout (data-parallel size, sources, weights, max_duration, buckets, Shar workers) is
 refused before anything starts, or starts the next epoch, or applies the counts as they are
-(``data.on_layout_change``, train/data_layout.py)."""
+(``data.on_layout_change``, train/data/layout.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from contract.run_dir import STATE_FILE, complete_checkpoints
 from tests.harness.training import train
 from train.config import TrainConfig
-from train.data_layout import data_layout, layout_changes, refusal
+from train.data.layout import data_layout, layout_changes, refusal
 
 
 def mixture(tmp_path: Path, corpus: Path, weights: tuple[float, float]) -> str:

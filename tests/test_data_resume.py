@@ -12,15 +12,15 @@ import torch
 
 from tests.harness.training import final_weights, metrics, train
 from tests.harness.wandb_runs import WANDB_OFFLINE, base_env, of_type, wandb_records
-from train.batch_hash import batch_hash
-from train.data import (
+from train.data.batch_hash import batch_hash
+from train.data.layout import num_streams
+from train.data.loader import (
     DataPosition,
     SpeechDataset,
     batches_from,
     build_dataloader,
 )
-from train.data_layout import num_streams
-from train.text import ByteTokenizer
+from train.data.text import ByteTokenizer
 
 Loader = Callable[[int, DataPosition | None], object]
 

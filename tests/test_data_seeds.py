@@ -11,10 +11,10 @@ from lhotse import CutSet
 from lhotse.dataset.dataloading import LHOTSE_PROCESS_SEED
 
 from contract.job_env import SEED_LIMIT
-from train.batch_hash import append_batch_hash, batch_hash
-from train.data import batches_forever, build_dataloader, make_worker_init_fn
+from train.data.batch_hash import append_batch_hash, batch_hash
+from train.data.loader import batches_forever, build_dataloader, make_worker_init_fn
+from train.data.text import ByteTokenizer
 from train.seeding import rank_data_seed, sampler_seed
-from train.text import ByteTokenizer
 
 PAD_ID = 256
 

@@ -9,7 +9,10 @@ import torch
 
 from tests.harness.hf_tiny import save_tiny
 from train.config import ModelConfig
-from train.decode import greedy_decode
+from train.data.prompt import Encoded
+from train.data.text import ByteTokenizer, text_codec
+from train.eval.decode import greedy_decode
+from train.loop.step import host_seq_len
 from train.models.batch import Batch
 from train.models.build import build_model
 from train.models.hf_weights import load_llm_weights
@@ -18,9 +21,6 @@ from train.models.packing import IGNORE_INDEX, sequence_layout
 from train.models.presets import get_preset, model_shape
 from train.models.salm import embed_inputs
 from train.models.shape import audio_positions
-from train.prompt import Encoded
-from train.step import host_seq_len
-from train.text import ByteTokenizer, text_codec
 
 MAX_NEW = 12
 

@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM
 from recipes.pretrained import SMOLLM2
 from tests.harness.hf_tiny import save_tiny_tokenizer
 from tests.harness.models import pretrained_model
-from train.decode import greedy_decode_text
+from train.data.prompt import generation_config_eos, load_tokenizer, text_prompt
+from train.eval.decode import greedy_decode_text
 from train.models.hf_config import decoder_fields
 from train.models.hf_weights import load_llm_weights
 from train.models.salm import SALM
 from train.models.shape import SALMConfig
-from train.prompt import generation_config_eos, load_tokenizer, text_prompt
 
 MAX_NEW = 20
 QUESTIONS = (

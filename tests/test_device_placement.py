@@ -23,11 +23,11 @@ import torch
 
 from tests.harness.hf_tiny import save_tiny, save_tiny_encoder
 from tests.harness.training import trainer_in_process
-from train.decode import greedy_decode, greedy_decode_text
+from train.data.prompt import load_tokenizer, text_prompt
+from train.eval.decode import greedy_decode, greedy_decode_text
 from train.evaluate import EvaluateConfig, Evaluation
 from train.evaluate import preflight as evaluate_preflight
 from train.metrics import MetricsLogger
-from train.prompt import load_tokenizer, text_prompt
 from train.trainer import Trainer
 
 CPU = torch.device("cpu")

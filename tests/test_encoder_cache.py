@@ -24,13 +24,13 @@ from train.config import (
     TrainConfig,
     TrainLoopConfig,
 )
-from train.data import SpeechDataset, load_cuts
-from train.features import Featurizer, extractor_of
-from train.layout import model_of, training_layout
+from train.data.features import Featurizer, extractor_of
+from train.data.loader import SpeechDataset, load_cuts
+from train.data.text import ByteTokenizer
 from train.models.build import build_model, encoder_replica
 from train.models.encoder_cache import EncoderCache, encoder_keys
 from train.models.hf_weights import load_encoder_weights
-from train.text import ByteTokenizer
+from train.parallel.layout import model_of, training_layout
 
 FROZEN_ENCODER = "model.freeze=[encoder\\..*]"
 CACHE = "train.encoder_cache_mb=64"

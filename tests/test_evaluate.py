@@ -29,9 +29,9 @@ from tests.harness.models import evaluate, exported, trained_llm_agrees
 from tests.harness.process import REPO, run_module, run_tool
 from tests.harness.training import TRAPPED_DECODING
 from train.config import ConfigError
-from train.data import load_cuts
+from train.data.loader import load_cuts
+from train.eval.normalizers import whisper_en
 from train.evaluate import preflight
-from train.normalizers import whisper_en
 
 MEMORIZED, UNHEARD = 8, 2  # utterances the evaluated models learn by heart, and held-out ones
 MEMORIZE_STEPS = 600
@@ -140,7 +140,7 @@ def test_one_process_writes_hypotheses_and_a_summary(dense_run, dense_alone, mem
 def test_the_same_hypotheses_at_another_layout(dense_run, dense_alone, overrides):
     """Saved by one process; decoded at 2 data-parallel ranks (3 and 2 batches of 2), tp 2 and
     in 2 pipeline stages: the same transcripts, each row stopping at its own EOS. Decoded
-    under the device trap (train/device_trap.py): a tensor made without its device fails."""
+    under the device trap (train/loop/device_trap.py): a tensor made without its device fails."""
     other = evaluate(dense_run, *overrides, TRAPPED_DECODING, nproc=2)
     assert other["rows"] == dense_alone["rows"]
     assert other["summary"]["wer"] == dense_alone["summary"]["wer"]
@@ -369,8 +369,8 @@ def test_an_exported_pretrained_llm_is_what_trained_with_its_tokenizer(chat_run,
     """``python -m train.export``: AutoModelForCausalLM and AutoTokenizer load DIR/llm offline;
     the logits are the trained LLM's; the tokenizer keeps <|audio|> and renders the same prompt
     as training did; the audio side sits beside it, and its config names the LLM folder."""
+    from train.data.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
     from train.export import LLM_DIR, SPEECH_CONFIG, SPEECH_WEIGHTS
-    from train.prompt import AUDIO_TOKEN, ChatPrompt, load_tokenizer
 
     run_dir, _ = chat_run
     out = tmp_path / "export"

@@ -17,7 +17,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.harness.synthetic import synthetic_batch
-from train.distributed import clip_grad_norm
 from train.flops import (
     PEAK_FLOPS_ENV,
     llm_weights_per_position,
@@ -37,6 +36,7 @@ from train.models.parallelize import (
 from train.models.presets import LLAMA_3_2_1B_DECODER, get_preset
 from train.models.salm import SALM
 from train.models.shape import audio_positions
+from train.parallel.distributed import clip_grad_norm
 
 CPU = torch.device("cpu")
 
@@ -170,9 +170,9 @@ def test_fsdp_finds_the_loss_in_the_models_output_to_gather_the_root_for_backwar
     weight's storage freed), and backward must gather it again."""
     from torch.utils._pytree import tree_flatten
 
-    from train.mesh import build_meshes
     from train.models import parallelize
-    from train.parallel_dims import ParallelDims
+    from train.parallel.dims import ParallelDims
+    from train.parallel.mesh import build_meshes
 
     options = ParallelizeOptions(mixed_precision=True)
     meshes = build_meshes(ParallelDims(world_size=1), "cpu")

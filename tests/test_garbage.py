@@ -1,4 +1,4 @@
-"""Python's cycle collector on a training rank (train/garbage.py): during a real training run
+"""Python's cycle collector on a training rank (train/loop/garbage.py): during a real training run
 (the trainer built and run in this process, one rank) collections happen at the loop's
 interval and where every rank pauses together, never on their own; the run leaves the
 process's collector as it found it; dataloader workers collect as usual."""
@@ -13,8 +13,8 @@ import pytest
 
 from tests.harness.training import trainer_in_process
 from train.config import TrainConfig, TrainLoopConfig, validate
-from train.data import init_worker
-from train.garbage import YOUNG, Collector
+from train.data.loader import init_worker
+from train.loop.garbage import YOUNG, Collector
 
 FULL = 2  # the oldest generation: a full collection
 

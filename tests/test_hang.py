@@ -32,7 +32,7 @@ from tests.harness.chains import launch_training, wait_chain
 from tests.harness.process import REPO, run_tool
 from tests.harness.training import metrics, wait_for_step
 from train.config import DebugConfig, TrainConfig, TrainLoopConfig, validate
-from train.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
+from train.loop.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
 TORCHRUN_KILL_S = 30  # torchrun SIGKILLs a rank that its SIGTERM did not end after this long
 MARGIN_S = 30  # polling, teardown and a loaded 2-core machine

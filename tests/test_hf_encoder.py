@@ -32,7 +32,7 @@ from train.config import ModelConfig, TrainConfig
 from train.export import main as export_main
 from train.exported import ENCODER_DIR, load_export, read_export
 from train.flops import loss_recompute_flops, step_flops
-from train.layout import frozen_of, model_of
+from train.loop.step import WholeModelRunner
 from train.models.batch import Batch
 from train.models.build import build_model, freeze_parameters
 from train.models.compiled import graph_counts
@@ -44,8 +44,8 @@ from train.models.loss import loss_targets
 from train.models.parallelize import apply_compile
 from train.models.salm import SALM, length_mask
 from train.models.shape import audio_positions, encoder_frames
-from train.parallel_dims import ParallelDims
-from train.step import WholeModelRunner
+from train.parallel.dims import ParallelDims
+from train.parallel.layout import frozen_of, model_of
 
 WORKER = REPO / "tests" / "harness" / "workers" / "hf_encoder_worker.py"
 CPU = torch.device("cpu")
@@ -222,7 +222,7 @@ def test_freezing_the_encoder_by_name(encoders) -> None:
 def test_compiled_blocks_train_as_eager_on_varying_batches(encoders, kind) -> None:
     """The pretrained encoder's blocks compiled with ``fullgraph=True`` (no graph break), their
     batch and length dimensions dynamic: batches of other sizes and lengths, including one
-    utterance, train through train.step's runner as eager does, on one graph per grad mode and
+    utterance, train through train.loop.step's runner as eager does, on one graph per grad mode and
     batch of one or more."""
     torch._dynamo.reset()
     compiled, eager = loaded(encoders[kind], stride=2), loaded(encoders[kind], stride=2)

@@ -25,7 +25,7 @@ from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.inventory import inventory
 from train.models.salm import SALM
 from train.models.shape import SALMConfig
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
 
 WORKER = REPO / "tests" / "harness" / "workers" / "hf_load_worker.py"
 
@@ -235,7 +235,7 @@ def test_the_recipe_writes_a_decoder_the_trainer_takes(corpus, tmp_path) -> None
     loads them. A rerun with the same options leaves the directory as it is; with other options,
     or over a directory an older maker wrote, it is refused (exit 2), not silently kept."""
     from recipes.make_hf_llm import OPTIONS_FILE, main
-    from train.prompt import ChatPrompt, load_tokenizer
+    from train.data.prompt import ChatPrompt, load_tokenizer
 
     out = tmp_path / "hf" / "qwen2"
     args = ["--corpus", str(corpus), "--out", str(out)]
@@ -270,10 +270,10 @@ def test_the_recipe_can_write_the_presets_own_decoder(corpus, tmp_path) -> None:
     bench/bench_hf_factors.py's comparison starts from one model. Its tokenizer's ids are the
     ByteTokenizer's, and the plain format puts a transcript after the audio as bytes and eos."""
     from recipes.make_hf_llm import main
+    from train.data.prompt import ChatPrompt, load_tokenizer
+    from train.data.text import ByteTokenizer
     from train.models.build import build_model
     from train.models.presets import get_preset, model_shape
-    from train.prompt import ChatPrompt, load_tokenizer
-    from train.text import ByteTokenizer
 
     out = tmp_path / "preset_as_hf"
     args = ["--family=llama", "--untied", "--tokenizer=bytes", "--template=none", "--init=preset"]

@@ -1,4 +1,5 @@
-"""The long-utterance corpus recipe: joined features and transcripts, read by train/data.py."""
+"""The long-utterance corpus recipe: joined features and transcripts, read by
+train/data/loader.py."""
 
 import importlib.util
 import json
@@ -10,8 +11,8 @@ import pytest
 from lhotse import CutSet
 
 from tests.harness.process import REPO, run_script
-from train.data import build_dataloader, load_cuts
-from train.text import ByteTokenizer
+from train.data.loader import build_dataloader, load_cuts
+from train.data.text import ByteTokenizer
 
 SCRIPT = REPO / "recipes" / "make_long_corpus.py"
 JOIN = 4

@@ -16,12 +16,12 @@ from lhotse import CutSet, Fbank, FbankConfig, Recording
 from lhotse.utils import fastcopy
 from transformers import WhisperFeatureExtractor
 
-from train.batch_hash import batch_hash
-from train.data import DataPosition, SpeechDataset, batches_from, build_dataloader, load_cuts
-from train.features import AudioLimits, BadCut, Extractor, Featurizer
-from train.source_cuts import check_sources, load_source_cuts, mixed_stream, problem, source_of
-from train.sources import SourceError, read_sources
-from train.text import ByteTokenizer
+from train.data.batch_hash import batch_hash
+from train.data.features import AudioLimits, BadCut, Extractor, Featurizer
+from train.data.loader import DataPosition, SpeechDataset, batches_from, build_dataloader, load_cuts
+from train.data.source_cuts import check_sources, load_source_cuts, mixed_stream, problem, source_of
+from train.data.sources import SourceError, read_sources
+from train.data.text import ByteTokenizer
 
 WEIGHTS = {"train": 0.7, "dev": 0.3}
 

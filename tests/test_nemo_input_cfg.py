@@ -1,4 +1,4 @@
-"""NeMo's input_cfg read as it is (train/nemo_input_cfg.py, train/nemo_manifest.py): NeMo
+"""NeMo's input_cfg read as it is (train/data/nemo_input_cfg.py, train/data/nemo_manifest.py): NeMo
 manifests written here as NeMo documents them (JSON lines of audio_filepath, duration, text,
 from LibriSpeech's own layout, never through the project's code), lhotse cut manifests and a
 Shar directory written by lhotse, in groups with weights and tags; what NeMo refuses, or this
@@ -18,10 +18,10 @@ import soundfile
 import yaml
 
 from tests.harness.training import train
-from train.features import AudioLimits
-from train.nemo_manifest import NemoManifestCuts, nemo_cut
-from train.source_cuts import check_sources, load_source_cuts
-from train.sources import SourceError, read_sources, shares
+from train.data.features import AudioLimits
+from train.data.nemo_manifest import NemoManifestCuts, nemo_cut
+from train.data.source_cuts import check_sources, load_source_cuts
+from train.data.sources import SourceError, read_sources, shares
 
 
 def nemo_manifests(librispeech: Path, out: Path, shards: int = 2) -> list[Path]:

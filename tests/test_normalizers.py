@@ -3,7 +3,7 @@ normalize, ``none`` as decoded, and a clear refusal of an unknown name."""
 
 import pytest
 
-from train.normalizers import NORMALIZERS, basic, normalizer
+from train.eval.normalizers import NORMALIZERS, basic, normalizer
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ from lhotse import CutSet
 
 from tests.harness.object_store import SECRET_KEY, ObjectStore, free_port, object_store
 from tests.harness.training import metrics, train, train_overrides, train_together
-from train.source_cuts import load_source_cuts
-from train.sources import SourceError, read_sources
-from train.storage import shar_shards
+from train.data.source_cuts import load_source_cuts
+from train.data.sources import SourceError, read_sources
+from train.data.storage import shar_shards
 
 BUCKET = "speech"
 SHAR = f"s3://{BUCKET}/shar/train"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from train.models.presets import get_preset
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
 
 TINY = get_preset("tiny")  # 4 heads, 2 KV heads, no experts
 TINY_MOE = get_preset("tiny_moe")  # 4 experts

@@ -7,9 +7,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from train.config import register
-from train.layout import parallel_dims, pipeline_for
 from train.models.presets import get_preset
-from train.pipeline_plan import balanced_split, pipeline_plan, plan_pipeline
+from train.parallel.layout import parallel_dims, pipeline_for
+from train.parallel.pipeline_plan import balanced_split, pipeline_plan, plan_pipeline
 
 BLOCKS = [10] * 8
 

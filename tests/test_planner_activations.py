@@ -24,7 +24,7 @@ import pytest
 from orchestrator.planner.activations import ActivationLayout, Microbatch, activation_bytes
 from tests.harness.planner_cases import CASES, measured, pipeline
 from tests.harness.process import REPO, run_python
-from train.parallel_dims import AC_MODES
+from train.parallel.dims import AC_MODES
 
 pytestmark = pytest.mark.slow
 

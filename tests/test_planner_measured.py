@@ -21,7 +21,7 @@ from orchestrator.planner.search import plan, price
 from orchestrator.planner.speed import attention_share, matmul_share
 from tests.harness.process import run_tool
 from train.models.presets import get_preset
-from train.parallel_dims import AC_MODES
+from train.parallel.dims import AC_MODES
 
 ROWS = load()
 PRICED_ROWS = [row for row in ROWS if row.priced]

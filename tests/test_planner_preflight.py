@@ -20,8 +20,8 @@ from orchestrator.planner.search import priced_inventory
 from orchestrator.slurm.partitions import parse_partitions
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import REPO, run_tool
-from train.layout import parallel_dims, pipeline_for
-from train.parallel_dims import ParallelDims, sequence_multiple
+from train.parallel.dims import ParallelDims, sequence_multiple
+from train.parallel.layout import parallel_dims, pipeline_for
 
 # Too big for any host: an hour of audio per batch through the 1B-parameter LLM. The missing
 # corpus makes a job that gets through (--no-plan-check) fail at once, harmlessly.

@@ -29,7 +29,7 @@ from tests.harness.models import (
 from tests.harness.process import REPO, run_module, run_tool
 from tests.harness.training import TRAPPED_TRAINING
 from tests.harness.workers.pretrained_worker import ENCODER, LAYOUTS, LLM, outputs
-from train.data import load_cuts
+from train.data.loader import load_cuts
 from train.exported import ENCODER_DIR, LLM_DIR, LORA_DIR
 from train.models.hf_weights import encoder_state
 

@@ -1,9 +1,9 @@
-"""Speech examples in a pretrained LLM's chat format (train/prompt.py), on tiny offline tokenizers
-of the Llama 3, Qwen2 and Qwen3 formats and one without a chat template (tests/harness/hf_tiny.py),
-and on a real one: SmolLM2-135M-Instruct's byte-level BPE and ChatML template with its default
-system prompt (``make pretrained``). The tiny BPEs have no whitespace merges; the real one merges
-runs of whitespace into one token, so only it can show a piece boundary that tokenizing the whole
-conversation would merge across.
+"""Speech examples in a pretrained LLM's chat format (train/data/prompt.py), on tiny offline
+tokenizers of the Llama 3, Qwen2 and Qwen3 formats and one without a chat template
+(tests/harness/hf_tiny.py), and on a real one: SmolLM2-135M-Instruct's byte-level BPE and ChatML
+template with its default system prompt (``make pretrained``). The tiny BPEs have no whitespace
+merges; the real one merges runs of whitespace into one token, so only it can show a piece boundary
+that tokenizing the whole conversation would merge across.
 
 What training and decoding rely on: the answer is the transcript and exactly the end of the
 assistant's turn; the prompt before the audio is the template's own text; the pieces tokenized
@@ -24,8 +24,8 @@ from lhotse import MonoCut, SupervisionSegment
 from recipes.pretrained import SMOLLM2
 from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tokenizer
 from tests.harness.models import pretrained_model
-from train.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, load_tokenizer
-from train.source_cuts import transcript as transcript_of
+from train.data.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, load_tokenizer
+from train.data.source_cuts import transcript as transcript_of
 
 # The tiny families, then SmolLM2's real tokenizer.
 FAMILIES = (*TOKENIZER_FAMILIES, "smollm2")
@@ -143,7 +143,7 @@ def test_whitespace_at_the_answers_start_is_not_merged_across_the_pieces(tokeniz
     """SmolLM2's BPE merges the assistant header's newline with whitespace after it into one
     token (``ĊĠ``, ``ĊĊ``), which the pieces tokenized apart never do. Transcripts from
     manifests whose texts start (or end) with spaces and newlines reach ChatPrompt stripped
-    (``train.source_cuts.transcript``), so each example still equals the whole conversation."""
+    (``train.data.source_cuts.transcript``), so each example still equals the whole conversation."""
     tokenizer = tokenizers["smollm2"]
     chat = ChatPrompt(tokenizer)
     audio_id = tokenizer.convert_tokens_to_ids(AUDIO_TOKEN)
@@ -330,5 +330,5 @@ def test_audio_token_is_added_once_and_keeps_its_id(tmp_path, directories):
 
 
 def test_module_imports_without_transformers():
-    check = "import sys, train.prompt; assert 'transformers' not in sys.modules"
+    check = "import sys, train.data.prompt; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], check=True, cwd=Path(__file__).parents[1])

@@ -24,7 +24,7 @@ import torch
 
 from tests.harness.training import run_ranks, trainer_in_process
 from train.models.init import canonical_name
-from train.parallel_dims import AC_MODES, ParallelDims
+from train.parallel.dims import AC_MODES, ParallelDims
 from train.seeding import rank_generator_seed
 from train.trainer import Trainer
 

@@ -63,8 +63,9 @@ def test_rendered_recipe_matches_golden_file(name: str) -> None:
 
 @pytest.mark.parametrize("job_id", ["1", "18818", "32767", "123456789"])
 def test_the_rendezvous_port_is_one_rule_below_the_ephemeral_ports(job_id: str) -> None:
-    """The batch script and the srun/submitit members (train.launch_env) pick the same port, and
-    never one in Linux's ephemeral range: in a CI run, a port there was held by an outgoing socket
+    """The batch script and the srun/submitit members (train.parallel.launch_env) pick the same
+    port, and never one in Linux's ephemeral range: in a CI run, a port there was held by an
+    outgoing socket
     of the job before, and neither node's torchrun could host the rendezvous."""
     text = prepare_script(REPO / "recipes" / "smoke_2node.yaml").text
     (line,) = [line for line in text.splitlines() if line.startswith("export MASTER_PORT=")]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train.sources import SourceError, check_prompt_tags, prompt_of, read_sources, shares
+from train.data.sources import SourceError, check_prompt_tags, prompt_of, read_sources, shares
 
 
 @pytest.fixture

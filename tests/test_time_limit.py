@@ -26,7 +26,7 @@ from contract import job_env
 from tests.harness.chains import launch_training, wait_chain
 from tests.harness.process import REPO, run_tool
 from tests.harness.training import metrics_or_empty, train
-from train.stop import StopRequest
+from train.loop.stop import StopRequest
 
 LIMIT_S = 60  # --time=1, the shortest limit SLURM takes
 GRACE_S = 30  # with SLURM's 30 s check: warned at its first check, killed two checks later
@@ -37,7 +37,7 @@ NEAR = f"the job's time limit is near ({job_env.STOP_AT})"
 # default action of the signals it handled.
 EXITING = """
 import os, signal
-from train.stop import StopRequest
+from train.loop.stop import StopRequest
 
 class LateSignal:
     def __del__(self):
@@ -51,7 +51,7 @@ late = LateSignal()
 def test_a_usr1_while_the_training_exits_is_harmless():
     """The batch script passes USR1 on every 5 s until the training has exited: one that lands
     while a rank that saved is exiting must not kill it (torchrun would exit 1 and SLURM mark the
-    job FAILED after a clean stop; seen in the chain below before train/stop.py ignored it)."""
+    job FAILED after a clean stop; seen in the chain below before train/loop/stop.py ignored it)."""
     done = subprocess.run(
         [sys.executable, "-c", EXITING],
         cwd=REPO,

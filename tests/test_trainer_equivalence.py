@@ -49,11 +49,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.harness.conversations import conversation_mixture
 from tests.harness.training import TRAPPED_TRAINING, metrics, train_together
-from train.data import build_dataloader
-from train.features import AudioLimits
-from train.source_cuts import check_sources
-from train.sources import read_sources
-from train.text import ByteTokenizer
+from train.data.features import AudioLimits
+from train.data.loader import build_dataloader
+from train.data.source_cuts import check_sources
+from train.data.sources import read_sources
+from train.data.text import ByteTokenizer
 
 pytestmark = pytest.mark.slow
 

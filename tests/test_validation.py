@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lhotse import CutSet, MonoCut
 
-from train.validation import rank_share, validation_batches
+from train.eval.validation import rank_share, validation_batches
 
 
 def cuts(durations: list[float]) -> CutSet:

@@ -6,8 +6,8 @@ from dataclasses import astuple
 import numpy as np
 import pytest
 
-from train.normalizers import basic, collapse_whitespace
-from train.wer import ErrorCounts, score_corpus, score_pair
+from train.eval.normalizers import basic, collapse_whitespace
+from train.eval.wer import ErrorCounts, score_corpus, score_pair
 
 
 def word_edits(counts: ErrorCounts) -> tuple[int, int, int, int]:
@@ -127,7 +127,7 @@ def test_a_corpus_without_reference_words_has_no_rates():
 
 def test_the_normalizer_decides_what_counts_as_an_error():
     """The same transcript scores differently after each normalizer: why a summary names it."""
-    from train.normalizers import whisper_en
+    from train.eval.normalizers import whisper_en
 
     reference, hypothesis = "Mr. Smith's colour", "mister smith's color"
     assert score_pair(reference, hypothesis, whisper_en).wer == 0.0

@@ -7,7 +7,7 @@ search path after it, and ``--config-dir DIR`` adds a folder after them. A bad c
 stops every rank with one ``error:`` line and exit code 2, before any process group exists; a
 training that diverges (``train.nonfinite_limit`` consecutive non-finite steps) exits 3 without
 saving; a rank that makes no progress for ``train.hang_timeout_s`` (a peer stopped or stuck)
-exits 5 without saving (train/watchdog.py); a rank whose collective fails (a peer died, a link
+exits 5 without saving (train/loop/watchdog.py); a rank whose collective fails (a peer died, a link
 broke) exits 6. A key the schema does not know, or a value of the wrong type, is a bad config
 too: Hydra's reason on one ``error:`` line, with the key it probably meant, and exit code 2.
 """
@@ -31,9 +31,9 @@ from contract.job_end import (
     write_job_end,
 )
 from train.config import ConfigError, TrainConfig, first_line, refuse_uncomposable, register
-from train.garbage import pause as pause_collector
-from train.launch_env import apply_launch_env
-from train.stop import StopRequest
+from train.loop.garbage import pause as pause_collector
+from train.loop.stop import StopRequest
+from train.parallel.launch_env import apply_launch_env
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -86,11 +86,11 @@ def main(raw: DictConfig) -> None:
     stop.install()
     # The trainer (torch) is imported here, once the stop signal is handled: a sweep's
     # submission (`python -m train -m ...`) runs this module without calling main, torch-free.
-    # Python's collector stays quiet until the training loop runs it (train/garbage.py).
+    # Python's collector stays quiet until the training loop runs it (train/loop/garbage.py).
     pause_collector()
     import torch.distributed as dist
 
-    from train.distributed import REFUSAL_GRACE_S, init_distributed
+    from train.parallel.distributed import REFUSAL_GRACE_S, init_distributed
     from train.trainer import Trainer, TrainingDiverged, preflight
 
     try:

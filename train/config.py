@@ -26,14 +26,14 @@ from contract.job_end import EXIT_CONFIG
 from contract.job_env import SEED_LIMIT
 from contract.seeds import chain_seeds
 from contract.spelling import closest
-from train.host_syncs import HOST_SYNC_MODES
+from train.data.sources import Source, read_sources
+from train.loop.host_syncs import HOST_SYNC_MODES
+from train.loop.watchdog import STOPPABLE
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS
-from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, STRATEGIES, Degrees
-from train.sources import Source, read_sources
-from train.watchdog import STOPPABLE
+from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, STRATEGIES, Degrees
 
 # data.on_layout_change: what a resume does when the data layout its position was saved under
-# changed (train/data_layout.py).
+# changed (train/data/layout.py).
 REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"
 ON_LAYOUT_CHANGE = (REFUSE, RESTART_EPOCH, CONTINUE)
 DEFAULT_RUN_DIR = "runs/local"  # a single run's, under the directory it starts in
@@ -45,9 +45,9 @@ MEMBER_SEED_ROOT = 20_261_122
 
 @dataclass
 class ParallelConfig(Degrees):
-    """The degrees (``train.parallel_dims.Degrees``) and how the pipeline runs."""
+    """The degrees (``train.parallel.dims.Degrees``) and how the pipeline runs."""
 
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (train/pipeline_plan.py)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (train/parallel/pipeline_plan.py)
     pp_microbatches: int = 0  # per batch; 0: 2 * pp
     pp_stages_per_rank: int = 0  # virtual stages; 0: 2 for interleaved_1f1b, else 1
     pp_split: list[int] = field(default_factory=list)  # LLM blocks per stage; []: balanced
@@ -72,8 +72,8 @@ class ModelConfig:
     # A local Hugging Face decoder directory (Llama, Qwen2, Qwen3): its shape replaces the
     # preset's LLM and its weights are loaded at the first job (train/models/hf_weights.py).
     pretrained_llm: str | None = None
-    # With a pretrained LLM, examples follow its chat template (train/prompt.py): the user's
-    # instruction before the audio (None: train.prompt.DEFAULT_PROMPT) and a system text.
+    # With a pretrained LLM, examples follow its chat template (train/data/prompt.py): the user's
+    # instruction before the audio (None: train.data.prompt.DEFAULT_PROMPT) and a system text.
     prompt: str | None = None
     system: str | None = None
     # Regular expressions over parameter names (train/models/freeze.py): matched by a freeze
@@ -85,7 +85,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     # A local Hugging Face audio encoder directory (Whisper, Parakeet; its feature extractor's
     # preprocessor_config.json beside it): it replaces the preset's own encoder, its weights are
-    # loaded at the first job and its extractor computes the features (train/features.py).
+    # loaded at the first job and its extractor computes the features (train/data/features.py).
     pretrained_encoder: str | None = None
     # Encoder frames stacked into one LLM audio position by the projector (its subsampling).
     projector_stride: int = 1
@@ -109,17 +109,17 @@ class DataConfig:
     # (data.input_cfg) fills it before the first batch: from object storage, with the audio.
     buffer_size: int = BUFFER_SIZE
     num_workers: int = 1
-    # Training sources (train/sources.py): a YAML file of them or an inline list; lhotse cut
+    # Training sources (train/data/sources.py): a YAML file of them or an inline list; lhotse cut
     # manifests, Shar directories or recordings + supervisions pairs, with weights, names and
-    # tags, nested in groups; or NeMo's input_cfg entries as they are (train/nemo_input_cfg.py).
-    # When set it replaces corpus/split/shar as the training data.
+    # tags, nested in groups; or NeMo's input_cfg entries as they are
+    # (train/data/nemo_input_cfg.py). When set it replaces corpus/split/shar as the training data.
     input_cfg: Any = None
-    # A directory where features computed from audio are kept (train/features.py), so that
+    # A directory where features computed from audio are kept (train/data/features.py), so that
     # later epochs and jobs read them instead of computing them again; None: compute each time.
     feature_cache: str | None = None
     # A job resumed with the same seed whose data layout (data-parallel size, sources, weights,
     # max_duration, buckets, buffer_size, Shar workers) differs from its checkpoint's: refuse,
-    # restart_epoch or continue (train/data_layout.py).
+    # restart_epoch or continue (train/data/layout.py).
     on_layout_change: str = REFUSE
 
 
@@ -144,13 +144,13 @@ class TrainLoopConfig:
     grad_accum: int = 1  # batches (microbatches) per optimizer step, gradients accumulated
     nonfinite_limit: int = 5  # consecutive non-finite steps (skipped) that end the job, exit 3
     # seconds a rank may make no progress (a step, a save, a validation) before it ends the job
-    # with exit 5 (train/watchdog.py); also sets the process groups' timeout; 0: off
+    # with exit 5 (train/loop/watchdog.py); also sets the process groups' timeout; 0: off
     hang_timeout_s: float = 300.0
     # MiB of device memory per rank for a frozen encoder's outputs, kept per utterance so that
     # each is encoded once a job (train/models/encoder_cache.py); 0: encode every batch
     encoder_cache_mb: int = 0
     # steps between Python's collections of reference cycles, on every rank at the same step
-    # (train/garbage.py); 0: Python's automatic collection
+    # (train/loop/garbage.py); 0: Python's automatic collection
     gc_interval: int = 50
 
 
@@ -165,7 +165,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation in the training loop (train/validation.py)."""
+    """Validation in the training loop (train/eval/validation.py)."""
 
     interval: int = 0  # steps between validation passes, plus one as each job ends; 0: off
     split: str = "dev"  # the loss over all of data.corpus's cuts_<split>.jsonl.gz
@@ -204,7 +204,7 @@ class DebugConfig:
     host_sync_warmup: int = 2
     # The training step, its read-back and validation's forwards with tensor factories defaulting
     # to the meta device: a tensor made without device= fails on the CPU as it would on a GPU
-    # (train/device_trap.py; the CPU suite's layouts run under it).
+    # (train/loop/device_trap.py; the CPU suite's layouts run under it).
     device_trap: bool = False
     # torch.use_deterministic_algorithms: kernels that give the same bits on every run (CUDA's
     # atomics-based reductions replaced), so that a resumed chain can be compared bitwise.

@@ -6,20 +6,20 @@ Run alone or under torchrun at a data-, tensor-, expert-parallel or pipeline lay
 (``parallel.*`` as for training; pipeline stages without TP), whatever layout the checkpoint was
 saved at: DCP reshards it on load. The model is loaded once and decodes every set in turn: a
 set's utterances (sorted by duration, in batches of ``batch_size``) are dealt out to the
-data-parallel ranks; each decodes greedily with a KV cache (train/decode.py) after the prompt
-of the set's tags; rank 0 gathers the hypotheses and scores them (train/wer.py: corpus-level
-rates, after the normalizer ``normalizer=`` names, train/normalizers.py).
+data-parallel ranks; each decodes greedily with a KV cache (train/eval/decode.py) after the prompt
+of the set's tags; rank 0 gathers the hypotheses and scores them (train/eval/wer.py: corpus-level
+rates, after the normalizer ``normalizer=`` names, train/eval/normalizers.py).
 
 ``run_dir`` may also be a directory ``python -m train.export`` wrote (``train/exported.py``):
 the model is then read from its Hugging Face files, sharded, and the results go to its eval/.
 
-Test sets: ``sets=`` a source file or an inline list in the source syntax of train/sources.py
+Test sets: ``sets=`` a source file or an inline list in the source syntax of train/data/sources.py
 (cut manifests, Shar directories, recordings + supervisions), each leaf source a set named by
 its ``name``; or ``inputs=`` one lhotse cut manifest; by default the test split of the corpus
-the run trained on. Each set is checked first (train/source_cuts.py): cuts without a transcript,
-audio or features are set aside and reported, not decoded; a cut whose audio turns out unreadable
-while decoding is skipped the same way. Features are what the run's encoder reads
-(train/features.py). The checkpoint: the newest complete one in ``run_dir``, or ``step=N``, or
+the run trained on. Each set is checked first (train/data/source_cuts.py): cuts without a
+transcript, audio or features are set aside and reported, not decoded; a cut whose audio turns out
+unreadable while decoding is skipped the same way. Features are what the run's encoder reads
+(train/data/features.py). The checkpoint: the newest complete one in ``run_dir``, or ``step=N``, or
 ``checkpoint=PATH``. Bad input (a set with no usable cut, a missing file, an unknown normalizer)
 stops every rank with one ``error:`` line and exit code 2 before any process group exists.
 
@@ -50,34 +50,34 @@ from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
 from contract.job_end import EXIT_CONFIG
 from contract.run_dir import EVAL_DIR, step_name
 from train.checkpoint.manager import CheckpointError, CheckpointManager
+from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
 from train.config import ConfigError, ParallelConfig, refuse_uncomposable
-from train.conversation import conversation_of
-from train.data import encoded, pad_segments
-from train.decode import Stages, greedy_decode, initialize_sharding
-from train.device_trap import trapped
-from train.distributed import REFUSAL_GRACE_S, init_distributed, say
-from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
-from train.features import BadCut, Extractor, Featurizer, extractor_of
-from train.layout import checked_dims, model_of
-from train.mesh import build_meshes
-from train.models.build import build_model, build_pipeline
-from train.models.parallelize import ParallelizeOptions
-from train.models.shape import SALMConfig
-from train.normalizers import DEFAULT_NORMALIZER, normalizer
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import pipeline_plan
-from train.prompt import ChatPrompt, Encoded
-from train.saved_run import find_checkpoint, saved_model, saved_state
-from train.source_cuts import (
+from train.data.conversation import conversation_of
+from train.data.features import BadCut, Extractor, Featurizer, extractor_of
+from train.data.loader import encoded, pad_segments
+from train.data.prompt import ChatPrompt, Encoded
+from train.data.source_cuts import (
     SourceCheck,
     check_sources,
     load_source_cuts,
     transcript,
 )
-from train.sources import Source, check_prompt_tags, read_sources
-from train.text import ByteTokenizer, text_codec
-from train.validation import rank_share
-from train.wer import ErrorCounts, edit_counts
+from train.data.sources import Source, check_prompt_tags, read_sources
+from train.data.text import ByteTokenizer, text_codec
+from train.eval.decode import Stages, greedy_decode, initialize_sharding
+from train.eval.normalizers import DEFAULT_NORMALIZER, normalizer
+from train.eval.validation import rank_share
+from train.eval.wer import ErrorCounts, edit_counts
+from train.exported import SPEECH_CONFIG, Export, is_export, load_export, read_export
+from train.loop.device_trap import trapped
+from train.models.build import build_model, build_pipeline
+from train.models.parallelize import ParallelizeOptions
+from train.models.shape import SALMConfig
+from train.parallel.dims import ParallelDims
+from train.parallel.distributed import REFUSAL_GRACE_S, init_distributed, say
+from train.parallel.layout import checked_dims, model_of
+from train.parallel.mesh import build_meshes
+from train.parallel.pipeline_plan import pipeline_plan
 
 SUMMARY_FILE, HYPOTHESES_FILE = "summary.json", "hypotheses.jsonl"
 
@@ -88,16 +88,17 @@ class EvaluateConfig:
     checkpoint: str | None = None  # a step_<N> directory; default the newest complete one
     step: int | None = None  # or the checkpoint of this step in run_dir
     inputs: str | None = None  # a lhotse cut manifest; default the run's corpus test split
-    # Or several test sets: a source file or an inline list (train/sources.py), each source
+    # Or several test sets: a source file or an inline list (train/data/sources.py), each source
     # scored as its own set, named by its name:.
     sets: Any = None
     split: str | None = None  # the one set's name; default "test", or the manifest's name
-    normalizer: str = DEFAULT_NORMALIZER  # train/normalizers.py: none, basic, whisper_en
+    normalizer: str = DEFAULT_NORMALIZER  # train/eval/normalizers.py: none, basic, whisper_en
     batch_size: int = 16  # utterances per batch and data-parallel rank
     max_new_tokens: int = 128  # the longest transcript decoded, in tokens (bytes)
     kv_cache: bool = True  # false recomputes every position at each step (a baseline)
     # Decoding with tensor factories defaulting to the meta device: a tensor made without
-    # device= fails on the CPU as on a GPU (train/device_trap.py, as the trainer's debug option).
+    # device= fails on the CPU as on a GPU (train/loop/device_trap.py, as the trainer's debug
+    # option).
     device_trap: bool = False
     strategy: str = "fsdp2"
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(dp_shard=1))

@@ -44,7 +44,11 @@ from safetensors.torch import save_file
 
 from contract.job_end import EXIT_CONFIG
 from train.checkpoint.manager import CheckpointError, CheckpointManager
+from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
 from train.config import ConfigError, LoraConfig, ModelConfig
+from train.data.features import PREPROCESSOR_FILE
+from train.data.prompt import AUDIO_TOKEN, load_tokenizer
+from train.data.text import ByteTokenizer
 from train.exported import (
     ADAPTER_WEIGHTS,
     ENCODER_DIR,
@@ -54,8 +58,6 @@ from train.exported import (
     SPEECH_WEIGHTS,
     peft_name,
 )
-from train.features import PREPROCESSOR_FILE
-from train.layout import model_of
 from train.models.hf_config import CONFIG_FILE, WEIGHT_FILES, read_config
 from train.models.hf_encoder import transformers_class
 from train.models.hf_encoder_config import encoder_config
@@ -65,9 +67,7 @@ from train.models.inventory import inventory
 from train.models.lora import LORA_A, LORA_B, adapter_names, merged_weight
 from train.models.salm import SALM
 from train.models.shape import SALMConfig, llm_head_dim
-from train.prompt import AUDIO_TOKEN, load_tokenizer
-from train.saved_run import find_checkpoint, saved_model, saved_state
-from train.text import ByteTokenizer
+from train.parallel.layout import model_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -7,12 +7,12 @@ the run dir (or start fresh), then train until ``max_steps``, a stop signal or t
 budget, saving at the checkpoint interval and on the way out.
 
 The loop is torchtitan's shape: each component decides when it acts behind one call (the data
-stream ``train.training_data``, the step's tallies and read-back ``train.step_tallies``, the
-metrics line ``train.step_log``, validation ``train.validation.Validator``, checkpoints
-``CheckpointManager.due``, the batch checks ``train.batch_hash.BatchChecks``, the hang watchdog,
-the host-sync guard, the injected test faults ``train.faults``), and ``TrainState`` is what the
-training has done, saved in every checkpoint. The job seed drives the data order and every
-rank's own draws; a resumed job with the checkpoint's seed continues both, any other seed
+stream ``train.data.stream``, the step's tallies and read-back ``train.loop.step_tallies``, the
+metrics line ``train.loop.step_log``, validation ``train.eval.validation.Validator``, checkpoints
+``CheckpointManager.due``, the batch checks ``train.data.batch_hash.BatchChecks``, the hang
+watchdog, the host-sync guard, the injected test faults ``train.loop.faults``), and ``TrainState``
+is what the training has done, saved in every checkpoint. The job seed drives the data order and
+every rank's own draws; a resumed job with the checkpoint's seed continues both, any other seed
 starts new ones.
 """
 
@@ -31,20 +31,26 @@ import torch.distributed as dist
 
 from contract import job_env
 from contract.job_end import EXIT_HUNG, EXIT_NOT_SAVED, job_end_record, write_job_end
-from train.batch_hash import BatchChecks
 from train.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.config import ConfigError, ModelConfig, TrainConfig
-from train.data import LoadedBatch
-from train.data_plan import DataPlan, data_plan
-from train.device_trap import trapped
-from train.distributed import clip_grad_norm, say
-from train.faults import InjectedFaults
-from train.features import Featurizer
-from train.garbage import Collector
-from train.host_syncs import HostSyncGuard
-from train.layout import frozen_of, model_of, training_layout
+from train.data.batch_hash import BatchChecks
+from train.data.features import Featurizer
+from train.data.loader import LoadedBatch
+from train.data.plan import DataPlan, data_plan
+from train.data.stream import TrainingData
+from train.data.text import text_codec
+from train.eval.validation import ValidationSet, Validator
+from train.loop.device_trap import trapped
+from train.loop.faults import InjectedFaults
+from train.loop.garbage import Collector
+from train.loop.host_syncs import HostSyncGuard
+from train.loop.step import WholeModelRunner
+from train.loop.step_log import StepLog, log_state_memory
+from train.loop.step_tallies import COUNTS, StepTallies, Synced, global_counts
+from train.loop.stop import StopRequest
+from train.loop.train_state import TrainState
+from train.loop.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 from train.memory import gradient_bytes, state_bytes
-from train.mesh import build_meshes
 from train.metrics import MetricsLogger
 from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline, encoder_replica, freeze_parameters
@@ -53,18 +59,12 @@ from train.models.encoder_cache import MIB, EncoderCache
 from train.models.hf_weights import load_encoder_weights, load_llm_weights
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import PipelinePlan
+from train.parallel.dims import ParallelDims
+from train.parallel.distributed import clip_grad_norm, say
+from train.parallel.layout import frozen_of, model_of, training_layout
+from train.parallel.mesh import build_meshes
+from train.parallel.pipeline_plan import PipelinePlan
 from train.seeding import seed_rank
-from train.step import WholeModelRunner
-from train.step_log import StepLog, log_state_memory
-from train.step_tallies import COUNTS, StepTallies, Synced, global_counts
-from train.stop import StopRequest
-from train.text import text_codec
-from train.train_state import TrainState
-from train.training_data import TrainingData
-from train.validation import ValidationSet, Validator
-from train.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 
 
 class TrainingDiverged(RuntimeError):
@@ -452,7 +452,7 @@ class Trainer:
     def run(self) -> int:
         """Restore, train, save and validate, all watched: a rank hung anywhere from the
         checkpoint load to the last validation ends the job (exit 5). Python's collector runs at
-        the loop's steps (train/garbage.py)."""
+        the loop's steps (train/loop/garbage.py)."""
         with self.watchdog, self.collector:
             return self.run_watched()
 

@@ -65,7 +65,7 @@ def validate_members(
     """Build each member's trainer config and run the trainer's checks for ``world_size`` ranks;
     the configs (train.config.TrainConfig), in order."""
     from train.config import ConfigError, composition_problem
-    from train.layout import training_layout
+    from train.parallel.layout import training_layout
 
     configs = []
     for offset, overrides in enumerate(job_overrides):

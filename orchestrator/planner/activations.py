@@ -75,7 +75,7 @@ from train.models.shape import (
     llm_head_dim,
     subsampled_lens,
 )
-from train.parallel_dims import (
+from train.parallel.dims import (
     BASE_SEQ_MULTIPLE,
     DEFAULT_LOSS_CHUNK,
     SELECTIVE_OP,

@@ -27,7 +27,7 @@ from train.models.hf_config import decoder_fields
 from train.models.inventory import inventory
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, freeze_rules, with_lora
 from train.models.presets import PRESETS, get_preset
-from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, DEGREES
+from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, DEGREES
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
 SHAPE_FLAGS = {

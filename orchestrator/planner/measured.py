@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.parallel_dims import DEGREES
+from train.parallel.dims import DEGREES
 
 TABLE = Path(__file__).with_name("measurements.csv")
 COLUMNS = (

@@ -94,7 +94,7 @@ def request_and_layout(
     cfg: TrainConfig, nodes: int, tasks_per_node: int, capacity: Capacity
 ) -> tuple[PlanRequest, Layout]:
     """The planner's view of a trainer config on ``nodes`` x ``tasks_per_node`` ranks."""
-    from train.layout import frozen_of, model_of, parallel_dims, pipeline_for
+    from train.parallel.layout import frozen_of, model_of, parallel_dims, pipeline_for
 
     world = nodes * tasks_per_node
     dims = parallel_dims(cfg, world)

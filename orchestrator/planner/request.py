@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.planner.cluster import Cluster
 from train.models.shape import SALMConfig
-from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, Degrees, ParallelDims
+from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, Degrees, ParallelDims
 
 FRAMES_PER_SECOND = 100  # fbank frames (10 ms hop)
 
@@ -42,7 +42,7 @@ class PlanRequest:
 
 @dataclass
 class Layout(Degrees):
-    """The degrees (``train.parallel_dims.Degrees``) and how a step is cut into microbatches."""
+    """The degrees (``train.parallel.dims.Degrees``) and how a step is cut into microbatches."""
 
     microbatch: int  # sequences per microbatch and data-parallel rank
     microbatches: int  # per optimizer step: pipeline microbatches or gradient accumulation

@@ -40,8 +40,8 @@ from orchestrator.planner.state import GroupedInventory, group, held, state_byte
 from train.flops import sequence_flops
 from train.models.inventory import inventory, stage_param_counts
 from train.models.shape import SALMConfig
-from train.parallel_dims import sequence_multiple
-from train.pipeline_plan import PipelinePlan, plan_pipeline
+from train.parallel.dims import sequence_multiple
+from train.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 
 FRAMEWORK_BYTES = 1.5 * GIB  # CUDA context, communicators, workspaces
 HOST_FRAMEWORK_BYTES = 0.5 * GIB  # a CPU rank's Python, torch and gloo
@@ -102,8 +102,8 @@ def candidate_layouts(request: PlanRequest) -> list[Layout]:
 
 
 def pipeline_for(counts: tuple, layout: Layout, cache: dict) -> PipelinePlan | None:
-    """The trainer's plan for ``layout`` (``train.pipeline_plan``: its schedule, stages per rank
-    and split; a balanced split is computed once per pp, schedule and stages per rank, and a
+    """The trainer's plan for ``layout`` (``train.parallel.pipeline_plan``: its schedule, stages per
+    rank and split; a balanced split is computed once per pp, schedule and stages per rank, and a
     plan once per its settings)."""
     if layout.pp == 1:
         return None

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from orchestrator.planner.activations import Microbatch
 from train.flops import ENCODER_MACS, llm_weights_per_position, loss_recompute_flops
 from train.models.shape import SALMConfig, audio_positions, encoder_frames, llm_head_dim
-from train.parallel_dims import SELECTIVE_OP, sequence_multiple
+from train.parallel.dims import SELECTIVE_OP, sequence_multiple
 
 if TYPE_CHECKING:
     from orchestrator.planner.request import Layout, PlanRequest

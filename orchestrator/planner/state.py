@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass
 
 from train.models.inventory import COLUMN, ROW, ParamTensor
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import PipelinePlan
+from train.parallel.dims import ParallelDims
+from train.parallel.pipeline_plan import PipelinePlan
 
 FP32 = 4
 ADAM_MOMENTS = 2

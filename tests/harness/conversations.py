@@ -1,7 +1,7 @@
 """Conversation and text sources written from the session corpus, as users bring them: NeMo's
 ``multimodal_conversation`` JSON lines over the corpus's own audio (a spoken utterance in the
 middle of a conversation or opening it, a second one in a later turn) and ``text_pairs`` files,
-mixed with the corpus's ASR cuts (train/conversation_cuts.py)."""
+mixed with the corpus's ASR cuts (train/data/conversation_cuts.py)."""
 
 from __future__ import annotations
 

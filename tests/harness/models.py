@@ -53,9 +53,9 @@ def trained_llm_agrees(run_dir: Path, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
     from train.export import load_trained
-    from train.layout import model_of
-    from train.saved_run import find_checkpoint, saved_model, saved_state
+    from train.parallel.layout import model_of
 
     checkpoint = find_checkpoint(run_dir, None, None)
     shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))
@@ -70,9 +70,9 @@ def trained_llm_agrees(run_dir: Path, folder: Path) -> None:
 
 def trained_model(run_dir: Path):
     """The run's newest checkpoint as one fp32 model on the CPU (adapters included)."""
+    from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
     from train.export import load_trained
-    from train.layout import model_of
-    from train.saved_run import find_checkpoint, saved_model, saved_state
+    from train.parallel.layout import model_of
 
     checkpoint = find_checkpoint(run_dir, None, None)
     shape = model_of(saved_model(checkpoint, saved_state(checkpoint)))

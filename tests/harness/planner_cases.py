@@ -18,12 +18,12 @@ from pathlib import Path
 
 from tests.harness.process import REPO, run_python
 from train.config import LoraConfig, ModelConfig, TrainConfig
-from train.layout import frozen_of, model_of
 from train.models.hf_names import PROJECTIONS
 from train.models.inventory import inventory, stage_param_counts
 from train.models.shape import SALMConfig
-from train.parallel_dims import DENSE_DIMS, ParallelDims
-from train.pipeline_plan import PipelinePlan, plan_pipeline
+from train.parallel.dims import DENSE_DIMS, ParallelDims
+from train.parallel.layout import frozen_of, model_of
+from train.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 
 WORKER = REPO / "tests/harness/workers/planner_worker.py"
 # An LLM-heavy batch (16 fbank frames, 508 tokens: 512 decoder positions): the blocks and the

@@ -7,16 +7,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from train.mesh import Meshes
+from train.loop.step import WholeModelRunner
 from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
 from train.models.init import canonical_name
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view
 from train.models.shape import PAD_ID, SALMConfig
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import pipeline_plan
-from train.step import WholeModelRunner
+from train.parallel.dims import ParallelDims
+from train.parallel.mesh import Meshes
+from train.parallel.pipeline_plan import pipeline_plan
 
 GLOBAL_BATCH = 4
 DATA_SEED = 99

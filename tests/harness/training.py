@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # The overrides that run training (``python -m train``) and decoding (``python -m
 # train.evaluate``) under the device trap: a tensor made without its device fails on the CPU as
-# on a GPU (train/device_trap.py).
+# on a GPU (train/loop/device_trap.py).
 TRAPPED_TRAINING = "debug.device_trap=true"
 TRAPPED_DECODING = "device_trap=true"
 # A SIGKILLed rank's peers, and its job, end within this (docs/faults.md): 3-7 s measured on a
@@ -64,7 +64,7 @@ def trainer_in_process(run_dir: Path, corpus: Path, *overrides: str) -> Trainer:
     restored or fresh with its pretrained weights, its encoder's outputs kept if configured.
     For tests that call its steps themselves."""
     from orchestrator.planner.plan_check import compose_training_config
-    from train.stop import StopRequest
+    from train.loop.stop import StopRequest
     from train.trainer import Trainer, preflight
 
     cfg = compose_training_config(train_overrides(run_dir, corpus, *overrides))
@@ -108,7 +108,7 @@ def run_ranks(
 
 
 # metrics.jsonl's rows that are records, not history: each job's memory row, and the row of a
-# job that restarted the data epoch on a changed data layout (train/data_layout.py).
+# job that restarted the data epoch on a changed data layout (train/data/layout.py).
 RECORD_KEYS = ("memory", "data_layout_change")
 
 

@@ -212,7 +212,7 @@ class CheckpointManager:
         interval: int = 0,
     ) -> None:
         """``timeout``: of the background saves' gloo group (the trainer gives every process
-        group the same, ``train.watchdog.process_group_timeout``); None: gloo's default.
+        group the same, ``train.loop.watchdog.process_group_timeout``); None: gloo's default.
         ``interval``: the training saves every so many steps (``due``); 0: only as it ends."""
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1 (the checkpoint to resume from)")

@@ -7,13 +7,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from train.mesh import Meshes
 from train.models.init import canonical_name, init_weights
 from train.models.parallelize import ParallelizeOptions, parallelize
 from train.models.pipeline import PipelinePart, pipeline_parts
 from train.models.salm import SALM, build_encoder
 from train.models.shape import SALMConfig
-from train.pipeline_plan import PipelinePlan
+from train.parallel.mesh import Meshes
+from train.parallel.pipeline_plan import PipelinePlan
 
 
 def build_model(
@@ -75,8 +75,8 @@ def encoder_replica(model: SALM, device: torch.device, dtype: torch.dtype) -> nn
 
 def freeze_parameters(model: nn.Module, frozen: set[str]) -> list[nn.Parameter]:
     """Stop the gradients of the parameters named in ``frozen`` (whole-model names, from
-    ``train.layout.frozen_of``) before the first forward, so FSDP never reduces them; returns
-    the parameters that still train, for the optimizer (which then keeps no state for the
+    ``train.parallel.layout.frozen_of``) before the first forward, so FSDP never reduces them;
+    returns the parameters that still train, for the optimizer (which then keeps no state for the
     others)."""
     trainable = []
     for name, param in model.named_parameters():

@@ -22,8 +22,8 @@ pretrained running statistics in training too (batch statistics would depend on 
 and on how a batch is split over ranks); their scale and shift still train. Frozen tensors are
 parameters that never train (Whisper's sinusoidal position table, as in transformers; those
 statistics), so loading, checkpoints and export treat them as every other parameter
-(``train.models.inventory`` marks them untrainable, ``train.layout.frozen_of`` freezes them).
-Parakeet's relative position table is computed at each forward (transformers keeps its
+(``train.models.inventory`` marks them untrainable, ``train.parallel.layout.frozen_of`` freezes
+them). Parakeet's relative position table is computed at each forward (transformers keeps its
 frequencies in a buffer that materializing from the meta device would destroy).
 
 transformers is imported only where such an encoder is built.

@@ -50,12 +50,12 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from train.mesh import Meshes
 from train.models.compiled import compile_region
 from train.models.lora import ADAPTER, LORA_A, LORA_B
 from train.models.moe import MoE
 from train.models.salm import BLOCK_DIMS, SALM, Block
-from train.parallel_dims import AC_MODES, DEFAULT_LOSS_CHUNK, SELECTIVE_OP
+from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, SELECTIVE_OP
+from train.parallel.mesh import Meshes
 
 if TYPE_CHECKING:
     from train.models.pipeline import PipelinePart

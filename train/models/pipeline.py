@@ -3,8 +3,8 @@
 Each stage is a `PipelinePart`: a copy of the whole model built on the meta device and pruned to
 the modules its stage runs, so its parameters keep the whole model's names (DCP reshards between
 any stage split, and ``init_weights`` gives every stage the single process's values). A rank
-builds the parts of its stages (see ``train.pipeline_plan``), parallelizes each like a whole
-model (TP, EP, AC, compile, FSDP2 per part), and a `PipelineRunner` feeds them microbatches.
+builds the parts of its stages (see ``train.parallel.pipeline_plan``), parallelizes each like a
+whole model (TP, EP, AC, compile, FSDP2 per part), and a `PipelineRunner` feeds them microbatches.
 
 What travels between stages is the decoder's hidden state (microbatch, S / tp, d): under TP each
 rank sends its own sequence shard. The padding mask goes to every stage as a keyword input, the
@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from train.loop.step import host_seq_len, to_device
 from train.models.batch import Batch
 from train.models.context import shard_sequence
 from train.models.loss import aux_weight
 from train.models.packing import batch_layout, segments
 from train.models.salm import SALM, embed_inputs
 from train.models.shape import PAD_ID, audio_positions
-from train.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
-from train.step import host_seq_len, to_device
+from train.parallel.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
 
 # torch's schedule classes by the name ``parallel.pp_schedule`` gives; imported when a pipeline
 # is built (torch.distributed.pipelining imports dynamo: ~1 CPU-second of every rank's start-up).

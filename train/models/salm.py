@@ -8,7 +8,7 @@ embeddings, its other tokens, then right padding (``train.models.packing``). The
 next-token prediction on the answer only (``train.models.loss``). Every output on a real
 position ignores padding, so a batch split across ranks computes exactly what the whole batch
 computes in one process. The text side (the byte tokenizer, a pretrained LLM's chat template)
-is ``train.text``'s and ``train.prompt``'s: the model sees token ids only.
+is ``train.data.text``'s and ``train.data.prompt``'s: the model sees token ids only.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from train.models.shape import (
     stacked,
     subsampled_lens,
 )
-from train.parallel_dims import BASE_SEQ_MULTIPLE, DEFAULT_LOSS_CHUNK
+from train.parallel.dims import BASE_SEQ_MULTIPLE, DEFAULT_LOSS_CHUNK
 
 if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
@@ -85,7 +85,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or dim // n_heads
         self.causal = causal
         self.cp_mesh: DeviceMesh | None = None
-        self.kv_cache: KVCache | None = None  # set while decoding (train/decode.py)
+        self.kv_cache: KVCache | None = None  # set while decoding (train/eval/decode.py)
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)

@@ -40,16 +40,16 @@ import torch.distributed.checkpoint as dcp
 
 from tests.harness.synthetic import full_params, synthetic_batch
 from train.checkpoint.manager import CheckpointManager
-from train.mesh import build_meshes
+from train.loop.step import WholeModelRunner
 from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline
 from train.models.loss import loss_targets
 from train.models.parallelize import ParallelizeOptions
 from train.models.pipeline import PipelineRunner, merged_view
 from train.models.presets import get_preset
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import pipeline_plan
-from train.step import WholeModelRunner
+from train.parallel.dims import ParallelDims
+from train.parallel.mesh import build_meshes
+from train.parallel.pipeline_plan import pipeline_plan
 
 STEPS = 3
 TRAINER_STATE = {

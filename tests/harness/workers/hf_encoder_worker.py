@@ -26,16 +26,16 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness.synthetic import built, full_params, save_and_end
 from train.config import ModelConfig, TrainConfig
-from train.device_trap import trapped
-from train.layout import frozen_of, model_of
-from train.mesh import build_meshes
+from train.loop.device_trap import trapped
 from train.models.batch import Batch
 from train.models.build import freeze_parameters
 from train.models.hf_weights import encoder_state, load_encoder_weights
 from train.models.layers import length_mask
 from train.models.loss import loss_targets
 from train.models.shape import PAD_ID
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
+from train.parallel.layout import frozen_of, model_of
+from train.parallel.mesh import build_meshes
 
 FEATURE_LENS = (240, 123, 37, 181)  # some end inside a projector group, some at its end
 
@@ -63,7 +63,7 @@ def record(directory: Path, dims: ParallelDims, stride: int) -> dict:
     batch = varied_batch(cfg.n_mels)
 
     def loss() -> float:
-        with trapped(True):  # a tensor made off its device fails (train/device_trap.py)
+        with trapped(True):  # a tensor made off its device fails (train/loop/device_trap.py)
             total = runner.loss_sum(batch)
         if pp_group is not None:  # the last stage holds it
             dist.all_reduce(total, group=pp_group)

@@ -26,14 +26,14 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness.synthetic import built, full_params, save_and_end, synthetic_batch
 from train.config import LoraConfig, ModelConfig, TrainConfig
-from train.device_trap import trapped
-from train.layout import frozen_of, model_of
-from train.mesh import build_meshes
+from train.loop.device_trap import trapped
 from train.models.build import freeze_parameters
 from train.models.hf_names import PROJECTIONS
 from train.models.hf_weights import llm_state, load_llm_weights
 from train.models.loss import loss_targets
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
+from train.parallel.layout import frozen_of, model_of
+from train.parallel.mesh import build_meshes
 
 
 def local_elements(model: torch.nn.Module) -> dict[str, int]:
@@ -72,7 +72,7 @@ def record(directory: Path, args: argparse.Namespace) -> dict:
 
     def loss() -> float:
         """The batch's loss sum: CP ranks hold parts of it, the last stage holds it under PP."""
-        with trapped(True):  # a tensor made off its device fails (train/device_trap.py)
+        with trapped(True):  # a tensor made off its device fails (train/loop/device_trap.py)
             total = runner.loss_sum(batch)
         for group in (meshes.cp.get_group() if dims.cp_enabled else None, pp_group):
             if group is not None:

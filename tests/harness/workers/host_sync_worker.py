@@ -11,7 +11,7 @@ sizes) and every other read, each named by its site (the innermost frame in trai
 
 Then the positive controls, with a sync planted in the step (``planted``: the gradient norm read
 back, as a step that logged it would): one step under ``HostReads`` (what it records), one under
-the trainer's own ``HostSyncGuard`` (train/host_syncs.py) for a CUDA device in ``error`` mode,
+the trainer's own ``HostSyncGuard`` (train/loop/host_syncs.py) for a CUDA device in ``error`` mode,
 with CUDA's sync debug mode stood in for by ``HostReads(raising=True)`` (the error it raises),
 and one under a guard still warming up (no error).
 
@@ -43,7 +43,7 @@ What it cannot see on a CPU: ``.to("cpu")`` of a device tensor (the same call as
 ``Tensor.to``, as in ``torch.tensor(data, device=cuda)``) and syncs inside CUDA kernels of ops
 that have none on the CPU. A host computation that starts from a fresh tensor instead of the
 batch counts as device work: its reads are recorded (loudly, never silently missed). On a GPU,
-``debug.host_syncs`` (train/host_syncs.py) has CUDA name every sync.
+``debug.host_syncs`` (train/loop/host_syncs.py) has CUDA name every sync.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from train import step
 from train import trainer as trainer_module
 from train.config import TrainConfig
-from train.distributed import init_distributed
-from train.host_syncs import HostSyncGuard
+from train.loop import step
+from train.loop.host_syncs import HostSyncGuard
+from train.loop.stop import StopRequest
 from train.models.batch import Batch
-from train.stop import StopRequest
+from train.parallel.distributed import init_distributed
 from train.trainer import Trainer, preflight
 
 REPO = Path(__file__).resolve().parents[3]

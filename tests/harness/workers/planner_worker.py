@@ -42,12 +42,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tests.harness.planner_cases import Case
 from train import trainer as trainer_module
 from train.config import TrainConfig
-from train.data_plan import data_plan
-from train.distributed import init_distributed
-from train.layout import parallel_dims, pipeline_for
+from train.data.plan import data_plan
+from train.loop.stop import StopRequest
 from train.models import parallelize
 from train.models.moe import local_shard
-from train.stop import StopRequest
+from train.parallel.distributed import init_distributed
+from train.parallel.layout import parallel_dims, pipeline_for
 from train.trainer import Prepared, Trainer
 
 DATA_SEED = 7

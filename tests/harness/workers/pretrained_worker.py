@@ -24,12 +24,12 @@ from recipes.pretrained import SMOLLM2, WHISPER
 from tests.harness.models import pretrained_model
 from tests.harness.synthetic import built, save_and_end
 from train.config import ModelConfig
-from train.decode import gathered_root, initialize_sharding
-from train.device_trap import trapped
-from train.layout import model_of
-from train.mesh import build_meshes
+from train.eval.decode import gathered_root, initialize_sharding
+from train.loop.device_trap import trapped
 from train.models.hf_weights import load_encoder_weights, load_llm_weights
-from train.parallel_dims import ParallelDims
+from train.parallel.dims import ParallelDims
+from train.parallel.layout import model_of
+from train.parallel.mesh import build_meshes
 
 ENCODER, LLM = WHISPER.name, SMOLLM2.name
 # Layout name -> (tp, dp_shard) over the world: every rank in one TP group, then in one FSDP2
@@ -58,7 +58,7 @@ def outputs(inputs: dict[str, torch.Tensor], tp: int = 1, dp_shard: int = -1) ->
     initialize_sharding(model)
     tokens = inputs["tokens"]
     mask = torch.ones_like(tokens, dtype=torch.bool)
-    # A tensor made off its device in the real parts fails (train/device_trap.py).
+    # A tensor made off its device in the real parts fails (train/loop/device_trap.py).
     with gathered_root(model), trapped(True):
         logits, _ = model.llm(model.llm.embed(tokens), mask)
         frames, lens = model.encoder(inputs["features"], inputs["feature_lens"])

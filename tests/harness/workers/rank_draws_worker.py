@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from orchestrator.planner.plan_check import compose_training_config
-from train.distributed import init_distributed
-from train.stop import StopRequest
+from train.loop.stop import StopRequest
+from train.parallel.distributed import init_distributed
 from train.trainer import Trainer, preflight
 
 

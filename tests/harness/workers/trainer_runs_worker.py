@@ -22,15 +22,15 @@ import torch._dynamo
 import torch.distributed as dist
 
 from orchestrator.planner.plan_check import compose_training_config
-from train.distributed import init_distributed
-from train.garbage import pause as pause_collector
-from train.stop import StopRequest
+from train.loop.garbage import pause as pause_collector
+from train.loop.stop import StopRequest
+from train.parallel.distributed import init_distributed
 from train.trainer import Trainer, preflight
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    pause_collector()  # as python -m train does before it imports and builds (train/garbage.py)
+    pause_collector()  # as python -m train does before it imports and builds (loop/garbage.py)
     device = init_distributed()
     for overrides in spec["runs"]:
         torch._dynamo.reset()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from train.watchdog import process_group_timeout
+from train.loop.watchdog import process_group_timeout
 
 # How long a rank other than 0 that refuses the config leaves rank 0 to say why before it exits:
 # a peer that exited first would have the launcher (torchrun) stop rank 0 before its line.
@@ -25,7 +25,7 @@ def say(line: str) -> None:
 
 def init_distributed(hang_timeout_s: float = 0.0) -> torch.device:
     """Join the process group; with ``hang_timeout_s`` its collectives time out a little after
-    the hang watchdog would fire (train/watchdog.py), else after torch's default. On CUDA the
+    the hang watchdog would fire (train/loop/watchdog.py), else after torch's default. On CUDA the
     group is bound to this rank's device: NCCL connects now (a bad node fails here, not in the
     first step) and the mesh's subgroups are split from it, one call per mesh dim."""
     timeout = process_group_timeout(hang_timeout_s)

@@ -24,7 +24,7 @@ from lhotse.audio import AudioSource
 from lhotse.cut import MonoCut
 from lhotse.utils import compute_num_samples
 
-from train.nemo_input_cfg import LANG_FIELD, TAR_SHARD, TEXT_FIELD
+from train.data.nemo_input_cfg import LANG_FIELD, TAR_SHARD, TEXT_FIELD
 
 WHOLE_FILE_S = 0.2  # a line this close to its member's length is the whole member (NeMo's)
 PLACEHOLDER_RATE = 16000  # a missing file's rate: the source check sets its cut aside by name
@@ -148,7 +148,7 @@ class NemoTarredCuts:
     in memory. ``metadata_only``: the cuts from the manifests alone, the tars unread (what the
     source check at a job's start walks), with the same ids.
 
-    ``paths`` as ``train.nemo_input_cfg`` pairs them: each manifest shard then its tar
+    ``paths`` as ``train.data.nemo_input_cfg`` pairs them: each manifest shard then its tar
     (``sharded``), or one manifest then every tar (``single``: the lines' ``shard_id`` says
     which). A member no line names is an error naming both, as in NeMo."""
 

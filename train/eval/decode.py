@@ -3,7 +3,7 @@ batched and padding-aware.
 
 Each sequence's prompt is its generation prompt's tokens around its projected audio frames (the
 byte tokenizer's: the audio then BOS; a pretrained LLM's: its chat template up to the answer,
-``train.prompt``), or a text chat's generation prompt alone (``greedy_decode_text``),
+``train.data.prompt``), or a text chat's generation prompt alone (``greedy_decode_text``),
 left-padded to the batch's longest (rounded up to the model's sequence multiple, which includes
 the TP degree); then one token per step for every sequence until all have produced an end token
 or ``max_new_tokens``: both kinds of prompt take the very same steps. Sharded layers (FSDP, TP,
@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 
+from train.data.prompt import Encoded
+from train.data.text import ByteTokenizer
 from train.models.batch import Batch
 from train.models.kv_cache import KVCache
 from train.models.packing import (
@@ -40,8 +42,6 @@ from train.models.packing import (
 )
 from train.models.salm import SALM, encode_audio
 from train.models.shape import BOS_ID, EOS_ID, audio_positions
-from train.prompt import Encoded
-from train.text import ByteTokenizer
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def greedy_decode_text(
     stages: Stages | None = None,
 ) -> list[list[int]]:
     """``greedy_decode`` after token prompts instead of audio (a text chat's generation prompt,
-    ``train.prompt.text_prompt``): the prompts, of any lengths, are left-padded to the longest
+    ``train.data.prompt.text_prompt``): the prompts, of any lengths, are left-padded to the longest
     (rounded up to the model's sequence multiple). Every pipeline stage passes the same
     ``prompts``: their lengths lay out the batch."""
     _check_prompts(prompts, model.cfg.vocab_size)

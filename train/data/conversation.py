@@ -5,9 +5,10 @@ A cut carries its conversation in ``cut.custom["conversation"]`` as a JSON list 
 ``{"role": ..., "text": ...}`` or ``{"role": ..., "audio": true}``, and its audio turns'
 recordings, in order, in ``cut.custom["audio"]`` (lhotse's recording manifests): the cut itself
 has no recording, and its duration is what the batch budget counts. The readers of the formats
-users bring (``train.conversation_cuts``) write them there; the text codecs (``train.prompt``
-for a pretrained LLM's chat template, the byte tokenizer of the presets) render them, the loss
-covering the assistant's turns, and evaluation decodes the last assistant turn after the rest.
+users bring (``train.data.conversation_cuts``) write them there; the text codecs
+(``train.data.prompt`` for a pretrained LLM's chat template, the byte tokenizer of the presets)
+render them, the loss covering the assistant's turns, and evaluation decodes the last assistant turn
+after the rest.
 
 Consecutive turns of one role are one message, their texts joined by a space (each audio turn's
 place in it kept), as NeMo's SALM prompt formatting joins them.
@@ -21,7 +22,7 @@ from typing import Any
 
 CONVERSATION_KEY = "conversation"  # where a cut carries its turns (cut.custom)
 AUDIO_KEY = "audio"  # where a conversation's cut carries its audio turns' recordings
-# The source kinds whose cuts are conversations (train.sources, train.conversation_cuts).
+# The source kinds whose cuts are conversations (train.data.sources, train.data.conversation_cuts).
 CONVERSATIONS_KIND, TEXT_PAIRS_KIND = "conversations", "text_pairs"
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
 ROLES = (SYSTEM, USER, ASSISTANT)

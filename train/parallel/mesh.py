@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from train.compat import set_group_timeout
-from train.parallel_dims import DENSE_DIMS, DP_VIEW, SPARSE_DIMS, ParallelDims
+from train.parallel.dims import DENSE_DIMS, DP_VIEW, SPARSE_DIMS, ParallelDims
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.parallel_dims import DENSE_DIMS, ParallelDims
+from train.parallel.dims import DENSE_DIMS, ParallelDims
 
 
 def batch_hash(batch: Mapping[str, object]) -> str:

@@ -1,7 +1,7 @@
 """What a job reads, resolved and checked before any process group exists.
 
 Training data is either the built-in corpus (``data.corpus``, ``data.split``, ``data.shar``:
-the shorthand) or the sources of ``data.input_cfg`` (``train.sources``). Validation sets are
+the shorthand) or the sources of ``data.input_cfg`` (``train.data.sources``). Validation sets are
 ``eval.sets`` (each source its own set, its loss logged as ``val_loss/<name>``) or, without
 them, ``eval.split`` of the corpus. Every source is walked once here (``check_sources``): a
 source that cannot be used is one ``ConfigError`` line (exit 2), cuts no batch can use are set
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from lhotse.cut import Cut
 
 from train.config import ConfigError, TrainConfig, eval_set_sources, validation_path
-from train.features import AudioLimits, Extractor, Featurizer, extractor_of
-from train.layout import model_of
-from train.source_cuts import SourceCheck, check_sources, load_source_cuts
-from train.sources import Source, SourceError, check_prompt_tags, read_sources
+from train.data.features import AudioLimits, Extractor, Featurizer, extractor_of
+from train.data.source_cuts import SourceCheck, check_sources, load_source_cuts
+from train.data.sources import Source, SourceError, check_prompt_tags, read_sources
+from train.parallel.layout import model_of
 
 
 @dataclass

@@ -8,7 +8,7 @@ channel of several is not chosen: channels are averaged to mono), resampled to t
 rate and featurized here, in a dataloader worker.
 
 Every problem with one cut is a ``BadCut`` naming the cut and what is wrong; the data pipeline
-decides whether that refuses the run or skips the cut (``train.sources``).
+decides whether that refuses the run or skips the cut (``train.data.sources``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from lhotse import Fbank, FbankConfig
 from lhotse.cut import Cut
 
-from train.conversation_cuts import turn_recordings
+from train.data.conversation_cuts import turn_recordings
 
 FBANK_BINS = 80  # the corpus's features (recipes/make_corpus.py) and the own encoder's input
 OWN_RATE = 16000

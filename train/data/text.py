@@ -1,5 +1,5 @@
 """The text side of a training example: the byte tokenizer of the project's own models, or a
-pretrained LLM's tokenizer and chat template (``train.prompt``).
+pretrained LLM's tokenizer and chat template (``train.data.prompt``).
 
 Both give what the data pipeline, the trainer and the evaluation need: ``example(transcript)``
 (the tokens, where the audio goes, where the answer starts), ``generation_prompt()``,
@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, ModelConfig
-from train.conversation import ASSISTANT, Turn, messages
+from train.data.conversation import ASSISTANT, Turn, messages
+from train.data.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, Encoded, load_tokenizer
 from train.models.shape import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
-from train.prompt import AUDIO_TOKEN, DEFAULT_PROMPT, ChatPrompt, Encoded, load_tokenizer
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, plus pad, bos and eos: the project's own models' text.
 
     An example is the audio, then BOS, the transcript's bytes and EOS; the loss covers every
-    token after BOS (a pretrained LLM's examples follow its chat template: ``train.prompt``).
+    token after BOS (a pretrained LLM's examples follow its chat template: ``train.data.prompt``).
     """
 
     pad_id, bos_id, eos_id, vocab_size = PAD_ID, BOS_ID, EOS_ID, VOCAB_SIZE
@@ -33,7 +33,7 @@ class ByteTokenizer:
 
     def for_tags(self, tags: Mapping[str, Any]) -> ByteTokenizer:
         """The same codec whatever a cut's tags: the byte tokenizer has no prompt (a source
-        with ``prompt:`` tags is refused before training, train/sources.py)."""
+        with ``prompt:`` tags is refused before training, train/data/sources.py)."""
         return self
 
     def example(self, text: str) -> Encoded:
@@ -42,7 +42,7 @@ class ByteTokenizer:
         return Encoded(tokens, audio_at=(0,), spans=((1, len(tokens)),))
 
     def conversation(self, turns: Sequence[Turn]) -> Encoded:
-        """A conversation (``train.conversation``): BOS, then each message's bytes, each audio
+        """A conversation (``train.data.conversation``): BOS, then each message's bytes, each audio
         where its turn is; a user or system message ends with a newline, an assistant message
         (the loss's) with EOS."""
         tokens, spans, audio_at = [BOS_ID], [], []

@@ -15,12 +15,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from train.data import LoadedBatch
+from train.data.loader import LoadedBatch
 from train.flops import sequence_flops
-from train.mesh import Meshes
 from train.models.loss import loss_targets
 from train.models.packing import example_positions
 from train.models.shape import SALMConfig
+from train.parallel.mesh import Meshes
 
 COUNTS = ("targets", "positions", "flops", "sequences")  # `global_counts`, in this order
 

@@ -31,7 +31,7 @@ A tokenizer without a chat template gets a plain format::
 A text chat without audio (``text_prompt``) is the same template rendered with the user's message
 up to the assistant's answer (``{bos}{system}\\n{message}\\n`` in the plain format).
 
-A conversation (``ChatPrompt.conversation``, ``train.conversation``) is the template rendered
+A conversation (``ChatPrompt.conversation``, ``train.data.conversation``) is the template rendered
 whole, a placeholder in each audio turn's place (``Encoded.audio_at``), the loss on every
 assistant message and its end of turn (``Encoded.spans``); each assistant message is found by
 rendering the conversation up to it with and without it.
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.conversation import ASSISTANT, SYSTEM, ConversationError, Turn, messages
+from train.data.conversation import ASSISTANT, SYSTEM, ConversationError, Turn, messages
+from train.data.sources import prompt_of
 from train.models.hf_config import FETCH_HINT
-from train.sources import prompt_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -203,7 +203,7 @@ class ChatPrompt:
         if AUDIO_TOKEN not in tokenizer.get_vocab():
             raise ValueError(
                 f"tokenizer {tokenizer.name_or_path!r} has no {AUDIO_TOKEN} token; "
-                f"load it with train.prompt.load_tokenizer"
+                f"load it with train.data.prompt.load_tokenizer"
             )
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token")
@@ -284,7 +284,7 @@ class ChatPrompt:
         return rest[: at + len(token)]
 
     def for_tags(self, tags: Mapping[str, Any]) -> ChatPrompt:
-        """The prompt a cut's source tags ask for (``prompt:``/``system:``, train/sources.py):
+        """The prompt a cut's source tags ask for (``prompt:``/``system:``, train/data/sources.py):
         this one when they name none, else a variant made once and kept."""
         key = (prompt_of(tags, "prompt", self.prompt), prompt_of(tags, "system", self.system))
         if key == (self.prompt, self.system):
@@ -311,7 +311,7 @@ class ChatPrompt:
         return Encoded(tokens, (len(self.before),), ((answer_start, len(tokens)),))
 
     def conversation(self, turns: Sequence[Turn]) -> Encoded:
-        """A conversation as a training example (``train.conversation``): the template's
+        """A conversation as a training example (``train.data.conversation``): the template's
         rendering, the audio where its turn is, the loss on each assistant message and its end
         of turn; the system text of this prompt's tags when the conversation has none. Each
         audio turn's frames go where its turn is."""

@@ -22,14 +22,14 @@ from train.config import (
     model_from_record,
     validate,
 )
-from train.data_layout import DATA_LAYOUT, data_layout, layout_changes, refusal
+from train.data.layout import DATA_LAYOUT, data_layout, layout_changes, refusal
 from train.models.freeze import frozen_names
 from train.models.inventory import inventory
 from train.models.lora import freeze_rules, with_lora
 from train.models.presets import model_shape
 from train.models.shape import SALMConfig
-from train.parallel_dims import ParallelDims
-from train.pipeline_plan import PipelinePlan, pipeline_plan
+from train.parallel.dims import ParallelDims
+from train.parallel.pipeline_plan import PipelinePlan, pipeline_plan
 
 
 def model_of(model: ModelConfig) -> SALMConfig:
@@ -157,7 +157,7 @@ def check_data_layout_kept(
     cfg: TrainConfig, dims: ParallelDims, newest: tuple[Path, dict] | None
 ) -> None:
     """A job resumed with the same seed reads on from its checkpoint's data position, which
-    holds only under the data layout it was saved with (train/data_layout.py): another one is
+    holds only under the data layout it was saved with (train/data/layout.py): another one is
     refused in one line naming the changes, unless data.on_layout_change chooses otherwise."""
     if newest is None or cfg.data.on_layout_change != REFUSE:
         return

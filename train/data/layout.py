@@ -1,7 +1,7 @@
 """What a saved data position depends on, and what a job does when that changed.
 
 A checkpoint keeps each data-parallel rank's position as batch counts per stream
-(``train.data.DataPosition``). The counts mean the same place in the data only under the same
+(``train.data.loader.DataPosition``). The counts mean the same place in the data only under the same
 *data layout*: the data-parallel size (each rank keeps every ``dp_size``-th batch), the sources
 and their weights, ``max_duration``, the buckets, and the streams a rank reads (Shar's
 dataloader workers). Tensor-, context- and pipeline-parallel peers read their data-parallel
@@ -20,7 +20,8 @@ So the trainer records the layout beside the position, and a job resumed with th
 - ``continue``: the saved counts as they are (the behaviour before the layout was recorded),
   with a warning line.
 
-Torch-free: the trainer's preflight (``train.layout``) compares layouts before any process group.
+Torch-free: the trainer's preflight (``train.parallel.layout``) compares layouts before any process
+group.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from train.config import BUFFER_SIZE, CONTINUE, RESTART_EPOCH, TrainConfig
-from train.sources import Source, read_sources
+from train.data.sources import Source, read_sources
 
 DATA_LAYOUT = "data_layout"  # its key in the checkpoint's trainer state
 

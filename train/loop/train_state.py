@@ -2,7 +2,7 @@
 
 torchtitan's ``TrainState`` in our terms: the step, the tokens seen, the non-finite steps
 skipped and the W&B run the chain's jobs log to. The data stream's position is saved beside it
-(``train.training_data``), the weights, optimizer and RNG by the checkpoint itself.
+(``train.data.stream``), the weights, optimizer and RNG by the checkpoint itself.
 """
 
 from __future__ import annotations

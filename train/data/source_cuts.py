@@ -1,5 +1,6 @@
-"""The cuts of the sources ``train.sources`` reads: loaded with lhotse, checked once at the
-start of a job, and mixed by weight into one endless stream (``train.data`` cuts it into epochs).
+"""The cuts of the sources ``train.data.sources`` reads: loaded with lhotse, checked once at the
+start of a job, and mixed by weight into one endless stream (``train.data.loader`` cuts it into
+epochs).
 
 Checking (``check_sources``) walks every source's cut metadata once (no audio is read) and
 sets aside, with one line per source and reason, the cuts no batch can use: an empty
@@ -7,13 +8,13 @@ transcript, a cut longer than the batch budget, audio at a lower sampling rate t
 encoder's extractor takes (upsampling adds no bandwidth: resample such a source yourself), a
 recording whose audio file is missing. A source left with no usable cut stops the job before it
 starts (a silent change of the mixture would be worse). What goes wrong later, in a worker
-(a corrupt audio file), is skipped there and counted in the metrics (``train.data``).
+(a corrupt audio file), is skipped there and counted in the metrics (``train.data.loader``).
 
 Mixing (``mixed_stream``): each source is an endless stream of its usable cuts, every pass
 reshuffled (lhotse's streaming shuffle, seeded by (seed, source, pass)); lhotse's mux draws the
 next cut from source ``i`` with probability ``weight_i`` (weights normalized to 1). Everything
 is a pure function of the seed, so a sampler over the stream re-draws exactly the same batches
-when a job resumes (``train.data.fast_forward``) and every data-parallel rank sees the same
+when a job resumes (``train.data.loader.fast_forward``) and every data-parallel rank sees the same
 stream (each keeps its own share of the batches).
 """
 
@@ -31,7 +32,7 @@ from lhotse.cut import Cut
 from lhotse.lazy import LazyIteratorMultiplexer
 from lhotse.utils import streaming_shuffle
 
-from train.conversation import (
+from train.data.conversation import (
     CONVERSATIONS_KIND,
     TEXT_PAIRS_KIND,
     ConversationError,
@@ -39,12 +40,12 @@ from train.conversation import (
     conversation_of,
     messages,
 )
-from train.conversation_cuts import ConversationCuts, TextPairCuts, turn_recordings
-from train.features import AudioLimits
-from train.nemo_input_cfg import NEMO_KIND, NEMO_TARRED_KIND
-from train.nemo_manifest import NemoManifestCuts, NemoTarredCuts
-from train.sources import Source, SourceError
-from train.storage import shar_shards
+from train.data.conversation_cuts import ConversationCuts, TextPairCuts, turn_recordings
+from train.data.features import AudioLimits
+from train.data.nemo_input_cfg import NEMO_KIND, NEMO_TARRED_KIND
+from train.data.nemo_manifest import NemoManifestCuts, NemoTarredCuts
+from train.data.sources import Source, SourceError
+from train.data.storage import shar_shards
 
 SHUFFLE_BUFFER = 10_000  # cuts held by each source's streaming shuffle
 TAGS_KEY, SOURCE_KEY = "tags", "source"  # where a cut carries its source's tags and name
@@ -105,7 +106,7 @@ def tags_of(cut: Cut) -> dict:
 
 def transcript(cut: Cut) -> str:
     """What the model learns to write for ``cut``: its supervisions' text, or a conversation's
-    last assistant turn (``train.conversation``)."""
+    last assistant turn (``train.data.conversation``)."""
     turns = conversation_of(cut.custom)
     if turns is not None:
         return answer(turns)

@@ -34,7 +34,7 @@ from datetime import timedelta
 from types import TracebackType
 
 from contract.job_end import EXIT_HUNG
-from train.stop import STOP_SIGNALS
+from train.loop.stop import STOP_SIGNALS
 
 PROCESS_GROUP_MARGIN_S = 30.0  # the process groups' timeout exceeds the watchdog's by this
 SIGNAL_PATIENCE_S = 30.0  # after a stop signal: the least time a phase may hang before exit 5

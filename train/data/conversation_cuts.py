@@ -1,7 +1,7 @@
 """Conversations and text users bring, as lhotse cuts carrying their turns
-(``train.conversation``), so that they mix, bucket, shuffle and resume as speech does.
+(``train.data.conversation``), so that they mix, bucket, shuffle and resume as speech does.
 
-Two source kinds (``train.sources``):
+Two source kinds (``train.data.sources``):
 
 - ``conversations``: JSON-lines files, one conversation per line, in any of the forms NeMo
   reads: its ``multimodal_conversation`` lines (``{"id", "conversations": [{"from": "User" |
@@ -14,7 +14,7 @@ Two source kinds (``train.sources``):
   says the source (after a question from ``questions``, when given: the line's by its number),
   the assistant answers the target.
 
-A conversation is a cut without a recording of its own (``train.conversation``): its audio
+A conversation is a cut without a recording of its own (``train.data.conversation``): its audio
 turns' recordings (each read from the file's header, unless the turn gives its ``duration`` and
 ``sampling_rate``) ride in ``cut.custom``, and its duration, what the batch budget and the
 buckets count, is their seconds plus its characters times ``TEXT_CHAR_SECONDS``. Files are
@@ -32,7 +32,7 @@ from typing import Any
 from lhotse import Recording
 from lhotse.cut import Cut, MonoCut
 
-from train.conversation import (
+from train.data.conversation import (
     ASSISTANT,
     AUDIO_KEY,
     CONVERSATION_KEY,
@@ -40,7 +40,7 @@ from train.conversation import (
     USER,
     Turn,
 )
-from train.nemo_manifest import audio_path, json_lines, recording_of
+from train.data.nemo_manifest import audio_path, json_lines, recording_of
 
 # A text example's weight in the batch budget: 20 ms per character, about what a token's
 # position costs next to audio (a token is some 4 characters; an audio position 40 to 80 ms).

@@ -40,7 +40,7 @@ whose turn it was yield an empty placeholder first, which lines the turns up aga
 Limits: the position is exact for the same data layout (corpus, ``max_duration``, buckets,
 data-parallel size, and for Shar ``num_workers``); a job resumed under another layout is refused,
 or starts the next epoch, or applies the counts as they are, as ``data.on_layout_change`` says
-(``train.data_layout``).
+(``train.data.layout``).
 A checkpoint without per-stream counts (written before they existed) resumes a single stream by
 its batch count, and Shar with several workers by reading and dropping that many batches.
 """
@@ -65,13 +65,13 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from train.config import BUFFER_SIZE
-from train.conversation import Turn, conversation_of
-from train.features import BadCut, Extractor, Featurizer
-from train.garbage import worker_start
-from train.prompt import Encoded
+from train.data.conversation import Turn, conversation_of
+from train.data.features import BadCut, Extractor, Featurizer
+from train.data.prompt import Encoded
+from train.data.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, transcript
+from train.data.storage import StorageError, shar_shards
+from train.loop.garbage import worker_start
 from train.seeding import mixture_seed, rank_data_seed, sampler_seed, seed_everything
-from train.source_cuts import SourceCheck, mixed_stream, source_of, tags_of, transcript
-from train.storage import StorageError, shar_shards
 
 # A batch as the loader gives it: the model's tensors by name (train.models.batch.Batch reads
 # them) and what the trainer counts (cut_ids, sources, skipped).
@@ -129,7 +129,8 @@ class DataPosition:
 
 
 class TextCodec(Protocol):
-    """What a batch needs of the text side (``train.text``): examples, per-cut prompt, padding."""
+    """What a batch needs of the text side (``train.data.text``): examples, per-cut prompt,
+    padding."""
 
     pad_id: int
 
@@ -151,7 +152,7 @@ class SpeechDataset(torch.utils.data.Dataset):
     ``cut_ids``, each cut's ``sources`` name, and one line for each ``skipped`` cut (cut,
     reason, source).
 
-    Features come from ``featurize`` (``train.features``): the corpus's stored fbank, or
+    Features come from ``featurize`` (``train.data.features``): the corpus's stored fbank, or
     computed here from the audio for a pretrained encoder or a source without features. A cut
     whose audio or text turns out unusable (a corrupt file, a special token in its transcript)
     is left out of its batch and reported in ``skipped``; a batch with no usable cut at all
@@ -265,7 +266,7 @@ def init_worker(worker_id: int, *, job_seed: int, dp_rank: int, epoch: int) -> N
     Also publishes the seed where lhotse's ``seed="randomized"`` looks for it, replacing
     lhotse's own ``worker_init_fn`` (which offsets seeds by ``100000 * rank``).
     """
-    worker_start()  # the rank's collector was paused (train/garbage.py)
+    worker_start()  # the rank's collector was paused (train/loop/garbage.py)
     seed = rank_data_seed(job_seed, dp_rank, worker_id, epoch=epoch)
     seed_everything(seed)
     os.environ[LHOTSE_PROCESS_SEED] = str(seed)
@@ -347,7 +348,7 @@ def build_dataloader(
     """One epoch of batches for one data-parallel rank (see the module docstring).
 
     ``data`` is a cut manifest, a Shar directory when ``shar`` is set, or the checked sources
-    of ``data.input_cfg``: mixed by weight (``train.source_cuts.mixed_stream``, seeded per
+    of ``data.input_cfg``: mixed by weight (``train.data.source_cuts.mixed_stream``, seeded per
     epoch), an endless stream cut into epochs of ``mixture_epoch_batches`` batches per rank,
     resumed like a manifest's by re-drawing the batches ``position`` counts. ``position`` (of
     this epoch) continues the epoch after the batches it counts; Shar batches then carry

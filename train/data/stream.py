@@ -1,8 +1,8 @@
 """One rank's stream of training batches and its position, which every checkpoint saves.
 
 A job resumed with the checkpoint's seed continues the stream where it was saved (the samplers
-are put back at the position, not fed the batches again: ``train.data``), under the data layout
-it was saved with (``train.data_layout``: ``data.on_layout_change`` says what a changed one
+are put back at the position, not fed the batches again: ``train.data.loader``), under the data
+layout it was saved with (``train.data.layout``: ``data.on_layout_change`` says what a changed one
 does); a job with another seed starts a new order.
 """
 
@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from contract.run_dir import CUTS_PREFIX
 from train.config import CONTINUE, RESTART_EPOCH, ConfigError, TrainConfig, data_path
-from train.data import DataPosition, LoadedBatch, TextCodec, batches_from, build_dataloader
-from train.data_layout import DATA_LAYOUT, data_layout, layout_changes, num_streams, refusal
-from train.data_plan import DataPlan
-from train.distributed import say
-from train.features import Featurizer
+from train.data.features import Featurizer
+from train.data.layout import DATA_LAYOUT, data_layout, layout_changes, num_streams, refusal
+from train.data.loader import DataPosition, LoadedBatch, TextCodec, batches_from, build_dataloader
+from train.data.plan import DataPlan
+from train.parallel.distributed import say
 
 
 class TrainingData:
@@ -79,7 +79,7 @@ class TrainingData:
 
     def resume_layout(self, saved: dict | None, checkpoint: Path) -> None:
         """The saved position under a changed data layout, as data.on_layout_change says
-        (train/data_layout.py); the preflight has refused it already unless it says otherwise."""
+        (train/data/layout.py); the preflight has refused it already unless it says otherwise."""
         if saved is None:
             return  # saved before layouts were recorded
         changes = layout_changes(saved, self.layout)

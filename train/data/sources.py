@@ -10,8 +10,8 @@ A source file is a YAML list; each entry is one of
     - sources: [...]              # a group of entries, nested to any depth
 
 or NeMo's ``input_cfg`` entries, as NeMo writes them (those with a ``type:`` key,
-``train.nemo_input_cfg``: ``lhotse``, ``lhotse_shar``, ``nemo`` manifests, ``group``), read as NeMo
-reads them,
+``train.data.nemo_input_cfg``: ``lhotse``, ``lhotse_shar``, ``nemo`` manifests, ``group``), read as
+NeMo reads them,
 
 with ``weight:`` (default 1), ``name:`` (default: the file's stem, or ``group<i>``) and ``tags:``
 (a mapping; ``prompt`` and ``system`` shape a pretrained LLM's chat prompt, where ``{key}``
@@ -25,7 +25,7 @@ cuts). A weight is a share of cuts, not of hours: a source of long cuts at equal
 more audio. Relative paths are resolved against the source file's directory.
 
 A cut manifest, a Shar directory or a recordings + supervisions pair may also be an
-``s3://bucket/key`` location in object storage (``train.storage``: credentials from the
+``s3://bucket/key`` location in object storage (``train.data.storage``: credentials from the
 environment only), checked here with metadata requests and read as streams.
 
 Everything here is torch-free: the submit path and the trainer's preflight read sources too.
@@ -41,8 +41,8 @@ from typing import Any
 
 import yaml
 
-from train.conversation import CONVERSATIONS_KIND, TEXT_PAIRS_KIND
-from train.nemo_input_cfg import (
+from train.data.conversation import CONVERSATIONS_KIND, TEXT_PAIRS_KIND
+from train.data.nemo_input_cfg import (
     NEMO_KIND,
     NEMO_TARRED_KIND,
     NemoConfigError,
@@ -50,7 +50,7 @@ from train.nemo_input_cfg import (
     translate,
     validation_sets,
 )
-from train.storage import StorageError, check_location, is_url
+from train.data.storage import StorageError, check_location, is_url
 
 # An entry's kind is the first of these keys it has (NeMo manifests only from a NeMo entry).
 KINDS = ("cuts", "shar", "recordings", CONVERSATIONS_KIND, TEXT_PAIRS_KIND)

@@ -1,5 +1,5 @@
 """NeMo's ``input_cfg`` entries, read as NeMo reads them, turned into this project's source
-entries (``train.sources``).
+entries (``train.data.sources``).
 
 A NeMo speechlm2 user's data config is a list of entries with a ``type``
 (``nemo/collections/common/data/lhotse/cutset.py``); an entry of ``data.input_cfg`` with a
@@ -18,11 +18,11 @@ A NeMo speechlm2 user's data config is a list of entries with a ``type``
   singular ``tarred_audio_filepath``, taken too): manifests and tar shards as NeMo's
   ``convert_to_tarred_audio_dataset.py`` writes them, ``manifest__OP_0..N_CL_.json`` beside
   ``audio__OP_0..N_CL_.tar`` paired by the number in their names (or one manifest whose lines
-  carry ``shard_id``); members matched to lines by name (``train.nemo_manifest``).
+  carry ``shard_id``); members matched to lines by name (``train.data.nemo_manifest``).
 - ``type: group``: a nested ``input_cfg`` (a list, or a YAML file of one).
 - ``type: multimodal_conversation``, ``share_gpt`` (``manifest_filepath``; ShareGPT's
   ``audio_placeholders``) and ``nemo_sft_jsonl`` (``paths``): JSON-lines conversations, read by
-  ``train.conversation_cuts``; ``tags.system_prompt`` is the system text of conversations
+  ``train.data.conversation_cuts``; ``tags.system_prompt`` is the system text of conversations
   without one. ``type: txt_pair`` (``source_paths``, ``target_paths``, ``questions_path``):
   text pairs. Their ``audio_locator_tag`` (the trainer places audio itself),
   ``token_equivalent_duration`` (a text's share of the batch budget comes from its characters)
@@ -51,8 +51,8 @@ from typing import Any
 
 import yaml
 
-from train.conversation import CONVERSATIONS_KIND, TEXT_PAIRS_KIND
-from train.storage import is_url
+from train.data.conversation import CONVERSATIONS_KIND, TEXT_PAIRS_KIND
+from train.data.storage import is_url
 
 TYPE = "type"
 # Tarred audio: NeMo reads the plural; its docs write the singular, which NeMo ignores (the
@@ -88,7 +88,7 @@ TYPE_KEYS: dict[str, frozenset[str]] = {
         }
     ),
 }
-# The NeMo types whose examples are conversations or text (train.conversation_cuts reads them),
+# The NeMo types whose examples are conversations or text (train.data.conversation_cuts reads them),
 # and the key naming each one's JSON-lines files.
 CONVERSATION_TYPES = {
     "multimodal_conversation": "manifest_filepath",
@@ -101,7 +101,7 @@ NO_EFFECT_KEYS = frozenset({"shuffle", "shard_seed", "max_open_streams", "force_
 # NeMo's other types: plain text (language-model lines, no conversation) and the conversions
 # of speech data into conversations, which its own prompt formats define.
 LATER_TYPES = ("txt", "lhotse_as_conversation", "s2s_as_conversation")
-NEMO_KIND = "nemo"  # the Source kind of NeMo manifests (train.source_cuts reads them)
+NEMO_KIND = "nemo"  # the Source kind of NeMo manifests (train.data.source_cuts reads them)
 NEMO_TARRED_KIND = "nemo_tarred"  # NeMo manifests with their audio in tar shards
 # How NeMo pairs a manifest shard with a tar shard: the number in each file's name.
 MANIFEST_SHARD = re.compile(r"manifest[^/]*_(\d+)[^/]*\.json")
@@ -389,7 +389,7 @@ def _path(path: str, cwd: Path) -> Path:
 
 
 def _location(path: str, cwd: Path, where: str) -> Path | str:
-    """A lhotse entry's path: an object-storage URL as it is (``train.sources`` asks the store
+    """A lhotse entry's path: an object-storage URL as it is (``train.data.sources`` asks the store
     for it), else an existing local path."""
     return path if is_url(path) else _existing(path, cwd, where)
 

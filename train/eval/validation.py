@@ -21,16 +21,16 @@ from lhotse import CutSet
 from lhotse.cut import Cut
 
 from contract.run_dir import VAL_LOSS_PREFIX
-from train.data import LoadedBatch, SpeechDataset, TextCodec
-from train.device_trap import trapped
-from train.distributed import say
-from train.features import Featurizer
-from train.mesh import Meshes
+from train.data.features import Featurizer
+from train.data.loader import LoadedBatch, SpeechDataset, TextCodec
+from train.loop.device_trap import trapped
+from train.loop.step import WholeModelRunner
 from train.metrics import MetricsLogger
 from train.models.batch import Batch
 from train.models.loss import loss_targets
 from train.models.pipeline import PipelineRunner
-from train.step import WholeModelRunner
+from train.parallel.distributed import say
+from train.parallel.mesh import Meshes
 
 
 def validation_batches(cuts: Iterable[Cut], max_duration: float) -> list[CutSet]:
@@ -134,7 +134,7 @@ class Validator:
         sums = torch.zeros((len(self.sets), 2), dtype=torch.float64, device=self.device)
         for index, validation in enumerate(self.sets):
             for batch, counts in validation:
-                # The set's batch is loaded outside the trap (train/device_trap.py).
+                # The set's batch is loaded outside the trap (train/loop/device_trap.py).
                 with trapped(self.device_trap):
                     nll = self.runner.loss_sum(Batch.of(batch))
                     if counts:

@@ -8,7 +8,7 @@ shard sum theirs (``+``, or ``all_reduce`` of ``dataclasses.astuple(counts)`` re
 union of the shards. Alignments come from jiwer (Levenshtein over words, then over characters).
 
 Both sides are normalized before scoring, by the normalizer the caller names
-(``train.normalizers``). An utterance whose reference is empty after normalization counts every
+(``train.eval.normalizers``). An utterance whose reference is empty after normalization counts every
 hypothesis word and character as an insertion; the rates of a corpus with no reference words at
 all are undefined and raise ValueError.
 """
@@ -20,7 +20,7 @@ from dataclasses import astuple, dataclass
 
 import jiwer
 
-from train.normalizers import Normalizer
+from train.eval.normalizers import Normalizer
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """When a training step reads back and writes a metrics line, and what the line holds.
 
-A step syncs (reads its figures back: ``train.step_tallies``) every ``train.sync_every`` steps
+A step syncs (reads its figures back: ``train.loop.step_tallies``) every ``train.sync_every`` steps
 and at every log line; it logs every ``train.log_every`` steps and at the last. Rates (tokens/s,
 step time, MFU) cover the steps since the previous line, their positions and FLOPs summed from
 the sync steps between.
@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from train.config import TrainConfig
-from train.distributed import say
 from train.flops import PEAK_FLOPS_ENV, peak_flops
+from train.loop.step_tallies import Synced
 from train.memory import STATE_KINDS
 from train.metrics import MetricsLogger
 from train.models.compiled import graph_counts, recompiles
-from train.step_tallies import Synced
+from train.parallel.distributed import say
 
 
 def device_peak_flops(device: torch.device) -> float | None:
