@@ -140,8 +140,8 @@ test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_WORKERS) -m "not slurm and not slow" $(PYTEST_ARGS)
 
 bench: setup setup-system corpus
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) bench/bench_chain_submit.py
-	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py --corpus $(CORPUS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.bench_chain_submit
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_train --corpus $(CORPUS)
 
 cluster-up: setup setup-system
 	$(VENV)/bin/orchestrator cluster up

@@ -1,8 +1,8 @@
 """How long an asynchronous checkpoint stalls training, against a synchronous save of the same
 state, on CPU (one process in a gloo group of one, as the trainer runs it).
 
-    python bench/bench_async_checkpoint.py                     # about 2 minutes
-    python bench/bench_async_checkpoint.py --models small --saves 2      # smoke run
+    python -m bench.bench_async_checkpoint                     # about 2 minutes
+    python -m bench.bench_async_checkpoint --models small --saves 2      # smoke run
 
 Each model takes one AdamW step (so the optimizer state exists), then is saved ``--saves``
 times each way into a fresh run dir under ``--dir`` (default: a temporary dir on the disk of

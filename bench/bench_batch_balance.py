@@ -1,8 +1,8 @@
 """How evenly the sampler deals work to data-parallel ranks, and how much of the encoder's input
 is padding, from real batches on the CPU.
 
-    python bench/bench_batch_balance.py --data data/corpus_asr/cuts_train.jsonl.gz
-    python bench/bench_batch_balance.py --data data/mix/input_cfg.yaml --ranks 8 64 --steps 40
+    python -m bench.bench_batch_balance --data data/corpus_asr/cuts_train.jsonl.gz
+    python -m bench.bench_batch_balance --data data/mix/input_cfg.yaml --ranks 8 64 --steps 40
 
 The sampler is built as the trainer builds it (``train.data.loader.rank_sampler``: the same seeds,
 buckets and batch budget). lhotse's sampler of every rank draws the batches of all ranks of a
@@ -28,24 +28,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from lhotse.utils import compute_num_frames
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from train.data.conversation_cuts import turn_recordings
+from train.data.features import FBANK_HOP_S, AudioLimits
+from train.data.loader import encoded, rank_sampler
+from train.data.source_cuts import check_sources
+from train.data.sources import read_sources
+from train.data.text import ByteTokenizer
+from train.flops import sequence_flops
+from train.models.presets import get_preset
+from train.models.shape import SALMConfig
 
-from train.data.conversation_cuts import turn_recordings  # noqa: E402
-from train.data.features import FBANK_HOP_S, AudioLimits  # noqa: E402
-from train.data.loader import encoded, rank_sampler  # noqa: E402
-from train.data.source_cuts import check_sources  # noqa: E402
-from train.data.sources import read_sources  # noqa: E402
-from train.data.text import ByteTokenizer  # noqa: E402
-from train.flops import sequence_flops  # noqa: E402
-from train.models.presets import get_preset  # noqa: E402
-from train.models.shape import SALMConfig  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SAMPLING_RATE = 16000
 

@@ -12,7 +12,7 @@ own smoke recipe, run from the repository's root, with the snapshot (the default
 timed part. Uses $SLURM_CONF when set, else starts (and stops) a private cluster with
 `orchestrator cluster up`.
 
-    python bench/bench_chain_submit.py [--rounds 7] [--jobs 8 100] [--only snapshot]
+    python -m bench.bench_chain_submit [--rounds 7] [--jobs 8 100] [--only snapshot]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopback import bench_cluster  # bench/loopback.py, beside this script
+from bench.loopback import bench_cluster
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]

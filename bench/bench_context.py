@@ -1,8 +1,8 @@
 """Context parallelism on CPU: per-rank activation memory and step time at cp = 1, 2, 4.
 
-    python bench/bench_context.py                          # tiny, one 8192-position example
-    python bench/bench_context.py --preset small --positions 4096
-    python bench/bench_context.py --quick                  # 1024 positions: a smoke run
+    python -m bench.bench_context                          # tiny, one 8192-position example
+    python -m bench.bench_context --preset small --positions 4096
+    python -m bench.bench_context --quick                  # 1024 positions: a smoke run
 
 Each CP degree runs as ``torchrun --standalone --nproc-per-node=<cp>`` of this file's
 ``--worker`` mode (cp = 1 as one rank of the same code), on gloo with one thread per rank. The
@@ -157,7 +157,7 @@ def run_cp(cp: int, args: argparse.Namespace, out: Path) -> dict:
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
         f"--nproc-per-node={cp}",
-        __file__,
+        *("-m", "bench.bench_context"),
         "--worker",
         f"--out={out}",
         f"--preset={args.preset}",
@@ -167,7 +167,7 @@ def run_cp(cp: int, args: argparse.Namespace, out: Path) -> dict:
         f"--warmup={args.warmup}",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"cp={cp} failed:\n{done.stderr[-4000:]}")
     ranks = json.loads(out.read_text())

@@ -1,7 +1,7 @@
 """A speech LLM trained on speech, conversations and text against one trained on speech alone:
 each source's validation loss over the run, and the test sets scored at the end.
 
-    python bench/bench_conversations.py --mixture runs/conv_whisper --speech runs/asr_whisper \\
+    python -m bench.bench_conversations --mixture runs/conv_whisper --speech runs/asr_whisper \\
         --nproc 2
 
 ``--mixture`` is a run of recipes/conf/conversations_whisper.yaml (`make conversations`),
@@ -21,10 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+from bench.bench_learning import evaluate, rows
 
-from bench_learning import evaluate, rows  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TEST_SETS = REPO / "data" / "conversations" / "test_sets.yaml"
 

@@ -1,9 +1,9 @@
 """Decoding throughput on CPU: utterances/s and real-time factor, KV cache on and off, at one
 process and two data-parallel ranks.
 
-    python bench/bench_decode.py                         # trains a tiny model first (~1 min)
-    python bench/bench_decode.py --run-dir RUN_DIR       # a trained run of your own
-    python bench/bench_decode.py --quick                 # smoke run: 20 steps, 16 utterances
+    python -m bench.bench_decode                         # trains a tiny model first (~1 min)
+    python -m bench.bench_decode --run-dir RUN_DIR       # a trained run of your own
+    python -m bench.bench_decode --quick                 # smoke run: 20 steps, 16 utterances
 
 Each row is one ``python -m train.evaluate`` (under ``torchrun --standalone`` for dp2) over the
 same manifest and checkpoint, read back from its ``summary.json``: ``decode_s`` is rank 0's wall

@@ -1,7 +1,7 @@
 """The training fast path on one device: tokens/s, MFU and peak memory for compile x AC.
 
-    python bench/bench_fast_path.py                       # llm_1b on one GPU, bf16 (FSDP2 MP)
-    python bench/bench_fast_path.py --preset tiny --device cpu --steps 4 --warmup 1
+    python -m bench.bench_fast_path                       # llm_1b on one GPU, bf16 (FSDP2 MP)
+    python -m bench.bench_fast_path --preset tiny --device cpu --steps 4 --warmup 1
 
 Each configuration (compile on/off x activation checkpointing none/selective/full) runs in a
 fresh process (``--runs`` runs a list of them in one process, as bench/gpu_check.py does): the
@@ -24,11 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from train.loop.host_syncs import HOST_SYNC_MODES
+from train.parallel.dims import AC_MODES
 
-from train.loop.host_syncs import HOST_SYNC_MODES  # noqa: E402
-from train.parallel.dims import AC_MODES  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = [(compile_, ac) for compile_ in (False, True) for ac in AC_MODES]
 
@@ -223,8 +222,9 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     batch = (args.batch, args.audio_seconds, args.text_tokens)
     for compile_, ac in CONFIGS:  # each in a fresh process: its memory figures its own
-        command = [sys.executable, __file__, *sys.argv[1:], "--runs", run_spec(compile_, ac, batch)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        command = [sys.executable, "-m", "bench.bench_fast_path", *sys.argv[1:]]
+        command += ["--runs", run_spec(compile_, ac, batch)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
         if done.returncode != 0:
             print(f"{compile_!s:>7} {ac:>9} failed: {done.stderr.strip().splitlines()[-1]}")
             continue

@@ -10,7 +10,7 @@ way's cost as a ratio to the baseline; compare utterances per second with the tr
 time (``step_time_s`` in metrics.jsonl) times the utterances per batch to see whether a rank's
 workers keep up.
 
-    python bench/bench_features.py [--manifests data/librispeech/manifests] [--utterances 200]
+    python -m bench.bench_features [--manifests data/librispeech/manifests] [--utterances 200]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -1,7 +1,7 @@
 """The loss's peak memory: the chunked head loss against the full logits' loss it replaced.
 
-    python bench/bench_head_loss.py                    # vocab 128,256, 16K positions, bf16
-    python bench/bench_head_loss.py --positions 4096 --dtype float32 --chunks 256 1024
+    python -m bench.bench_head_loss                    # vocab 128,256, 16K positions, bf16
+    python -m bench.bench_head_loss --positions 4096 --dtype float32 --chunks 256 1024
 
 Each loss runs forward and backward once on fake tensors (``FakeTensorMode``: shapes and
 dtypes, no storage, so 16K positions of a 128K vocabulary need no 30 GiB of host memory) under
@@ -15,7 +15,6 @@ trainer's loss before the chunks: ``F.cross_entropy`` over ``F.linear``'s logits
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -23,12 +22,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from train.models.head_loss import head_loss
+from train.models.packing import IGNORE_INDEX
+from train.parallel.dims import DEFAULT_LOSS_CHUNK
 
-from train.models.head_loss import head_loss  # noqa: E402
-from train.models.packing import IGNORE_INDEX  # noqa: E402
-from train.parallel.dims import DEFAULT_LOSS_CHUNK  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 GIB = 2**30
 

@@ -2,8 +2,8 @@
 for the preset, for a Hugging Face directory that *is* the preset's decoder, and for the recipe's
 decoder with one factor at a time set back to the preset's (issue 36).
 
-    python bench/bench_hf_factors.py --out runs/hf_factors                 # every variant
-    python bench/bench_hf_factors.py --out runs/hf_factors --only preset,hf_preset
+    python -m bench.bench_hf_factors --out runs/hf_factors                 # every variant
+    python -m bench.bench_hf_factors --out runs/hf_factors --only preset,hf_preset
 
 Each variant's decoder is written by ``recipes/make_hf_llm.py`` (its options name the factor),
 trained with ``recipes/conf/asr_hf.yaml`` (``asr_tiny.yaml`` for the preset) on ``make
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import torchrun
+from bench.launcher import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 MAKER = REPO / "recipes" / "make_hf_llm.py"

@@ -1,7 +1,7 @@
 """What one GPU's kernels reach: the figures the planner's step-time terms are calibrated with.
 
-    python bench/bench_kernels.py --out runs/kernels.json      # on a GPU
-    python bench/bench_kernels.py --device cpu --quick         # the same code, reduced, on CPU
+    python -m bench.bench_kernels --out runs/kernels.json      # on a GPU
+    python -m bench.bench_kernels --device cpu --quick         # the same code, reduced, on CPU
 
 - bf16 matmuls of a transformer's shapes (tokens x width @ width x width, x FFN width, x
   vocabulary) at several token counts: achieved FLOP/s, as a share of the datasheet peak;

@@ -1,8 +1,8 @@
 """WER against training time: evaluate every checkpoint a run kept and print the learning curve.
 
-    python bench/bench_learning.py --run-dir runs/asr          # after recipes/train_asr.yaml
-    python bench/bench_learning.py --run-dir runs/asr --nproc 2
-    python bench/bench_learning.py --run-dir runs/asr_mix --nproc 2 --sets data/mix/test_sets.yaml
+    python -m bench.bench_learning --run-dir runs/asr          # after recipes/train_asr.yaml
+    python -m bench.bench_learning --run-dir runs/asr --nproc 2
+    python -m bench.bench_learning --run-dir runs/asr_mix --nproc 2 --sets data/mix/test_sets.yaml
 
 Each checkpoint without an evaluation gets one (``python -m train.evaluate step=N``, the run's
 test split, under ``torchrun --standalone`` when ``--nproc`` > 1); existing

@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU (gloo): the schedules' measured bubble, and parameter bytes per rank.
 
-    python bench/bench_pipeline.py            # about 2 minutes on 2 cores
-    python bench/bench_pipeline.py --quick    # smoke run: 2 timed steps after 1 warm-up step
+    python -m bench.bench_pipeline            # about 2 minutes on 2 cores
+    python -m bench.bench_pipeline --quick    # smoke run: 2 timed steps after 1 warm-up step
 
 1. Bubble. One step is the forward and backward of a fixed synthetic global batch of 16
    equal-length utterances, with no optimizer step (gradients are zeroed between steps, outside
@@ -201,7 +201,7 @@ def main() -> None:
         f"{args.steps} steps after {args.warmup}; load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    child = [__file__, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    child = ["-m", "bench.bench_pipeline", "--steps", str(args.steps), "--warmup", str(args.warmup)]
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as work:
         out = Path(work) / "baseline.json"
         baseline = run_child([sys.executable, *child, "--mode", "baseline", "--out", str(out)], out)

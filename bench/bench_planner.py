@@ -1,8 +1,8 @@
 """The planner's activation formula against measured peaks, and the planner's own speed.
 
-    python bench/bench_planner.py              # tiny and small, every AC mode, two batch shapes
-    python bench/bench_planner.py --json       # the same as one JSON list (tests read it)
-    python bench/bench_planner.py --cases tiny:4:800:40:none
+    python -m bench.bench_planner              # tiny and small, every AC mode, two batch shapes
+    python -m bench.bench_planner --json       # the same as one JSON list (tests read it)
+    python -m bench.bench_planner --cases tiny:4:800:40:none
 
 Each case trains one step of the preset in this process (one rank, gloo, CPU, fp32, the
 trainer's model build and fused AdamW) after one warm-up step, under PyTorch's ``MemTracker``
@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from train.parallel.dims import AC_MODES
 
-from train.parallel.dims import AC_MODES  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_CASES = [
     f"{preset}:{shape}:{ac}"

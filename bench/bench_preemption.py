@@ -10,7 +10,7 @@ requeues the job, SLURM holds it ``cred_expire`` + 1 s, and it resumes. Printed 
 - of which: submission to the save on SIGTERM (the preemption and the save);
 - steps lost: steps the first run trained past the step the requeued run resumed from.
 
-    python bench/bench_preemption.py [--corpus data/corpus] [--rounds 2] [--at 6]
+    python -m bench.bench_preemption [--corpus data/corpus] [--rounds 2] [--at 6]
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopback import bench_cluster  # bench/loopback.py, beside this script
-
+from bench.loopback import bench_cluster
 from orchestrator.cluster.config import REQUEUE_HOLD_S, URGENT_PARTITION
 
 BIN = Path(sys.executable).parent

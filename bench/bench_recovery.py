@@ -13,7 +13,7 @@ The steps lost are the last step logged before the kill minus the step the train
 from. Uses $SLURM_CONF when set, else starts (and stops) a private cluster with
 `orchestrator cluster up`.
 
-    python bench/bench_recovery.py [--corpus data/corpus] [--rounds 3]
+    python -m bench.bench_recovery [--corpus data/corpus] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopback import bench_cluster  # bench/loopback.py, beside this script
+from bench.loopback import bench_cluster
+from tests.harness.training import training_rank, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.harness.training import training_rank, wait_until  # noqa: E402
 
 BIN = Path(sys.executable).parent
 INTERVAL = 5  # checkpoint.interval: the kill comes after the first checkpoint

@@ -16,7 +16,7 @@ Seconds from the command's start to its return (the chain queued). Needs root (t
 second user: ``make setup-system``). Uses $SLURM_CONF when set (a cluster every user can
 reach), else starts (and stops) a private cluster.
 
-    python bench/bench_remote_launch.py [--rounds 5]
+    python -m bench.bench_remote_launch [--rounds 5]
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopback import bench_cluster  # bench/loopback.py, beside this script
+from bench.loopback import bench_cluster
+from orchestrator.remote import Remote
+from tests.harness.chains import write_sub
+from tests.harness.login_node import HOST, login_node
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from orchestrator.remote import Remote  # noqa: E402
-from tests.harness.chains import write_sub  # noqa: E402
-from tests.harness.login_node import HOST, login_node  # noqa: E402
 
 BIN = Path(sys.executable).parent
 RECIPE = "bench_remote.sub"

@@ -13,7 +13,7 @@ Each resume checkpoint is made by training one step and then moving the data pos
 ``state.json`` (the epoch's length counted from the sampler, without loading features), so the
 bench does not train a whole epoch first.
 
-    python bench/bench_resume.py [--corpus data/corpus_6000] [--num 6000] [--repeats 3]
+    python -m bench.bench_resume [--corpus data/corpus_6000] [--num 6000] [--repeats 3]
         [--against HEAD]
 """
 

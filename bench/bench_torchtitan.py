@@ -1,7 +1,7 @@
 """Our training step beside torchtitan's: same decoder shape, same tokens, same GPU, same run.
 
-    python bench/bench_torchtitan.py                  # both GPU shapes on one GPU, bf16
-    python bench/bench_torchtitan.py --cpu            # a tiny shape on 2 gloo ranks, fp32 (CI)
+    python -m bench.bench_torchtitan                  # both GPU shapes on one GPU, bf16
+    python -m bench.bench_torchtitan --cpu            # a tiny shape on 2 gloo ranks, fp32 (CI)
 
 For each shape, our SALM and torchtitan's llama3 (``torchtitan==0.3.0``) each run in a fresh
 ``torch.distributed.run`` job (so peak memory is each model's own), parallelized by their own
@@ -57,13 +57,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from train.flops import peak_flops, sequence_flops
+from train.models.presets import LLAMA_3_2_1B_DECODER, get_preset
+from train.models.shape import SALMConfig
 
-from train.flops import peak_flops, sequence_flops  # noqa: E402
-from train.models.presets import LLAMA_3_2_1B_DECODER, get_preset  # noqa: E402
-from train.models.shape import SALMConfig  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 IMPLS = ("ours", "torchtitan")
 IGNORE_INDEX = -100
@@ -409,7 +407,8 @@ def run_child(impl: str, shape: Shape, run: Settings) -> dict:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={run.nproc}",
-        __file__,
+        "-m",
+        "bench.bench_torchtitan",
         "--child",
         impl,
         "--shape",

@@ -7,7 +7,7 @@
 2. Resume cost: seconds from process start to the first completed step when resuming from a
    checkpoint, against a fresh start of the same run. Target ratio <= 1.3.
 
-    python bench/bench_train.py [--corpus data/corpus] [--preset small] [--steps 30] [--repeats 3]
+    python -m bench.bench_train [--corpus data/corpus] [--preset small] [--steps 30] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def hand_written_in_subprocess(args: argparse.Namespace) -> float:
     completed = subprocess.run(
         [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.bench_train",
             "--hand-written-only",
             "--corpus",
             args.corpus,

@@ -1,6 +1,6 @@
 """The anchor: OpenAI Whisper tiny.en's own zero-shot WER on the learning tables' test sets.
 
-    python bench/bench_whisper_anchor.py [--model data/pretrained/whisper-tiny.en]
+    python -m bench.bench_whisper_anchor [--model data/pretrained/whisper-tiny.en]
         [--sets data/mix/test_sets.yaml] [--normalizer basic whisper_en none]
         [--batch-size 16] [--threads 1] [--limit N] [--json OUT]
 

@@ -1,6 +1,6 @@
 """The GPU check: what users run, on one GPU with no network, in about 5 minutes.
 
-    python bench/gpu_pack.py          # here, once: .gpu/ (wheels, Whisper tiny.en's encoder)
+    python -m bench.gpu_pack          # here, once: .gpu/ (wheels, Whisper tiny.en's encoder)
     bash bench/gpu_check.sh           # there: flows, then speed (carry .gpu)
     bash bench/gpu_check.sh flows     # or one part: flows | speed | extra
     bash bench/gpu_check.sh --cpu     # every part reduced, on the CPU (what CI runs)
@@ -39,18 +39,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.bench_fast_path import run_spec
+from bench.gpu_flows import part_flows
+from bench.gpu_pack import PACK, WHISPER, unpack_whisper
+from contract.gpus import gpu_of_device
+from orchestrator.planner.measured import PRICED, append
+from train.loop.host_syncs import HOST_SYNC_MODES
+from train.parallel.dims import AC_MODES
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_fast_path import run_spec  # noqa: E402
-from gpu_flows import part_flows  # noqa: E402
-from gpu_pack import PACK, WHISPER, unpack_whisper  # noqa: E402
-
-from contract.gpus import gpu_of_device  # noqa: E402
-from orchestrator.planner.measured import PRICED, append  # noqa: E402
-from train.loop.host_syncs import HOST_SYNC_MODES  # noqa: E402
-from train.parallel.dims import AC_MODES  # noqa: E402
 
 # Fast-path batches: (utterances, audio seconds, transcript tokens) per step.
 BATCHES = {"audio": (8, 20.0, 128), "text": (4, 0.5, 2048)}
@@ -116,7 +113,7 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
 def fast_path(s: dict) -> list[dict]:
     """Every fast-path configuration in one process (each model built afresh)."""
     specs = [run_spec(c, ac, s["batches"][batch]) for c, ac, batch in s["fast_path"]]
-    command = [sys.executable, str(REPO / "bench/bench_fast_path.py"), "--runs", ",".join(specs)]
+    command = [sys.executable, "-m", "bench.bench_fast_path", "--runs", ",".join(specs)]
     command += ["--preset", s["fast_preset"], "--device", s["device"], *s["bench_steps"]]
     command += ["--host-syncs", s["host_syncs"]]
     lines = run(command).stdout.strip().splitlines()
@@ -144,7 +141,7 @@ def fast_path_run(text: str, s: dict) -> tuple[bool, str, str]:
 
 def kernels(s: dict, out: Path) -> dict:
     """bench/bench_kernels.py's figures (reduced on the CPU)."""
-    command = [sys.executable, str(REPO / "bench/bench_kernels.py"), "--device", s["device"]]
+    command = [sys.executable, "-m", "bench.bench_kernels", "--device", s["device"]]
     command += ["--out", str(out / "kernels.json")]
     run([*command, *(["--quick"] if s["device"] == "cpu" else [])])
     return json.loads((out / "kernels.json").read_text())
@@ -176,7 +173,7 @@ def grouped_gemm_error(device: str) -> float:
 
 
 def checkpoint_stall(s: dict) -> dict[str, float]:
-    command = [sys.executable, str(REPO / "bench/bench_async_checkpoint.py"), "--saves", "3"]
+    command = [sys.executable, "-m", "bench.bench_async_checkpoint", "--saves", "3"]
     out = run([*command, "--models", *s["checkpoint_models"]]).stdout
     return dict(
         zip(s["checkpoint_models"], (float(v) / 100 for v in STALL.findall(out)), strict=True)
@@ -185,7 +182,7 @@ def checkpoint_stall(s: dict) -> dict[str, float]:
 
 def torchtitan(s: dict, out: Path) -> dict:
     """bench/bench_torchtitan.py's rows: ours and torchtitan's at the same shapes."""
-    command = [sys.executable, str(REPO / "bench/bench_torchtitan.py"), "--out"]
+    command = [sys.executable, "-m", "bench.bench_torchtitan", "--out"]
     command += [str(out / "torchtitan.json"), *(["--cpu"] if s["device"] == "cpu" else [])]
     run(command, timeout=900)
     return json.loads((out / "torchtitan.json").read_text())

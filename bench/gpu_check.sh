@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): run from the repository root on one GPU with no network.
-#   python bench/gpu_pack.py          # first, where there is network: .gpu/ (carry it)
+#   python -m bench.gpu_pack          # first, where there is network: .gpu/ (carry it)
 #   bash bench/gpu_check.sh           # flows, then speed (about 5 minutes on an H100)
 #   bash bench/gpu_check.sh flows     # one part: flows | speed | extra
 #   bash bench/gpu_check.sh --cpu     # every part reduced, on the CPU (what CI runs)
@@ -15,4 +15,4 @@ if [ ! -x .venv/bin/python ] && [ -d .gpu/wheels ]; then
     export PATH=/tmp/gpu_check_site/bin:$PATH
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PYTHON" bench/gpu_check.py "$@"
+exec "$PYTHON" -m bench.gpu_check "$@"

@@ -37,8 +37,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launcher import torchrun
-
+from bench.launcher import torchrun
 from tests.harness.conversations import conversation_mixture
 
 REPO = Path(__file__).resolve().parents[1]

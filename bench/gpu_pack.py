@@ -1,6 +1,6 @@
 """What the GPU check needs that a GPU machine with no network lacks, packed into ``.gpu/``.
 
-    python bench/gpu_pack.py            # here, with network: writes .gpu/ (ignored by git)
+    python -m bench.gpu_pack            # here, with network: writes .gpu/ (ignored by git)
     bash bench/gpu_check.sh             # there: installs .gpu/wheels, reads .gpu/whisper-tiny.en
 
 A lent GPU machine has torch, transformers' dependencies and most of the scientific stack, but

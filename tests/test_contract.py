@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import io
 import os
+import re
 import subprocess
 import sys
 from contextlib import redirect_stdout
@@ -34,7 +35,7 @@ ALLOWED = {
     "hydra_plugins": {"contract", "train", "orchestrator", "hydra_plugins"},
     # The benchmarks drive the product as users do; three of them borrow the test harness's
     # machinery (a login node, a training rank, the conversation mixture: its charter says so).
-    "bench": {"contract", "train", "orchestrator", "recipes", "tests"},
+    "bench": {"contract", "train", "orchestrator", "recipes", "tests", "bench"},
 }
 PROJECT = set(ALLOWED) | {"recipes", "templates", "tests"}
 PRODUCT = ("contract", "train", "orchestrator", "hydra_plugins")
@@ -61,6 +62,48 @@ def imported_packages(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
     return found
+
+
+def sys_path_edits(path: Path) -> list[int]:
+    """The lines of a module that change ``sys.path``: a method called on it, or an assignment."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            targets = [node.func.value]
+        elif isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign):
+            targets = [node.target]
+        else:
+            continue
+        if any(ast.unparse(target) == "sys.path" for target in targets):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+# A benchmark started by its file's path (its folder first on sys.path) instead of as a module.
+STARTED_BY_PATH = re.compile(r"(python3?|\$\(PY\)|\"\$PYTHON\") bench/\w+\.py")
+
+
+def test_benchmarks_run_as_modules_of_their_package(tmp_path) -> None:
+    """bench/ is a package run from the repository root as ``python -m bench.NAME``: no module
+    of it edits ``sys.path`` to reach the toolkit or a sibling, and nothing starts one by its
+    path (the docs, the Makefile, the benchmarks and the GPU check's script)."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("import sys\nsys.path.insert(0, 'x')\nsys.path = []\nsys.path += ['y']\n")
+    assert sys_path_edits(planted) == [2, 3, 4]
+    assert STARTED_BY_PATH.search('exec "$PYTHON" bench/gpu_check.py "$@"')
+    assert (REPO / "bench" / "__init__.py").exists()
+    edits = {
+        str(path.relative_to(REPO)): found
+        for path in sorted((REPO / "bench").glob("*.py"))
+        if (found := sys_path_edits(path))
+    }
+    assert edits == {}, f"these benchmarks edit sys.path: {edits}"
+    texts = [REPO / "Makefile", REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    texts += sorted((REPO / "bench").glob("*.*"))
+    by_path = [str(p.relative_to(REPO)) for p in texts if STARTED_BY_PATH.search(p.read_text())]
+    assert by_path == [], f"these start a benchmark by its path: {by_path}"
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))

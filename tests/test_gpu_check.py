@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu_flows import decoded, differences
 from orchestrator.planner.measured import load
 from recipes.pretrained import WHISPER
 from tests.harness.models import pretrained_model
@@ -32,7 +33,7 @@ from tests.harness.process import REPO, run_tool
 # alone on 2026-11-29 (9.4 min while they compiled with inductor).
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
+def test_gpu_check_runs_on_the_cpu(tmp_path):
     whisper = pretrained_model(WHISPER.name)
     command = ["bash", str(REPO / "bench/gpu_check.sh"), "--cpu", "--out", str(tmp_path)]
     done = subprocess.run(
@@ -96,16 +97,13 @@ def test_gpu_check_runs_on_the_cpu(tmp_path, monkeypatch):
     assert (
         "| recompiles (graphs per region) | 6 (decoder_block 4, encoder_block 4) |" in done.stdout
     )
-    assert_decoding_comparison_fires(tmp_path, monkeypatch)
+    assert_decoding_comparison_fires(tmp_path)
 
 
-def assert_decoding_comparison_fires(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def assert_decoding_comparison_fires(out: Path) -> None:
     """On the CPU both of the check's evaluations ran there, so its empty list of decoding
     differences is what a blind comparison gives too: on the chain's two evaluations as they
     were written, a hypothesis planted in one and an utterance the other lost are each found."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from gpu_flows import decoded, differences
-
     device, cpu = decoded(out / "chain"), decoded(out / "chain_cpu")
     assert len(device) > 1 and differences(device, cpu) == []
     planted = plant(out / "chain_cpu", 0, "planted")

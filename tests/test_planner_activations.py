@@ -17,13 +17,12 @@ for that rank's stage, blocks, batch and layout.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from orchestrator.planner.activations import ActivationLayout, Microbatch, activation_bytes
 from tests.harness.planner_cases import CASES, measured, pipeline
-from tests.harness.process import REPO, run_python
+from tests.harness.process import run_module
 from train.parallel.dims import AC_MODES
 
 pytestmark = pytest.mark.slow
@@ -37,8 +36,7 @@ CASES_ONE_PROCESS = [
 
 
 def test_activation_formula_is_within_ten_percent_of_measured_peaks():
-    command = [str(REPO / "bench/bench_planner.py"), "--json", "--cases", *CASES_ONE_PROCESS]
-    done = run_python(command, 1, {**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_module("bench.bench_planner", "--json", "--cases", *CASES_ONE_PROCESS)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert [row["case"] for row in rows] == CASES_ONE_PROCESS
