@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -244,12 +245,38 @@ def find_manifest(chain_id: str) -> Manifest:
     return Manifest.load(run_dir / MANIFEST_NAME)
 
 
+# What every entry of an index holds, by kind: an entry without it is left out of a listing.
+INDEX_KEYS = {
+    "chains": ("chain_id", "run_dir", "created"),
+    "sweeps": ("sweep_id", "members", "created"),
+}
+
+
 def read_index(kind: str) -> list[dict[str, Any]]:
-    """The entries of ``$ORCH_HOME/<kind>/`` (chains or sweeps), oldest first."""
+    """The entries of ``$ORCH_HOME/<kind>/`` (chains or sweeps), oldest first. A file that is
+    not such an entry (not JSON, a key missing) is left out with one line on stderr naming it,
+    so that one broken file does not hide every other chain."""
     folder = orch_home() / kind
     if not folder.is_dir():
         return []
-    entries = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    entries = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+        except ValueError:
+            why = "is not JSON"
+        else:
+            missing = [
+                key for key in INDEX_KEYS[kind] if not isinstance(entry, dict) or key not in entry
+            ]
+            why = f"has no {', '.join(missing)}" if missing else ""
+        if why:
+            print(
+                f"warning: {kind[:-1]} index {path} {why}: left out; remove or fix it",
+                file=sys.stderr,
+            )
+            continue
+        entries.append(entry)
     return sorted(entries, key=lambda entry: entry["created"])
 
 

@@ -17,10 +17,10 @@ import pytest
 from orchestrator.cluster.config import free_ports, render_conf
 from orchestrator.cluster.daemons import daemon_pids
 from orchestrator.cluster.record import CONF_NAME, DBD_CONF_NAME, ClusterInfo
-from orchestrator.manifest import JobRecord, Manifest, orch_home, register_chain
+from orchestrator.manifest import JobRecord, Manifest, orch_home, register_chain, register_sweep
 from orchestrator.slurm.commands import QUERY_TIMEOUT_S
 from tests.harness.chains import launch_json, wait_chain, write_sub
-from tests.harness.cluster import LoopbackCluster
+from tests.harness.cluster import LoopbackCluster, calls_of, counted_slurm, wait_gone
 from tests.harness.process import run_tool
 from tests.harness.results import make_chain, train_row
 
@@ -205,3 +205,58 @@ def test_a_malformed_sweep_index_is_a_clear_error() -> None:
     assert status.returncode == 2
     assert f"sweep index {index} has no list of members" in status.stderr
     assert "Traceback" not in status.stderr
+    # Listing every chain and sweep leaves it out, says so, and lists the rest.
+    listed = run_tool("orchestrator", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert f"warning: sweep index {index} has no members, created: left out" in listed.stderr
+    assert "Traceback" not in listed.stderr
+
+
+MEMBERS = 4
+
+
+@pytest.mark.slurm
+def test_a_sweep_is_looked_at_in_one_query_of_each_kind(
+    empty_queue: LoopbackCluster, tmp_path: Path
+) -> None:
+    """``status``, ``list`` and ``cancel`` of a sweep of four 2-job chains ask SLURM once per
+    look whatever the number of members: one ``scontrol ping``, one squeue, at most one sacct
+    and one ``scontrol show job`` (counted by wrappers first on PATH), queued and after every job
+    ended; and each member's jobs are what ``status`` of that chain alone says."""
+    recipe = write_sub(tmp_path / "sleep.sub", "sleep 60\n")
+    members = []
+    for member in range(MEMBERS):
+        run_dir = tmp_path / str(member)
+        summary = launch_json("-n2", "--run-dir", str(run_dir), str(recipe))
+        members.append({"chain_id": summary["chain_id"], "run_dir": str(run_dir), "overrides": []})
+    register_sweep("looked-at", members)
+    env, calls = counted_slurm(tmp_path / "counted")
+    one_look = ["scontrol ping", "squeue", "sacct", "scontrol show"]
+
+    def looked(*command: str) -> subprocess.CompletedProcess[str]:
+        done = run_tool("orchestrator", *command, env=env)
+        assert done.returncode == 0, done.stderr
+        made = calls_of(calls)
+        assert made[:2] == one_look[:2] and set(made) <= set(one_look), made
+        assert all(made.count(call) == 1 for call in made), made
+        return done
+
+    sweep = json.loads(looked("status", "looked-at", "--json").stdout)
+    assert [chain["chain_id"] for chain in sweep["chains"]] == [m["chain_id"] for m in members]
+    for chain in sweep["chains"]:
+        alone = json.loads(run_tool("orchestrator", "status", chain["chain_id"], "--json").stdout)
+        assert [job["job_id"] for job in alone["jobs"]] == [job["job_id"] for job in chain["jobs"]]
+        assert all(job["state"] in ("PENDING", "RUNNING") for job in chain["jobs"]), chain
+    calls.write_text("")
+    listed = looked("list").stdout
+    assert all(member["chain_id"] in listed for member in members)
+    cancelled = run_tool("orchestrator", "cancel", "looked-at", env=env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.count("cancelled 2 job(s)") == MEMBERS, cancelled.stdout
+    made = calls_of(calls)
+    assert made.count("squeue") == 1 and made.count("scancel") == MEMBERS, made
+    job_ids = [job["job_id"] for chain in sweep["chains"] for job in chain["jobs"]]
+    wait_gone(job_ids)
+    ended = json.loads(looked("status", "looked-at", "--json").stdout)
+    states = {job["state"] for chain in ended["chains"] for job in chain["jobs"]}
+    assert states == {"CANCELLED"}, ended

@@ -94,7 +94,14 @@ class Backend(Protocol):
 
     def cancel(self, job_ids: list[str]) -> None: ...
 
-    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]: ...
+    @classmethod
+    def look(cls, job_ids: list[str]) -> Any:
+        """One look at the scheduler for many chains' jobs at once (one query of each kind),
+        handed to each chain's ``statuses``; None where the backend asks nothing it could
+        share."""
+
+    def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
+        """The jobs' states, from ``seen`` (this class's ``look``) where given."""
 
     def set_dependency(self, job_id: str, spec: str) -> None:
         """Make a queued job wait on ``spec`` (``dependency_spec``'s form) instead: the chain
@@ -113,6 +120,10 @@ class BatchScriptBackend:
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:
         return cls()  # type: ignore[return-value]
+
+    @classmethod
+    def look(cls, job_ids: list[str]) -> Any:
+        return None
 
     @staticmethod
     def log_glob(job_id: str) -> str:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from contract import job_env
 from contract.job_end import read_job_end
@@ -126,7 +127,7 @@ class LocalBackend(BatchScriptBackend):
             if current.state in ("PENDING", "RUNNING"):
                 self._record(JobStatus(job_id, "CANCELLED", reason="cancelled"))
 
-    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+    def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
         found: dict[str, JobStatus] = {}
         for job_id in job_ids:
             path = jobs_dir() / f"{job_id}.json"

@@ -7,6 +7,7 @@ where the cluster runs slurmdbd), then scontrol's memory of recent jobs, then th
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from contract.slurm_states import has_ended
@@ -25,7 +26,7 @@ from orchestrator.slurm.commands import (
     controller_problem,
     query_jobs,
     run_slurm,
-    show_job,
+    show_jobs,
     update_dependency,
 )
 
@@ -106,9 +107,14 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
             return f"rejected: {error}"
         return "accepted"
 
-    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
-        """squeue for queued jobs; sacct for the others where accounting exists; scontrol for
-        those sacct lacks (recently finished); the run dir for what SLURM cannot tell.
+    @classmethod
+    def look(cls, job_ids: list[str]) -> Look:
+        return look(job_ids)
+
+    def statuses(self, job_ids: list[str], seen: Look | None = None) -> dict[str, JobStatus]:
+        """Each job's state from the most direct witness of one look at SLURM (``seen``, or a
+        look taken now): the queue, then accounting where the queue no longer holds the job,
+        then scontrol's memory of recent jobs, then the run dir for what SLURM cannot tell.
 
         A controller that does not answer ``scontrol ping`` is not queried at all (a dead one
         would make every command wait): states then come from sacct, which slurmdbd answers
@@ -117,38 +123,66 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
         """
         if not job_ids:
             return {}
-        self.unreachable = controller_problem()
-        found: dict[str, JobStatus] = {}
-        if self.unreachable is None:
-            try:
-                found.update(squeue_statuses(job_ids))
-            except SchedulerError as error:
-                if not isinstance(error, SchedulerTimeout) and not is_transient(str(error)):
-                    raise
-                self.unreachable = str(error).splitlines()[0]
-        rest = [job_id for job_id in job_ids if job_id not in found]
-        self.accounting_unreachable = None
-        try:
-            accounted = sacct_statuses(rest)
-        except SchedulerError as error:
-            self.accounting_unreachable = sacct_problem(error)
-            accounted = {}
+        seen = seen or look(job_ids)
+        self.unreachable = seen.unreachable
+        self.accounting_unreachable = seen.accounting_unreachable
         if self.unreachable:
             why = f"controller unreachable ({self.unreachable})"
         elif self.accounting_unreachable:
             why = "SLURM no longer knows the job and accounting is unreachable"
         else:
             why = "SLURM no longer knows the job and keeps no accounting"
-        for job_id in rest:
-            status = accounted.get(job_id)
-            if status is None or (not has_ended(status.state) and not self.unreachable):
-                fields = {} if self.unreachable else show_job(job_id)
-                if fields:
-                    status = status_from_fields(job_id, fields)
+        found: dict[str, JobStatus] = {}
+        for job_id in job_ids:
+            status = seen.queued.get(job_id) or seen.accounted.get(job_id)
+            if job_id in seen.remembered and (status is None or not has_ended(status.state)):
+                status = status_from_fields(job_id, seen.remembered[job_id])
             found[job_id] = status or run_dir_status(
                 self.run_dir, job_id, self.log_glob(job_id), why
             )
         return found
+
+
+@dataclass(frozen=True)
+class Look:
+    """What SLURM said of many jobs at one moment: one ``scontrol ping``, one squeue for all of
+    them, one sacct for those the queue no longer holds, and one ``scontrol show job`` for those
+    accounting has not seen end (recently ended jobs where no accounting is kept). A sweep's
+    ``status``, ``list`` and ``cancel`` take one for all their chains, so the scheduler is asked
+    the same few questions whatever the number of members."""
+
+    queued: dict[str, JobStatus]
+    accounted: dict[str, JobStatus]
+    remembered: dict[str, dict[str, str]]  # scontrol's fields by job id
+    unreachable: str | None  # why the controller did not answer; None when it did
+    accounting_unreachable: str | None  # why slurmdbd did not answer; None when it did
+
+
+def look(job_ids: list[str]) -> Look:
+    """One look at SLURM for ``job_ids`` (see ``Look``)."""
+    unreachable = controller_problem() if job_ids else None
+    queued: dict[str, JobStatus] = {}
+    if job_ids and unreachable is None:
+        try:
+            queued = squeue_statuses(job_ids)
+        except SchedulerError as error:
+            if not isinstance(error, SchedulerTimeout) and not is_transient(str(error)):
+                raise
+            unreachable = str(error).splitlines()[0]
+    rest = [job_id for job_id in job_ids if job_id not in queued]
+    accounting_unreachable = None
+    try:
+        accounted = sacct_statuses(rest)
+    except SchedulerError as error:
+        accounting_unreachable = sacct_problem(error)
+        accounted = {}
+    unended = [job_id for job_id in rest if not ended(accounted.get(job_id))]
+    remembered = {} if unreachable else show_jobs(unended)
+    return Look(queued, accounted, remembered, unreachable, accounting_unreachable)
+
+
+def ended(status: JobStatus | None) -> bool:
+    return status is not None and has_ended(status.state)
 
 
 def squeue_statuses(job_ids: list[str]) -> dict[str, JobStatus]:

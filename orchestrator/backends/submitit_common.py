@@ -143,7 +143,11 @@ class SubmititBackendBase:
             raise SchedulerError(f"job {job_id} failed:\n{value}")
         return value
 
-    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+    @classmethod
+    def look(cls, job_ids: list[str]) -> Any:
+        return None
+
+    def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
         raise NotImplementedError
 
     def result_path(self, job_id: str) -> Path:

@@ -106,7 +106,7 @@ class SubmititLocalBackend(SubmititBackendBase):
             if self._controller_running(job_id):
                 end_controller(int(job_id))
 
-    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+    def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
         return {job_id: self._status(job_id) for job_id in job_ids}
 
     def _never_run(self, after: str, after_state: str) -> str:

@@ -76,7 +76,7 @@ class SubmititSlurmBackend(SlurmQueue, SubmititBackendBase):
             submit_once, transient_markers=REJECTED_MARKERS, idempotent=False, announce=say_retry
         )
 
-    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+    def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
         """scontrol's view, or submitit's result file; only the result file while the
         controller does not answer (``unreachable`` says why)."""
         self.unreachable = controller_problem() if job_ids else None

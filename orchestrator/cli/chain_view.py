@@ -14,6 +14,22 @@ def backend_for(manifest: Manifest) -> Backend:
     return registry.for_run_dir(manifest.backend, manifest.run_dir)
 
 
+def looked_at(manifests: list[Manifest]) -> list[tuple[Backend, dict[str, JobStatus]]]:
+    """Each chain's backend (its ``unreachable`` fields set) and job states, from one look at
+    each scheduler for all the chains' jobs (``Backend.look``): a sweep of any size asks SLURM
+    the same few questions."""
+    by_kind: dict[type[Backend], list[str]] = {}
+    for manifest in manifests:
+        by_kind.setdefault(registry.by_label(manifest.backend), []).extend(manifest.job_ids())
+    seen = {kind: kind.look(job_ids) for kind, job_ids in by_kind.items()}
+    looked = []
+    for manifest in manifests:
+        backend = backend_for(manifest)
+        statuses = backend.statuses(manifest.job_ids(), seen[registry.by_label(manifest.backend)])
+        looked.append((backend, statuses))
+    return looked
+
+
 def summary(manifest: Manifest, statuses: dict[str, JobStatus], found: ChainStatus) -> dict:
     """A chain as ``--json`` prints it; ``found``: its status (``chain_status``)."""
     return {

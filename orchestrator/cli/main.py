@@ -13,7 +13,7 @@ from contract.slurm_states import has_ended
 from orchestrator import __version__, remote
 from orchestrator.chain import last_first
 from orchestrator.chain_status import chain_status
-from orchestrator.cli.chain_view import backend_for, jobs_label, print_table
+from orchestrator.cli.chain_view import jobs_label, looked_at, print_table
 from orchestrator.cli.follow_logs import cmd_logs
 from orchestrator.cli.program import run_program, say
 from orchestrator.cli.status_view import cmd_status
@@ -31,26 +31,34 @@ from orchestrator.manifest import (
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = []
+    entries = []  # (entry, its manifest or None where the file is missing), in listing order
     for entry in list_chains():
         path = Path(entry["run_dir"]) / MANIFEST_NAME
-        if not path.is_file():
+        entries.append((entry, Manifest.load(path) if path.is_file() else None))
+    # Running, queued, or ended unjudged here (a chain launched with --host keeps a local copy
+    # of its manifest, its jobs on the host): asked about, all in one look.
+    asked = [
+        manifest
+        for entry, manifest in entries
+        if manifest and manifest.status == SUBMITTED and not entry.get("host")
+    ]
+    looked = {
+        manifest.chain_id: chain_status(manifest, statuses).status
+        for manifest, (_, statuses) in zip(asked, looked_at(asked), strict=True)
+    }
+    rows = []
+    for entry, manifest in entries:
+        if manifest is None:
             rows.append([entry["chain_id"], "?", "?", "manifest missing", entry["run_dir"]])
             continue
-        manifest = Manifest.load(path)
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
-        # a chain launched with --host: a local copy of its manifest, the run dir on the host
         where = f"{entry['host']}:" if entry.get("host") else ""
-        status = manifest.status
-        if status == SUBMITTED and not where:  # running, queued, or ended unjudged: ask
-            statuses = backend_for(manifest).statuses(manifest.job_ids())
-            status = chain_status(manifest, statuses).status
         rows.append(
             [
                 manifest.chain_id,
                 manifest.backend,
                 jobs_label(manifest),
-                status,
+                looked.get(manifest.chain_id, manifest.status),
                 created,
                 where + manifest.run_dir,
             ]
@@ -70,9 +78,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    for manifest in find_manifests(args.chain):
-        backend = backend_for(manifest)
-        statuses = backend.statuses(manifest.job_ids())
+    manifests = find_manifests(args.chain)
+    for manifest, (backend, statuses) in zip(manifests, looked_at(manifests), strict=True):
         live = [job_id for job_id, status in statuses.items() if not has_ended(status.state)]
         backend.cancel(last_first(live))
         with chain_lock(Path(manifest.run_dir)):  # the hooks judge no more jobs of it

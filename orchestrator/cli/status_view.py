@@ -11,10 +11,10 @@ from contract.job_end import read_job_end
 from orchestrator.backends.base import JobStatus
 from orchestrator.chain_status import chain_status
 from orchestrator.cli.chain_view import (
-    backend_for,
     code_line,
     format_loss,
     index_label,
+    looked_at,
     print_table,
     summary,
 )
@@ -27,9 +27,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     results = {manifest.chain_id: RunResults.of(manifest.run_dir) for manifest in manifests}
     labels = sweep_labels(args.chain)
     payloads = []
-    for manifest in manifests:
-        backend = backend_for(manifest)
-        statuses = backend.statuses(manifest.job_ids())
+    for manifest, (backend, statuses) in zip(manifests, looked_at(manifests), strict=True):
         found = results[manifest.chain_id]
         unreachable = (backend.unreachable, backend.accounting_unreachable)
         if args.json:

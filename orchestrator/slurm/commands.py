@@ -53,15 +53,34 @@ def query_jobs(argv: list[str]) -> str:
         raise
 
 
-def show_job(job_id: str) -> dict[str, str]:
-    """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
-    output = query_jobs(["scontrol", "show", "job", "-o", job_id])
+def job_fields(line: str) -> dict[str, str]:
+    """One job's line of ``scontrol show job -o`` as a dict (empty for any other line)."""
     fields: dict[str, str] = {}
-    for word in output.split():
+    for word in line.split():
         name, sep, value = word.partition("=")
         if sep:
             fields[name] = value
     return fields
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
+    return job_fields(query_jobs(["scontrol", "show", "job", "-o", job_id]))
+
+
+def show_jobs(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """``scontrol show job -o`` of several jobs in one call (every job the controller still
+    remembers, kept where its id is asked for): each one's fields by id; a lone id is asked
+    for by itself."""
+    if len(job_ids) <= 1:
+        return {job_id: fields for job_id in job_ids if (fields := show_job(job_id))}
+    wanted = set(job_ids)
+    found = {}
+    for line in query_jobs(["scontrol", "show", "job", "-o"]).splitlines():
+        fields = job_fields(line)
+        if fields.get("JobId") in wanted:
+            found[fields["JobId"]] = fields
+    return found
 
 
 def probe_partitions() -> list[Partition] | None:

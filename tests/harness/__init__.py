@@ -13,7 +13,8 @@ Its modules, none importing a later one of this list:
   forked from a zygote that imported the trainer once); a missing capability
 - ``wheel``: the project's wheel, built as a user's pip builds it
 - ``login_node``: an SSH login node on loopback where a second Unix user runs the toolkit
-- ``cluster``: the loopback SLURM cluster's handle, command line and queue
+- ``cluster``: the loopback SLURM cluster's handle, command line and queue; SLURM's commands
+  run through wrappers that count their calls
 - ``chains``: chains launched as a user launches them, and the waits for their jobs
 - ``exit_codes``: the docs' one table of exit codes, a SLURM that refuses every job, Ctrl-C
 - ``recorded_jobs``: recipes whose jobs record what they saw, and the checks of the records

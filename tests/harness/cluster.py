@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,3 +87,34 @@ def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
                 f"jobs still queued after {timeout} s: {set(queue_ids()) & set(job_ids)}"
             )
         time.sleep(0.5)
+
+
+# The SLURM commands whose calls ``counted_slurm`` records.
+COUNTED = ("squeue", "sacct", "scontrol", "scancel")
+
+
+def counted_slurm(directory: Path) -> tuple[dict[str, str], Path]:
+    """An environment whose PATH runs SLURM's query and cancel commands through wrappers that
+    record each call (``name args``, a line each) before running the real command, and the
+    file they record to."""
+    directory.mkdir(parents=True, exist_ok=True)
+    calls = directory / "calls.log"
+    calls.touch()
+    for name in COUNTED:
+        real = shutil.which(name)
+        assert real, f"{name} is not on PATH"
+        wrapper = directory / name
+        wrapper.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+    return {"PATH": f"{directory}{os.pathsep}{os.environ['PATH']}"}, calls
+
+
+def calls_of(calls: Path) -> list[str]:
+    """What ``counted_slurm``'s wrappers recorded since the file was last emptied (then empty
+    it): ``scontrol ping`` and ``scontrol show`` apart, every other command by its name."""
+    lines = calls.read_text().splitlines()
+    calls.write_text("")
+    return [
+        " ".join(line.split()[:2]) if line.startswith("scontrol") else line.split()[0]
+        for line in lines
+    ]
