@@ -332,6 +332,19 @@ def find_manifests(name: str) -> list[Manifest]:
     return [find_manifest(name)]
 
 
+def member_manifest(name: str, member: int) -> Manifest:
+    """Member ``member`` (0-based, in the sweep's order: the run dir ``<sweep dir>/<member>``)
+    of the sweep called ``name``."""
+    from orchestrator.errors import UsageError
+
+    members = sweep_members(name)
+    if members is None:
+        raise UsageError(f"--member {member}: {name!r} is no sweep; a chain is cancelled whole")
+    if not 0 <= member < len(members):
+        raise UsageError(f"--member {member}: sweep {name} has members 0..{len(members) - 1}")
+    return find_manifest(members[member]["chain_id"])
+
+
 def sweep_labels(name: str) -> dict[str, str] | None:
     """Chain id -> the overrides that tell it from the other members (else its id) for a sweep;
     None when ``name`` is no sweep. Overrides every member shares would only crowd a legend."""

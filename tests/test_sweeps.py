@@ -183,7 +183,9 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
 @pytest.mark.slurm
 def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
     """Each member's chain ends with its own --then job and may queue replacements, as
-    auto_launch --retries; cancel stops all of them."""
+    auto_launch --retries; cancel --member stops one member's chain and the other goes on;
+    cancel stops all of them. A member the sweep lacks, or --member of a chain: one line,
+    exit 2, nothing cancelled."""
     sweep_dir = tmp_path / "sweep"
     done = multirun(
         sweep_dir,
@@ -208,9 +210,25 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
         assert saved["retries"] == 2
     job_ids = [job["job_id"] for chain in chains for job in chain["jobs"]]
     assert len(job_ids) == 8
+    for wrong, error in (
+        ([sweep, "--member", "2"], f"error: --member 2: sweep {sweep} has members 0..1"),
+        ([chains[0]["chain_id"], "--member", "0"], "is no sweep; a chain is cancelled whole"),
+    ):
+        refused = run_tool("orchestrator", "cancel", *wrong)
+        assert refused.returncode == 2 and error in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert set(job_ids) <= set(queue_ids())
+    one = run_tool("orchestrator", "cancel", sweep, "--member", "1")
+    assert one.returncode == 0, one.stderr
+    head, _, ids = one.stdout.strip().partition(" job(s) ")
+    assert head == f"chain {chains[1]['chain_id']}: cancelled 4", one.stdout
+    assert sorted(ids.split()) == sorted(job_ids[4:]), one.stdout
+    wait_gone(job_ids[4:])
+    assert set(job_ids[:4]) <= set(queue_ids())  # member 0 goes on
     cancelled = run_tool("orchestrator", "cancel", sweep)
     assert cancelled.returncode == 0, cancelled.stderr
-    assert cancelled.stdout.count("cancelled 4 job(s)") == 2, cancelled.stdout
+    assert cancelled.stdout.count("cancelled 4 job(s)") == 1, cancelled.stdout
+    assert cancelled.stdout.count("cancelled 0 job(s)") == 1, cancelled.stdout
     wait_gone(job_ids)
 
 

@@ -26,6 +26,7 @@ from orchestrator.manifest import (
     find_manifests,
     list_chains,
     list_sweeps,
+    member_manifest,
     orch_home,
 )
 
@@ -78,7 +79,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    manifests = find_manifests(args.chain)
+    if args.member is None:
+        manifests = find_manifests(args.chain)
+    else:
+        manifests = [member_manifest(args.chain, args.member)]
     for manifest, (backend, statuses) in zip(manifests, looked_at(manifests), strict=True):
         live = [job_id for job_id, status in statuses.items() if not has_ended(status.state)]
         backend.cancel(last_first(live))
@@ -136,6 +140,12 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=on_host(cmd_status))
     cancel = commands.add_parser("cancel", help="cancel a chain's unfinished jobs")
     cancel.add_argument("chain")
+    cancel.add_argument(
+        "--member",
+        type=int,
+        metavar="I",
+        help="of a sweep, only member I (0-based); the others go on",
+    )
     cancel.set_defaults(handler=on_host(cmd_cancel))
     logs = commands.add_parser("logs", help="print (or --follow) a chain's job logs")
     logs.add_argument("chain")
