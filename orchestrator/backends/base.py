@@ -94,14 +94,13 @@ class Backend(Protocol):
 
     def cancel(self, job_ids: list[str]) -> None: ...
 
-    @classmethod
-    def look(cls, job_ids: list[str]) -> Any:
-        """One look at the scheduler for many chains' jobs at once (one query of each kind),
-        handed to each chain's ``statuses``; None where the backend asks nothing it could
-        share."""
+    # One look at the scheduler for many chains' jobs at once (one query of each kind), handed
+    # to each chain's statuses(): backends whose jobs live in the same scheduler share the same
+    # function, so a command over many chains looks once; None where a chain is asked alone.
+    look_at: ClassVar[Callable[[list[str]], Any] | None]
 
     def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
-        """The jobs' states, from ``seen`` (this class's ``look``) where given."""
+        """The jobs' states, from ``seen`` (what ``look_at`` returned) where given."""
 
     def set_dependency(self, job_id: str, spec: str) -> None:
         """Make a queued job wait on ``spec`` (``dependency_spec``'s form) instead: the chain
@@ -114,16 +113,13 @@ class BatchScriptBackend:
     ``JobRequest.log_pattern`` says: ``RUN_DIR/logs/<name>-<job id>.out``."""
 
     label: ClassVar[str]
+    look_at: ClassVar[Callable[[list[str]], Any] | None] = None
     unreachable: str | None = None
     accounting_unreachable: str | None = None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> Backend:
         return cls()  # type: ignore[return-value]
-
-    @classmethod
-    def look(cls, job_ids: list[str]) -> Any:
-        return None
 
     @staticmethod
     def log_glob(job_id: str) -> str:

@@ -43,6 +43,56 @@ def export_option(env: dict[str, str]) -> str:
     return ",".join(["ALL", *(f"{name}={value}" for name, value in sorted(env.items()))])
 
 
+@dataclass(frozen=True)
+class Look:
+    """What SLURM said of many jobs at one moment: one ``scontrol ping``, one squeue for all of
+    them, one sacct for those the queue no longer holds, and one ``scontrol show job`` for those
+    accounting has not seen end (recently ended jobs where no accounting is kept). A sweep's
+    ``status``, ``list`` and ``cancel`` take one for all their chains, so the scheduler is asked
+    the same few questions whatever the number of members."""
+
+    queued: dict[str, JobStatus]
+    accounted: dict[str, JobStatus]
+    remembered: dict[str, dict[str, str]]  # scontrol's fields by job id
+    unreachable: str | None  # why the controller did not answer; None when it did
+    accounting_unreachable: str | None  # why slurmdbd did not answer; None when it did
+
+    def status(self, job_id: str) -> JobStatus | None:
+        """The job's state from the most direct witness that knew it: the queue, accounting
+        where it saw the job end, scontrol's memory; None where none did."""
+        status = self.queued.get(job_id) or self.accounted.get(job_id)
+        if job_id in self.remembered and not ended(status):
+            return status_from_fields(job_id, self.remembered[job_id])
+        return status
+
+
+def look(job_ids: list[str]) -> Look:
+    """One look at SLURM for ``job_ids`` (see ``Look``)."""
+    unreachable = controller_problem() if job_ids else None
+    queued: dict[str, JobStatus] = {}
+    if job_ids and unreachable is None:
+        try:
+            queued = squeue_statuses(job_ids)
+        except SchedulerError as error:
+            if not isinstance(error, SchedulerTimeout) and not is_transient(str(error)):
+                raise
+            unreachable = str(error).splitlines()[0]
+    rest = [job_id for job_id in job_ids if job_id not in queued]
+    accounting_unreachable = None
+    try:
+        accounted = sacct_statuses(rest)
+    except SchedulerError as error:
+        accounting_unreachable = sacct_problem(error)
+        accounted = {}
+    unended = [job_id for job_id in rest if not ended(accounted.get(job_id))]
+    remembered = {} if unreachable else show_jobs(unended)
+    return Look(queued, accounted, remembered, unreachable, accounting_unreachable)
+
+
+def ended(status: JobStatus | None) -> bool:
+    return status is not None and has_ended(status.state)
+
+
 class SlurmQueue:
     """What both SLURM backends do to queued jobs: cancel them, and re-point a dependency."""
 
@@ -59,6 +109,7 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
     auto = True  # when a SLURM controller answers
     runs_here = False
     judged = True  # by each job's chain hook
+    look_at = staticmethod(look)
 
     def __init__(self, run_dir: Path | None = None) -> None:
         self.run_dir = run_dir  # where a job's log and metrics tell what SLURM cannot
@@ -107,10 +158,6 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
             return f"rejected: {error}"
         return "accepted"
 
-    @classmethod
-    def look(cls, job_ids: list[str]) -> Look:
-        return look(job_ids)
-
     def statuses(self, job_ids: list[str], seen: Look | None = None) -> dict[str, JobStatus]:
         """Each job's state from the most direct witness of one look at SLURM (``seen``, or a
         look taken now): the queue, then accounting where the queue no longer holds the job,
@@ -132,57 +179,11 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
             why = "SLURM no longer knows the job and accounting is unreachable"
         else:
             why = "SLURM no longer knows the job and keeps no accounting"
-        found: dict[str, JobStatus] = {}
-        for job_id in job_ids:
-            status = seen.queued.get(job_id) or seen.accounted.get(job_id)
-            if job_id in seen.remembered and (status is None or not has_ended(status.state)):
-                status = status_from_fields(job_id, seen.remembered[job_id])
-            found[job_id] = status or run_dir_status(
-                self.run_dir, job_id, self.log_glob(job_id), why
-            )
-        return found
-
-
-@dataclass(frozen=True)
-class Look:
-    """What SLURM said of many jobs at one moment: one ``scontrol ping``, one squeue for all of
-    them, one sacct for those the queue no longer holds, and one ``scontrol show job`` for those
-    accounting has not seen end (recently ended jobs where no accounting is kept). A sweep's
-    ``status``, ``list`` and ``cancel`` take one for all their chains, so the scheduler is asked
-    the same few questions whatever the number of members."""
-
-    queued: dict[str, JobStatus]
-    accounted: dict[str, JobStatus]
-    remembered: dict[str, dict[str, str]]  # scontrol's fields by job id
-    unreachable: str | None  # why the controller did not answer; None when it did
-    accounting_unreachable: str | None  # why slurmdbd did not answer; None when it did
-
-
-def look(job_ids: list[str]) -> Look:
-    """One look at SLURM for ``job_ids`` (see ``Look``)."""
-    unreachable = controller_problem() if job_ids else None
-    queued: dict[str, JobStatus] = {}
-    if job_ids and unreachable is None:
-        try:
-            queued = squeue_statuses(job_ids)
-        except SchedulerError as error:
-            if not isinstance(error, SchedulerTimeout) and not is_transient(str(error)):
-                raise
-            unreachable = str(error).splitlines()[0]
-    rest = [job_id for job_id in job_ids if job_id not in queued]
-    accounting_unreachable = None
-    try:
-        accounted = sacct_statuses(rest)
-    except SchedulerError as error:
-        accounting_unreachable = sacct_problem(error)
-        accounted = {}
-    unended = [job_id for job_id in rest if not ended(accounted.get(job_id))]
-    remembered = {} if unreachable else show_jobs(unended)
-    return Look(queued, accounted, remembered, unreachable, accounting_unreachable)
-
-
-def ended(status: JobStatus | None) -> bool:
-    return status is not None and has_ended(status.state)
+        return {
+            job_id: seen.status(job_id)
+            or run_dir_status(self.run_dir, job_id, self.log_glob(job_id), why)
+            for job_id in job_ids
+        }
 
 
 def squeue_statuses(job_ids: list[str]) -> dict[str, JobStatus]:

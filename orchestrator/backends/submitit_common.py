@@ -86,8 +86,9 @@ class SubmititBackendBase:
     option: ClassVar[str] = "submitit"
     auto: ClassVar[bool] = False
     executor: ClassVar[str]  # submitit's executor: slurm | local
+    look_at: ClassVar[Callable[[list[str]], Any] | None] = None
     unreachable: str | None = None
-    accounting_unreachable: str | None = None  # scontrol and result files only, never sacct
+    accounting_unreachable: str | None = None
 
     def __init__(self, folder: Path, executor_params: dict[str, Any] | None = None) -> None:
         self.folder = Path(folder).expanduser().absolute()
@@ -142,10 +143,6 @@ class SubmititBackendBase:
         if outcome != "success":
             raise SchedulerError(f"job {job_id} failed:\n{value}")
         return value
-
-    @classmethod
-    def look(cls, job_ids: list[str]) -> Any:
-        return None
 
     def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
         raise NotImplementedError

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from orchestrator.backends.base import JobRequest, JobStatus, dependency_spec
-from orchestrator.backends.slurm import SlurmQueue, status_from_fields
+from orchestrator.backends.slurm import Look, SlurmQueue, look
 from orchestrator.backends.submitit_common import (
     SubmititBackendBase,
     check_request,
@@ -27,7 +27,7 @@ from orchestrator.backends.submitit_common import (
 )
 from orchestrator.errors import SchedulerError, UsageError
 from orchestrator.retry import REJECTED_MARKERS, with_retries
-from orchestrator.slurm.commands import controller_problem, say_retry, show_job
+from orchestrator.slurm.commands import say_retry
 from orchestrator.slurm.directives import parse_signal
 
 # Options the backend decides itself: the chain's job name (singleton depends on it), submitit's
@@ -40,6 +40,7 @@ class SubmititSlurmBackend(SlurmQueue, SubmititBackendBase):
     executor = "slurm"
     runs_here = False
     judged = False
+    look_at = staticmethod(look)  # the slurm backend's: a command over both kinds looks once
 
     def submit(self, request: JobRequest) -> str:
         check_request(request)
@@ -76,20 +77,22 @@ class SubmititSlurmBackend(SlurmQueue, SubmititBackendBase):
             submit_once, transient_markers=REJECTED_MARKERS, idempotent=False, announce=say_retry
         )
 
-    def statuses(self, job_ids: list[str], seen: Any = None) -> dict[str, JobStatus]:
-        """scontrol's view, or submitit's result file; only the result file while the
-        controller does not answer (``unreachable`` says why)."""
-        self.unreachable = controller_problem() if job_ids else None
-        return {job_id: self._status(job_id) for job_id in job_ids}
-
-    def _status(self, job_id: str) -> JobStatus:
-        fields = {} if self.unreachable else show_job(job_id)
-        if fields:
-            return status_from_fields(job_id, fields)
+    def statuses(self, job_ids: list[str], seen: Look | None = None) -> dict[str, JobStatus]:
+        """What one look at SLURM (``seen``, or a look taken now) says of each job, as for the
+        slurm backend, else submitit's result file; only accounting and the result file while
+        the controller does not answer (``unreachable`` says why)."""
+        if not job_ids:
+            return {}
+        seen = seen or look(job_ids)
+        self.unreachable = seen.unreachable
+        self.accounting_unreachable = seen.accounting_unreachable
         known = "controller unreachable" if self.unreachable else "no longer known to SLURM"
-        return self.result_status(job_id) or JobStatus(
-            job_id, "UNKNOWN", reason=f"{known} and no submitit result"
-        )
+        return {
+            job_id: seen.status(job_id)
+            or self.result_status(job_id)
+            or JobStatus(job_id, "UNKNOWN", reason=f"{known} and no submitit result")
+            for job_id in job_ids
+        }
 
 
 def forwarded_signal(spec: str | None) -> tuple[int, int] | None:

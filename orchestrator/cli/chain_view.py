@@ -3,6 +3,9 @@ and the tables' cells and labels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend, JobStatus
 from orchestrator.chain_status import ChainStatus
@@ -16,17 +19,18 @@ def backend_for(manifest: Manifest) -> Backend:
 
 def looked_at(manifests: list[Manifest]) -> list[tuple[Backend, dict[str, JobStatus]]]:
     """Each chain's backend (its ``unreachable`` fields set) and job states, from one look at
-    each scheduler for all the chains' jobs (``Backend.look``): a sweep of any size asks SLURM
-    the same few questions."""
-    by_kind: dict[type[Backend], list[str]] = {}
-    for manifest in manifests:
-        by_kind.setdefault(registry.by_label(manifest.backend), []).extend(manifest.job_ids())
-    seen = {kind: kind.look(job_ids) for kind, job_ids in by_kind.items()}
+    each scheduler for all the chains' jobs (``Backend.look_at``): a sweep of any size asks
+    SLURM the same few questions."""
+    kinds = [registry.by_label(manifest.backend) for manifest in manifests]
+    asked: dict[Callable[[list[str]], Any], list[str]] = {}
+    for kind, manifest in zip(kinds, manifests, strict=True):
+        if kind.look_at is not None:
+            asked.setdefault(kind.look_at, []).extend(manifest.job_ids())
+    seen = {look_at: look_at(job_ids) for look_at, job_ids in asked.items()}
     looked = []
-    for manifest in manifests:
+    for kind, manifest in zip(kinds, manifests, strict=True):
         backend = backend_for(manifest)
-        statuses = backend.statuses(manifest.job_ids(), seen[registry.by_label(manifest.backend)])
-        looked.append((backend, statuses))
+        looked.append((backend, backend.statuses(manifest.job_ids(), seen.get(kind.look_at))))
     return looked
 
 
