@@ -247,7 +247,6 @@ def test_a_sweep_is_looked_at_in_one_query_of_each_kind(
         alone = json.loads(run_tool("orchestrator", "status", chain["chain_id"], "--json").stdout)
         assert [job["job_id"] for job in alone["jobs"]] == [job["job_id"] for job in chain["jobs"]]
         assert all(job["state"] in ("PENDING", "RUNNING") for job in chain["jobs"]), chain
-    calls.write_text("")
     listed = looked("list").stdout
     assert all(member["chain_id"] in listed for member in members)
     cancelled = run_tool("orchestrator", "cancel", "looked-at", env=env)

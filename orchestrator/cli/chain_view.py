@@ -4,6 +4,7 @@ and the tables' cells and labels."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from orchestrator.backends import registry
@@ -29,7 +30,7 @@ def looked_at(manifests: list[Manifest]) -> list[tuple[Backend, dict[str, JobSta
     seen = {look_at: look_at(job_ids) for look_at, job_ids in asked.items()}
     looked = []
     for kind, manifest in zip(kinds, manifests, strict=True):
-        backend = backend_for(manifest)
+        backend = kind.for_run_dir(Path(manifest.run_dir))
         looked.append((backend, backend.statuses(manifest.job_ids(), seen.get(kind.look_at))))
     return looked
 
