@@ -199,7 +199,10 @@ class TornChain:
         tmp, written = PAUSED_AT.search(announcement).groups()
         job_id = self.summary["jobs"][0]["job_id"]
         subprocess.run(["scancel", *self.how, f"{job_id}{self.target}"], check=True)
-        wait_until(lambda: job_id not in queue_ids(), 30, f"job 0 of {self.id} to end")
+        # SLURM's SIGKILL comes KillWait after the SIGTERM: the paused save outlives it.
+        wait_until(
+            lambda: job_id not in queue_ids(), KILL_WAIT_S + 30, f"job 0 of {self.id} to end"
+        )
         torn = Path(tmp)
         assert written == self.written, announcement
         assert torn.parent == self.checkpoints, torn

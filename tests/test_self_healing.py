@@ -63,6 +63,14 @@ def manifest_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "manifest.json").read_text())
 
 
+def logs_tail(run_dir: Path, lines: int = 15) -> dict[str, list[str]]:
+    """The last lines of each job's log: what a hook said, or that it never ran."""
+    return {
+        log.name: log.read_text(errors="replace").splitlines()[-lines:]
+        for log in sorted((run_dir / "logs").glob("*.out"))
+    }
+
+
 def sacct_run(job_id: str) -> str:
     """Accounting's state, nodes and run time of the job ("None assigned": it never ran)."""
     out = subprocess.run(
@@ -458,7 +466,7 @@ def wait_manifest_settled(run_dir: Path, count: int, timeout: float = 60) -> dic
         manifest = manifest_of(run_dir)
         if sum(job["outcome"] is not None for job in manifest["jobs"]) >= count:
             return manifest
-        assert time.monotonic() < deadline, manifest
+        assert time.monotonic() < deadline, (manifest, logs_tail(run_dir))
         time.sleep(0.5)
 
 

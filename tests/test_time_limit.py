@@ -138,9 +138,11 @@ def test_the_time_limit_stops_training_and_the_next_job_resumes(slurm_cluster, t
             assert line in logs
         else:
             assert f"training stopped on its budget after saving step {step}" in logs
-    assert logs.count("[orch] SIGUSR1: asking the training to stop") == [
-        why for _, why in stopped
-    ].count("SIGUSR1"), logs[-3000:]
+    # Each stop on SIGUSR1 was SLURM's warning passed on by the script; a warning may also come
+    # while the ranks already stop at ORCH_STOP_AT (seen: both within one sync interval).
+    forwarded = logs.count("[orch] SIGUSR1: asking the training to stop")
+    signalled = [why for _, why in stopped].count("SIGUSR1")
+    assert signalled <= forwarded <= len(stopped), logs[-3000:]
     assert f"resumed from {run_dir}/checkpoints/step_{stops[0]} at step {stops[0]}" in logs
     rows = [(row["job_index"], row["step"]) for row in metrics_or_empty(run_dir) if "loss" in row]
     assert rows == [(0, step) for step in range(1, stops[0] + 1)] + [

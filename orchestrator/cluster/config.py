@@ -13,9 +13,10 @@ from orchestrator.cluster.record import DB_NAME, DBD_CONF_NAME, ClusterInfo, log
 URGENT_PARTITION = "urgent"  # with --preemption: its jobs preempt those of the default one
 PREEMPT_GRACE_S = 20  # a preempted job's time to save between SIGTERM and SIGKILL
 # From a job's SIGTERM (scancel, NODE_FAIL, the time limit) to SLURM's SIGKILL: the trainer's save
-# and exit and the end hook's Python start must fit, on a loaded machine too (2 s did not, under
-# a full test run). SLURM's default is 30 s; a job that exits on its SIGTERM ends sooner.
-KILL_WAIT_S = 10
+# and exit and the end hook must fit, on a loaded machine too (2 s and then 10 s did not, under
+# a full test run; ~3 s unloaded). SLURM's default, 30 s: a job that exits on its SIGTERM ends
+# sooner, so only one that outlives it waits this long.
+KILL_WAIT_S = 30
 REQUEUE_HOLD_S = 11  # how long SLURM holds a requeued job before it may start again
 SLURM_USER = "root"  # runs every daemon (slurmd and munged need root here anyway)
 
