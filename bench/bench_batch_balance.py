@@ -3,6 +3,10 @@ is padding, from real batches on the CPU.
 
     python -m bench.bench_batch_balance --data data/corpus_asr/cuts_train.jsonl.gz
     python -m bench.bench_batch_balance --data data/mix/input_cfg.yaml --ranks 8 64 --steps 40
+    python -m bench.bench_batch_balance --data data/conversations/input_cfg.yaml --window 1
+
+``--window N`` deals each N steps' examples by FLOPs (``train.data.balance``, the trainer's
+``data.balance=flops``, ``data.balance_window=N``); without it, batches are as lhotse draws them.
 
 The sampler is built as the trainer builds it (``train.data.loader.rank_sampler``: the same seeds,
 buckets and batch budget). lhotse's sampler of every rank draws the batches of all ranks of a
@@ -30,16 +34,13 @@ import argparse
 import statistics
 from pathlib import Path
 
-import torch
-from lhotse.utils import compute_num_frames
-
-from train.data.conversation_cuts import turn_recordings
+from train.data.balance import Balance
 from train.data.features import FBANK_HOP_S, AudioLimits
-from train.data.loader import encoded, rank_sampler
+from train.data.loader import rank_sampler
 from train.data.source_cuts import check_sources
 from train.data.sources import read_sources
 from train.data.text import ByteTokenizer
-from train.flops import sequence_flops
+from train.data.work import example_flops, example_frames, flops_cost
 from train.models.presets import get_preset
 from train.models.shape import SALMConfig
 
@@ -48,23 +49,11 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLING_RATE = 16000
 
 
-def segment_frames(cut) -> list[int]:
-    """The fbank frames of each of the cut's audio segments."""
-    recordings = turn_recordings(cut)
-    durations = [cut.duration] if recordings is None else [r.duration for r in recordings]
-    return [compute_num_frames(d, FBANK_HOP_S, SAMPLING_RATE) for d in durations]
-
-
 def batch_work(cfg: SALMConfig, cuts, text) -> tuple[float, int, int]:
     """One batch's training FLOPs, and its encoder's real and padded input frames."""
-    segments = [segment_frames(cut) for cut in cuts]
-    tokens = torch.tensor([len(encoded(text, cut).tokens) for cut in cuts], dtype=torch.float64)
-    most = max(1, *(len(found) for found in segments))
-    frames = torch.zeros((len(segments), most), dtype=torch.float64)
-    for row, found in enumerate(segments):
-        frames[row, : len(found)] = torch.tensor(found, dtype=torch.float64)
-    flops = float(sequence_flops(cfg, frames, tokens).sum())
-    return flops, int(frames.sum()), int(frames.shape[0] * most * frames.max())
+    flops = sum(example_flops(cfg, text, FBANK_HOP_S, SAMPLING_RATE, cuts))
+    frames = example_frames(cuts, FBANK_HOP_S, SAMPLING_RATE)
+    return flops, int(frames.sum()), int(frames.numel() * frames.max())
 
 
 def step_batches(sampler) -> list:
@@ -77,7 +66,12 @@ def step_batches(sampler) -> list:
 
 def measure(data, cfg: SALMConfig, ranks: int, steps: int, args) -> dict[str, float]:
     text = ByteTokenizer()
-    sampler = rank_sampler(data, args.max_duration, args.seed, 0, ranks, args.buckets)
+    balance = None
+    if args.window:
+        balance = Balance(flops_cost(cfg, text, FBANK_HOP_S, SAMPLING_RATE), args.window)
+    sampler = rank_sampler(
+        data, args.max_duration, args.seed, 0, ranks, args.buckets, balance=balance
+    )
     iter(sampler)
     ratios, real, padded = [], 0, 0
     for _ in range(steps):
@@ -117,9 +111,17 @@ def main() -> None:
     parser.add_argument("--max-duration", type=float, default=60.0, help="data.max_duration")
     parser.add_argument("--buckets", type=int, default=4, help="data.buckets")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="deal each WINDOW steps' examples by FLOPs (train.data.balance); 0: as drawn",
+    )
     args = parser.parse_args()
     cfg = get_preset(args.preset)
+    dealt = f"dealt by FLOPs over {args.window} steps" if args.window else "dealt as drawn"
     print(f"{args.preset}, data.max_duration={args.max_duration}, data.buckets={args.buckets}, ")
+    print(dealt)
     print(f"up to {args.steps} steps from the first\n")
     print("| data | ranks | steps | busiest / mean (mean) | worst step | encoder padding |")
     print("|---|---:|---:|---:|---:|---:|")

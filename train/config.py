@@ -36,6 +36,9 @@ from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, STRATEGIES, Degree
 # changed (train/data/layout.py).
 REFUSE, RESTART_EPOCH, CONTINUE = "refuse", "restart_epoch", "continue"
 ON_LAYOUT_CHANGE = (REFUSE, RESTART_EPOCH, CONTINUE)
+# data.balance: how a step's examples are dealt to the data-parallel ranks (train/data/balance.py).
+BALANCE_FLOPS, BALANCE_SECONDS, BALANCE_AUTO = "flops", "seconds", "auto"
+BALANCE_MODES = (BALANCE_AUTO, BALANCE_FLOPS, BALANCE_SECONDS)
 DEFAULT_RUN_DIR = "runs/local"  # a single run's, under the directory it starts in
 BUFFER_SIZE = 20_000  # data.buffer_size's default: lhotse's own
 # The base seed of a multirun whose launcher gives none (hydra-submitit-launcher): member k takes
@@ -121,6 +124,14 @@ class DataConfig:
     # max_duration, buckets, buffer_size, Shar workers) differs from its checkpoint's: refuse,
     # restart_epoch or continue (train/data/layout.py).
     on_layout_change: str = REFUSE
+    # How a step's examples are dealt to the data-parallel ranks (train/data/balance.py): flops
+    # (each example's training FLOPs at the model's shape, so no rank waits long for another),
+    # seconds (lhotse's sampler as it is: seconds of audio), or auto: flops, but seconds for
+    # Shar (whose ranks draw streams of their own).
+    balance: str = BALANCE_AUTO
+    # Steps whose examples are dealt together under flops: more even work per rank, but the
+    # sampler's duration buckets mixed, so more padding (docs/performance.md).
+    balance_window: int = 1
 
 
 @dataclass
@@ -304,6 +315,19 @@ def validate(cfg: TrainConfig) -> None:
             f"data.on_layout_change={cfg.data.on_layout_change}: choose one of "
             f"{', '.join(ON_LAYOUT_CHANGE)}"
         )
+    if cfg.data.balance not in BALANCE_MODES:
+        raise ValueError(
+            f"data.balance={cfg.data.balance}: choose one of {', '.join(BALANCE_MODES)}"
+        )
+    if cfg.data.balance_window < 1:
+        raise ValueError(
+            f"data.balance_window={cfg.data.balance_window}: must be at least 1 (steps)"
+        )
+    if cfg.data.balance == BALANCE_FLOPS and cfg.data.shar and cfg.data.input_cfg is None:
+        raise ValueError(
+            "data.balance=flops deals the examples every rank draws, but with data.shar each "
+            "rank draws a stream of its own: set data.balance=seconds (or auto)"
+        )
     if cfg.optim.lr <= 0:
         raise ValueError(f"optim.lr={cfg.optim.lr}: must be positive")
     if cfg.train.max_time_per_run < 0:
@@ -356,6 +380,13 @@ def validate(cfg: TrainConfig) -> None:
             f"data: {path} does not exist; make the corpus with "
             f"`python recipes/make_corpus.py --out {cfg.data.corpus}` (or `make corpus`)"
         )
+
+
+def balance_mode(cfg: TrainConfig) -> str:
+    """How this config's steps are dealt: flops or seconds (auto resolved)."""
+    if cfg.data.balance != BALANCE_AUTO:
+        return cfg.data.balance
+    return BALANCE_SECONDS if cfg.data.shar and cfg.data.input_cfg is None else BALANCE_FLOPS
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -166,7 +166,14 @@ class Trainer:
         self.state = TrainState()
         featurize = Featurizer(prepared.data.extractor, cfg.data.feature_cache)
         self.data = TrainingData(
-            cfg, prepared.data, self.dp_rank, self.dp_size, self.text, featurize, device
+            cfg,
+            prepared.data,
+            self.dp_rank,
+            self.dp_size,
+            self.text,
+            featurize,
+            device,
+            self.model_cfg,
         )
         batch_s = cfg.eval.max_duration or cfg.data.max_duration
         sets = [

@@ -9,6 +9,7 @@ One module a job; import a name from the module that owns it:
 - ``features``: acoustic features as the encoder expects them;
 - ``text``, ``prompt``: the tokenizer, and an example as one sequence in an LLM's chat format;
 - ``loader``: batches under the seed contract (the sampler, workers, collation);
+- ``balance``, ``work``: a step's examples dealt to the ranks by what each costs the step;
 - ``stream``, ``layout``: one rank's stream of batches and the saved position, and what that
   position depends on;
 - ``plan``: what a job reads, resolved before any process group exists;

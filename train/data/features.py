@@ -111,8 +111,12 @@ class Featurizer:
         """The audio an encoder with ``enc_positions`` positions (0: any length) takes."""
         if not enc_positions:
             return AudioLimits(self.sampling_rate)
-        hop = FBANK_HOP_S if self._fbank is not None else self.hf.hop_length / self.sampling_rate
-        return AudioLimits(self.sampling_rate, enc_positions * enc_subsampling * hop)
+        return AudioLimits(self.sampling_rate, enc_positions * enc_subsampling * self.hop_s)
+
+    @property
+    def hop_s(self) -> float:
+        """Seconds between feature frames."""
+        return FBANK_HOP_S if self._fbank is not None else self.hf.hop_length / self.sampling_rate
 
     @property
     def sampling_rate(self) -> int:

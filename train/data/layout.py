@@ -3,9 +3,10 @@
 A checkpoint keeps each data-parallel rank's position as batch counts per stream
 (``train.data.loader.DataPosition``). The counts mean the same place in the data only under the same
 *data layout*: the data-parallel size (each rank keeps every ``dp_size``-th batch), the sources
-and their weights, ``max_duration``, the buckets, and the streams a rank reads (Shar's
-dataloader workers). Tensor-, context- and pipeline-parallel peers read their data-parallel
-rank's stream, so their degrees are not part of it. Applied under another layout, the counts
+and their weights, ``max_duration``, the buckets, the streams a rank reads (Shar's
+dataloader workers), and how a step's examples are dealt to the ranks (``data.balance``).
+Tensor-, context- and pipeline-parallel peers read their data-parallel rank's stream, so their
+degrees are not part of it. Applied under another layout, the counts
 continue some stream, but not the one an uninterrupted run would have read: data is skipped or
 read twice, silently.
 
@@ -28,7 +29,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from train.config import BUFFER_SIZE, CONTINUE, RESTART_EPOCH, TrainConfig
+from train.config import (
+    BALANCE_FLOPS,
+    BALANCE_SECONDS,
+    BUFFER_SIZE,
+    CONTINUE,
+    RESTART_EPOCH,
+    TrainConfig,
+    balance_mode,
+)
 from train.data.sources import Source, read_sources
 
 DATA_LAYOUT = "data_layout"  # its key in the checkpoint's trainer state
@@ -60,6 +69,7 @@ def data_layout(cfg: TrainConfig, dp_size: int, read: list[Source] | None = None
     else:
         sources = [{"corpus": data.corpus, "split": data.split, "shar": data.shar}]
         streams = num_streams(data.shar, data.num_workers)
+    balance = balance_mode(cfg)
     return {
         "dp_size": dp_size,
         "sources": sources,
@@ -67,11 +77,13 @@ def data_layout(cfg: TrainConfig, dp_size: int, read: list[Source] | None = None
         "buckets": data.buckets,
         "buffer_size": data.buffer_size,
         "streams": streams,
+        "balance": balance,
+        "balance_window": data.balance_window if balance == BALANCE_FLOPS else None,
     }
 
 
 # A field a checkpoint saved before it was recorded had this value.
-SAVED_BEFORE = {"buffer_size": BUFFER_SIZE}
+SAVED_BEFORE = {"buffer_size": BUFFER_SIZE, "balance": BALANCE_SECONDS, "balance_window": None}
 # What each field is called in the error line.
 FIELD_NAMES = {
     "dp_size": "data-parallel size",
@@ -80,6 +92,8 @@ FIELD_NAMES = {
     "buckets": "data.buckets",
     "buffer_size": "data.buffer_size",
     "streams": "streams per rank (data.num_workers with Shar)",
+    "balance": "data.balance",
+    "balance_window": "data.balance_window",
 }
 
 

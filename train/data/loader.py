@@ -65,6 +65,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from train.config import BUFFER_SIZE
+from train.data.balance import Balance, BalancedSampler
 from train.data.conversation import Turn, conversation_of
 from train.data.features import BadCut, Extractor, Featurizer
 from train.data.prompt import Encoded
@@ -344,6 +345,7 @@ def build_dataloader(
     position: DataPosition | None = None,
     pin_memory: bool = False,
     mixture_epoch_batches: int = MIXTURE_EPOCH_BATCHES,
+    balance: Balance | None = None,
 ) -> DataLoader | MixtureEpoch:
     """One epoch of batches for one data-parallel rank (see the module docstring).
 
@@ -355,7 +357,9 @@ def build_dataloader(
     ``STREAM_KEY``. The loader owns a torch generator seeded from the rank's
     data seed, so creating it never draws from the trainer's global RNG. ``pin_memory`` (for
     CUDA) lets the trainer copy batches to the device without blocking. Features are computed
-    by ``featurize`` in the loader's workers when the cuts carry audio only.
+    by ``featurize`` in the loader's workers when the cuts carry audio only. ``balance`` deals
+    each step's examples to the ranks by cost (``train.data.balance``; not for Shar, whose
+    ranks draw their own streams).
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
@@ -382,7 +386,7 @@ def build_dataloader(
         sampler = _sampler(cuts, bins, max_duration, buffer_size, seed=seed, rank=0, world_size=1)
         return DataLoader(SharStream(dataset, sampler, position), **common)
     sampler = rank_sampler(
-        data, max_duration, job_seed, dp_rank, dp_size, buckets, buffer_size, epoch
+        data, max_duration, job_seed, dp_rank, dp_size, buckets, buffer_size, epoch, balance
     )
     taken = 0 if position is None else position.streams[0]
     if taken:
@@ -417,9 +421,11 @@ def rank_sampler(
     buckets: int,
     buffer_size: int = BUFFER_SIZE,
     epoch: int = 0,
+    balance: Balance | None = None,
 ) -> DynamicBucketingSampler:
     """The sampler of ``dp_rank``'s batches of a manifest or of checked sources in ``epoch``,
-    as ``build_dataloader`` reads them: its batches are CutSets, nothing loaded."""
+    as ``build_dataloader`` reads them: its batches are CutSets, nothing loaded. With
+    ``balance``, each step's examples are dealt to the ranks by cost (``train.data.balance``)."""
     if isinstance(data, list):
         cuts = mixed_stream(data, mixture_seed(job_seed, epoch))
         durations = mixed_stream(data, mixture_seed(job_seed, epoch), durations_only=True)
@@ -435,6 +441,7 @@ def rank_sampler(
         seed=sampler_seed(job_seed, epoch),
         rank=dp_rank,
         world_size=dp_size,
+        balance=balance,
     )
 
 
@@ -447,18 +454,21 @@ def _sampler(
     seed: int | str,
     rank: int,
     world_size: int,
+    balance: Balance | None = None,
 ) -> DynamicBucketingSampler:
-    return DynamicBucketingSampler(
-        cuts,
-        max_duration=max_duration,
-        duration_bins=bins,
-        buffer_size=buffer_size,
-        shuffle=True,
-        drop_last=True,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-    )
+    settings = {
+        "max_duration": max_duration,
+        "duration_bins": bins,
+        "buffer_size": buffer_size,
+        "shuffle": True,
+        "drop_last": True,
+        "seed": seed,
+        "rank": rank,
+        "world_size": world_size,
+    }
+    if balance is None:
+        return DynamicBucketingSampler(cuts, **settings)
+    return BalancedSampler(cuts, cost=balance.cost, window=balance.window, **settings)
 
 
 def batches_forever(

@@ -17,11 +17,22 @@ import torch
 import torch.distributed as dist
 
 from contract.run_dir import CUTS_PREFIX
-from train.config import CONTINUE, RESTART_EPOCH, ConfigError, TrainConfig, data_path
+from train.config import (
+    BALANCE_FLOPS,
+    CONTINUE,
+    RESTART_EPOCH,
+    ConfigError,
+    TrainConfig,
+    balance_mode,
+    data_path,
+)
+from train.data.balance import Balance
 from train.data.features import Featurizer
 from train.data.layout import DATA_LAYOUT, data_layout, layout_changes, num_streams, refusal
 from train.data.loader import DataPosition, LoadedBatch, TextCodec, batches_from, build_dataloader
 from train.data.plan import DataPlan
+from train.data.work import flops_cost
+from train.models.shape import SALMConfig
 from train.parallel.distributed import say
 
 
@@ -37,9 +48,14 @@ class TrainingData:
         text: TextCodec,
         featurize: Featurizer,
         device: torch.device,
+        shape: SALMConfig,
     ) -> None:
         self.cfg, self.plan, self.text, self.featurize = cfg, plan, text, featurize
         self.dp_rank, self.dp_size, self.device = dp_rank, dp_size, device
+        self.balance = None  # by seconds: lhotse's sampler as it deals
+        if balance_mode(cfg) == BALANCE_FLOPS:
+            cost = flops_cost(shape, text, featurize.hop_s, featurize.sampling_rate)
+            self.balance = Balance(cost, cfg.data.balance_window)
         self.position: dict[str, Any] = {"epoch": 0, "batch_in_epoch": 0, "data_seed": cfg.seed}
         read = [check.source for check in plan.training] if plan.training else None
         self.layout = data_layout(cfg, dp_size, read)  # what the position depends on
@@ -121,6 +137,7 @@ class TrainingData:
             "buckets": cfg.data.buckets,
             "buffer_size": cfg.data.buffer_size,
             "pin_memory": self.device.type == "cuda",
+            "balance": self.balance,
         }
         data, shar = (
             (self.plan.training, False) if self.plan.training else (data_path(cfg), cfg.data.shar)
