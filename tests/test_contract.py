@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -354,9 +356,57 @@ def test_logs_follow_ends_on_every_terminal_state(tmp_path: Path, end: str) -> N
     backend = StatesInTurn(states, log, list(lines))
     out = io.StringIO()
     with redirect_stdout(out):
-        follow(manifest, job, backend, poll_s=0.0, requeue_grace_s=0.2)  # type: ignore[arg-type]
+        follow(manifest, job, backend, 0.0, 0.2, look_every_s=0.0)  # type: ignore[arg-type]
     assert out.getvalue() == "".join(lines)
     assert has_ended(end) and not has_ended("COMPLETING") and not has_ended("REQUEUED")
+
+
+class CountedLooks:
+    """A backend that counts the looks taken: RUNNING until ``done`` is set, then COMPLETED."""
+
+    label = "slurm"
+    unreachable = None
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done, self.looks = done, 0
+
+    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        self.looks += 1
+        state = "COMPLETED" if self.done.is_set() else "RUNNING"
+        return {job_id: JobStatus(job_id, state) for job_id in job_ids}
+
+
+def test_logs_follow_asks_the_scheduler_once_a_look_however_fast_the_log_grows(tmp_path: Path):
+    """A job that writes a line every few milliseconds: every line is streamed, yet the
+    scheduler (a few RPCs a look) is asked at most once per ``look_every_s``, not once a read
+    as before (~100 looks here)."""
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "r-7.out"
+    log.touch()
+    manifest = Manifest(
+        "c", "r.sub", "", "", str(tmp_path), "slurm", "afterany", 1, [], None, None, None, 0.0
+    )
+    done = threading.Event()
+    lines = [f"line {index}\n" for index in range(100)]
+
+    def write() -> None:
+        for line in lines:
+            with log.open("a") as handle:
+                handle.write(line)
+            time.sleep(0.005)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    backend = CountedLooks(done)
+    out = io.StringIO()
+    started = time.monotonic()
+    writer.start()
+    with redirect_stdout(out):
+        follow(manifest, JobRecord(index=0, seed=1, job_id="7"), backend, 0.01, 0.2, 0.1)  # type: ignore[arg-type]
+    took = time.monotonic() - started
+    writer.join()
+    assert out.getvalue() == "".join(lines)
+    assert 2 <= backend.looks <= took / 0.1 + 1, (backend.looks, took)
 
 
 def test_scripts_carry_the_contract_numbers() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -53,22 +54,35 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+# Seconds between looks at the scheduler while a log is followed (each look is a few RPCs to
+# slurmctld and slurmdbd): the log itself is read every ``poll_s``, and a job's end is seen
+# at most this much later. Under REQUEUE_GRACE_S, so a preempted job is looked at again
+# before it is given up on.
+LOOK_EVERY_S = 2.0
+
+
 def follow(
     manifest: Manifest,
     job: JobRecord,
     backend: Backend,
     poll_s: float = 0.5,
     requeue_grace_s: float = REQUEUE_GRACE_S,
+    look_every_s: float = LOOK_EVERY_S,
 ) -> None:
     """Stream a job's log until the job has ended and the log has no more to give. A job seen
     PREEMPTED is followed on for ``requeue_grace_s``: requeued, it is PENDING again and runs on
-    under the same id."""
+    under the same id. The scheduler is asked at most once every ``look_every_s``, however fast
+    the log grows."""
     offset = 0
     preempted_since = None
+    looked_at = -math.inf
+    state = ""
     while True:
-        state = backend.statuses([job.job_id])[job.job_id].state
-        preempted = state == "PREEMPTED"
-        preempted_since = (preempted_since or time.monotonic()) if preempted else None
+        if time.monotonic() - looked_at >= look_every_s:
+            looked_at = time.monotonic()
+            state = backend.statuses([job.job_id])[job.job_id].state
+            preempted = state == "PREEMPTED"
+            preempted_since = (preempted_since or time.monotonic()) if preempted else None
         path = log_path(manifest, job)
         if path is not None:
             with open(path, errors="replace") as handle:
@@ -82,7 +96,9 @@ def follow(
         if backend.unreachable:
             say(f"stopped following: SLURM controller unreachable ({backend.unreachable})")
             return
-        requeue_possible = preempted and time.monotonic() - preempted_since < requeue_grace_s
+        requeue_possible = (
+            preempted_since is not None and time.monotonic() - preempted_since < requeue_grace_s
+        )
         if (has_ended(state) and not requeue_possible) or state == "UNKNOWN":
             return
         time.sleep(poll_s)
