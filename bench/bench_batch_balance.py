@@ -22,7 +22,8 @@ as the byte tokenizer renders it (the presets' codec). Per step:
   ``busiest / mean - 1`` is the share of the step the others idle;
 - **encoder padding**: the frames the encoder runs on as the batch pads them
   (``train.data.loader.pad_segments``: examples x most segments x longest segment) that hold no
-  audio.
+  audio; **without empty segments**: the same once the segments without audio are left out, as
+  the training step encodes them (``train.models.packing.audio_rows``; not under a pipeline).
 
 Printed per data set and rank count: the mean and worst busiest/mean over the steps, and the
 padding share over all batches of all ranks.
@@ -49,11 +50,15 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLING_RATE = 16000
 
 
-def batch_work(cfg: SALMConfig, cuts, text) -> tuple[float, int, int]:
-    """One batch's training FLOPs, and its encoder's real and padded input frames."""
+def batch_work(cfg: SALMConfig, cuts, text) -> tuple[float, int, int, int]:
+    """One batch's training FLOPs, and its encoder's real input frames, padded ones, and
+    padded ones once the segments without audio are left out (``train.models.packing.
+    audio_rows``: at least one row)."""
     flops = sum(example_flops(cfg, text, FBANK_HOP_S, SAMPLING_RATE, cuts))
     frames = example_frames(cuts, FBANK_HOP_S, SAMPLING_RATE)
-    return flops, int(frames.sum()), int(frames.numel() * frames.max())
+    longest = int(frames.max())
+    held = max(1, int((frames > 0).sum()))
+    return flops, int(frames.sum()), frames.numel() * longest, held * longest
 
 
 def step_batches(sampler) -> list:
@@ -73,7 +78,7 @@ def measure(data, cfg: SALMConfig, ranks: int, steps: int, args) -> dict[str, fl
         data, args.max_duration, args.seed, 0, ranks, args.buckets, balance=balance
     )
     iter(sampler)
-    ratios, real, padded = [], 0, 0
+    ratios, real, padded, held = [], 0, 0, 0
     for _ in range(steps):
         try:
             batches = step_batches(sampler)
@@ -84,11 +89,13 @@ def measure(data, cfg: SALMConfig, ranks: int, steps: int, args) -> dict[str, fl
         ratios.append(max(flops) / statistics.fmean(flops))
         real += sum(w[1] for w in work)
         padded += sum(w[2] for w in work)
+        held += sum(w[3] for w in work)
     return {
         "steps": len(ratios),
         "mean": statistics.fmean(ratios),
         "worst": max(ratios),
         "padding": 1 - real / padded if padded else 0.0,
+        "held": 1 - real / held if held else 0.0,
     }
 
 
@@ -123,15 +130,18 @@ def main() -> None:
     print(f"{args.preset}, data.max_duration={args.max_duration}, data.buckets={args.buckets}, ")
     print(dealt)
     print(f"up to {args.steps} steps from the first\n")
-    print("| data | ranks | steps | busiest / mean (mean) | worst step | encoder padding |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| data | ranks | steps | busiest / mean (mean) | worst step | encoder padding "
+        "| without empty segments |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for path in args.data:
         data = source_of(path, args.max_duration)
         for ranks in args.ranks:
             got = measure(data, cfg, ranks, args.steps, args)
             print(
                 f"| {path} | {ranks} | {got['steps']} | {got['mean']:.3f} | {got['worst']:.3f} "
-                f"| {got['padding']:.1%} |",
+                f"| {got['padding']:.1%} | {got['held']:.1%} |",
                 flush=True,
             )
 

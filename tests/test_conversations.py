@@ -18,9 +18,15 @@ import torch
 
 from recipes.pretrained import SMOLLM2
 from tests.harness.conversations import conversation_mixture
-from tests.harness.hf_tiny import END_OF_TURN, TOKENIZER_FAMILIES, save_tiny_tokenizer
+from tests.harness.hf_tiny import (
+    END_OF_TURN,
+    TOKENIZER_FAMILIES,
+    save_tiny_encoder,
+    save_tiny_tokenizer,
+)
 from tests.harness.models import pretrained_model
 from tests.harness.process import REPO, run_script
+from train.config import ModelConfig
 from train.data.batch_hash import batch_hash
 from train.data.conversation import ConversationError, Turn, messages
 from train.data.conversation_cuts import turn_recordings
@@ -39,10 +45,12 @@ from train.data.source_cuts import check_sources, load_source_cuts, source_of, t
 from train.data.sources import read_sources
 from train.data.text import ByteTokenizer
 from train.eval.decode import greedy_decode
+from train.models.batch import Batch
 from train.models.build import build_model
-from train.models.packing import IGNORE_INDEX, sequence_layout
+from train.models.packing import IGNORE_INDEX, audio_rows, sequence_layout
 from train.models.presets import get_preset
 from train.models.shape import audio_positions
+from train.parallel.layout import model_of
 
 ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats", "call two")
 # A text exchange, then a spoken question in the middle of the conversation, a follow-up, and a
@@ -381,3 +389,51 @@ def test_the_learning_runs_data_reads_as_its_recipe_names_it(corpus, tmp_path):
         assert (out / audio["value"]).is_file()
     train = (out / "conversations_train.jsonl").read_text().splitlines()
     assert sum(len(json.loads(line)["conversations"]) == 5 for line in train) > len(train) // 2
+
+
+def step_of(model, batch: Batch, rows) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss sum of ``batch`` and every parameter's gradient, with ``rows`` encoded."""
+    model.zero_grad()
+    out = model(batch, audio_rows=rows)
+    out.nll_sum.backward()
+    return out.nll_sum.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("encoder", ["own", "whisper"])
+def test_only_segments_that_hold_audio_are_encoded_and_the_step_is_the_same(
+    mixture, tmp_path, encoder
+):
+    """A batch mixing one-segment speech, two-segment conversations and text alone pads each
+    example to the batch's most segments: the encoder runs on the segments that hold audio (at
+    least one row, for a text-only batch), and the loss and every gradient are those of the
+    padded encoder within fp32 rounding (the own encoder; Whisper's, in 30-s windows)."""
+    checks = check_sources(
+        read_sources(mixture[0], "data.input_cfg"), MIXTURE_BUDGET, AudioLimits(16000), print
+    )
+    loaded = [
+        b
+        for _, b in itertools.islice(
+            batches_from(mixture_loader(checks, 1), DataPosition.start(1)), 24
+        )
+    ]
+    mixed = next(b for b in loaded if (b["feature_lens"] > 0).sum(1).unique().numel() > 1)
+    text_only = next(b for b in loaded if set(b["sources"]) == {"text"})
+    cfg = get_preset("tiny")
+    if encoder == "whisper":
+        directory = save_tiny_encoder("whisper", tmp_path / "whisper")
+        cfg = model_of(ModelConfig(pretrained_encoder=str(directory)))
+    model = build_model(cfg, torch.device("cpu"), init_seed=7)
+    encoded_rows = []
+    model.encoder.register_forward_pre_hook(lambda _m, args: encoded_rows.append(len(args[0])))
+    for loaded_batch in (mixed, text_only):
+        batch = Batch.of(loaded_batch)
+        rows = audio_rows(batch.feature_lens)
+        assert rows is not None
+        padded_loss, padded_grads = step_of(model, batch, None)
+        loss, grads = step_of(model, batch, rows)
+        held = int((batch.feature_lens > 0).sum())
+        assert encoded_rows[-2:] == [batch.feature_lens.numel(), max(held, 1)]
+        torch.testing.assert_close(loss, padded_loss, rtol=1e-5, atol=0)
+        assert len(grads) == len(padded_grads)
+        for got, want in zip(grads, padded_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -18,17 +18,20 @@ from torch import nn
 from train.models.batch import Batch
 from train.models.encoder_cache import encoder_keys
 from train.models.loss import SALMOutput, loss_for_backward
-from train.models.packing import example_positions, packed_length
+from train.models.packing import audio_rows, example_positions, packed_length
 from train.models.salm import SALM
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
+    return Batch(*(None if t is None else tensor_to_device(t, device) for t in batch))
+
+
+def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``: from pinned memory on CUDA, so the copy does not wait."""
     if device.type == "cpu":
-        return batch
-    return Batch(
-        *(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in batch)
-    )
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def host_seq_len(batch: Batch, model: nn.Module) -> int:
@@ -81,13 +84,21 @@ class WholeModelRunner:
         return out.nll_sum.float()
 
     def forward(self, batch: Batch) -> SALMOutput:
-        """The model's output for one CPU batch: its decoder length and, when the model keeps
-        its encoder's outputs, the batch's keys into them are read on the host first."""
+        """The model's output for one CPU batch: its decoder length and the segments that
+        hold audio, or, when the model keeps its encoder's outputs, the batch's keys into them
+        (which skip empty segments themselves), are read on the host first."""
         seq_len = host_seq_len(batch, self.model)
-        keys = None
+        keys = rows = None
         if self.model.encoder_cache is not None:
             keys = encoder_keys(batch.features, batch.feature_lens)
-        return self.model(to_device(batch, self.device), seq_len=seq_len, encoder_keys=keys)
+        else:
+            rows = audio_rows(batch.feature_lens)
+        return self.model(
+            to_device(batch, self.device),
+            seq_len=seq_len,
+            encoder_keys=keys,
+            audio_rows=None if rows is None else tensor_to_device(rows, self.device),
+        )
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

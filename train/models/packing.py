@@ -58,6 +58,19 @@ def segments(
     return features, feature_lens
 
 
+def audio_rows(feature_lens: torch.Tensor) -> torch.Tensor | None:
+    """The flat (B x K) indices of a batch's segments that hold audio, from its CPU lengths, so
+    that the encoder runs on those alone (an example with fewer segments than the batch's most
+    is padded with empty ones: 20 of conversations' 38% of encoder padding, docs/performance.md).
+    At least one row (the first), as the encoder runs on every batch; None where every segment
+    holds audio."""
+    held = feature_lens.flatten() > 0  # (B, K), or (B,) for one segment each
+    if bool(held.all()):
+        return None
+    rows = held.nonzero().flatten()
+    return rows if len(rows) else feature_lens.new_zeros(1, dtype=torch.long)
+
+
 def example_positions(cfg: SALMConfig, feature_lens: torch.Tensor) -> torch.Tensor:
     """Each example's audio positions in the decoder, all its segments together: (B,)."""
     positions = audio_positions(cfg, feature_lens)

@@ -358,11 +358,13 @@ def embed_inputs(
     embed: nn.Embedding,
     batch: Batch,
     seq_len: int,
+    audio_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SequenceLayout]:
     """The decoder's input (B, seq_len, d): each example's tokens with its projected audio
-    segments where they go, then zeros; and where each lies."""
+    segments where they go, then zeros; and where each lies. ``audio_rows``: the segments that
+    hold audio (``train.models.packing.audio_rows``), the only ones encoded."""
     features, feature_lens = segments(batch.features, batch.feature_lens)
-    audio, audio_lens = encode_audio(encoder, projector, features, feature_lens)
+    audio, audio_lens = encode_audio(encoder, projector, features, feature_lens, audio_rows)
     layout = batch_layout(batch, audio_lens, seq_len)
     return splice(audio, embed(batch.tokens), layout), layout
 
@@ -372,18 +374,26 @@ def encode_audio(
     projector: Projector,
     features: torch.Tensor,
     feature_lens: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projected audio (B, K, A, d) of each example's segments (B, K, T, bins), and its
     lengths (B, K): every segment of the batch encoded on its own, as one batch. Features
     shorter than ``MIN_FEATURE_FRAMES`` (a batch of text-only examples has none) are
     zero-padded to it: the encoder runs on every batch, so every rank of a sharded encoder runs
     the same collectives in every step whatever its batch holds; segments without frames get
-    none."""
+    none. ``rows``: the flat (B x K) indices of the segments to encode, known on the host
+    (``train.models.packing.audio_rows``); the others, which hold no audio, are zeros without
+    being encoded."""
     B, K = feature_lens.shape
     flat, lens = features.flatten(0, 1), feature_lens.flatten()
+    if rows is not None:
+        flat, lens = flat.index_select(0, rows), lens.index_select(0, rows)
     if flat.shape[1] < MIN_FEATURE_FRAMES:
         flat = F.pad(flat, (0, 0, 0, MIN_FEATURE_FRAMES - flat.shape[1]))
     audio, audio_lens = projector(*encoder(flat, lens))
+    if rows is not None:
+        audio = audio.new_zeros((B * K, *audio.shape[1:])).index_copy(0, rows, audio)
+        audio_lens = audio_lens.new_zeros(B * K).index_copy(0, rows, audio_lens)
     return audio.unflatten(0, (B, K)), audio_lens.unflatten(0, (B, K))
 
 
@@ -414,18 +424,23 @@ class SALM(nn.Module):
         batch: Batch,
         seq_len: int | None = None,
         encoder_keys: EncoderKeys | None = None,
+        audio_rows: torch.Tensor | None = None,
     ) -> SALMOutput:
         """``seq_len``: the packed decoder length, ``packed_length`` of the batch's lengths
         while they are still on the host (the training step passes it, so that nothing is read
         back from the device); None computes it here from the lengths given. ``encoder_keys``:
-        the batch's keys into ``encoder_cache``, which then gives the encoder's frames."""
+        the batch's keys into ``encoder_cache``, which then gives the encoder's frames.
+        ``audio_rows``: the segments that hold audio, read on the host as well (None: encode
+        every segment, empty ones too)."""
         if seq_len is None:
             audio = example_positions(self.cfg, batch.feature_lens)
             seq_len = packed_length(longest_example(audio, batch.token_lens), self.seq_multiple)
         encoder = self.encoder
         if self.encoder_cache is not None and encoder_keys is not None:
             encoder = partial(self.encoder_cache.encode, encoder_keys)
-        x, layout = embed_inputs(encoder, self.projector, self.llm.embed, batch, seq_len)
+        x, layout = embed_inputs(
+            encoder, self.projector, self.llm.embed, batch, seq_len, audio_rows
+        )
         x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
         x, aux = self.llm(x, token_mask, head=False)
         return SALMOutput(
