@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,17 @@ from train.data.source_cuts import check_sources, load_source_cuts, source_of, t
 from train.data.sources import read_sources
 from train.data.text import ByteTokenizer
 from train.eval.decode import greedy_decode
+from train.loop.step import host_seq_len
 from train.models.batch import Batch
 from train.models.build import build_model
-from train.models.packing import IGNORE_INDEX, audio_rows, sequence_layout
+from train.models.packing import (
+    IGNORE_INDEX,
+    audio_rows,
+    batch_layout,
+    segments,
+    sequence_layout,
+)
+from train.models.pipeline import PipelinePart, microbatch_rows, pad_examples
 from train.models.presets import get_preset
 from train.models.shape import audio_positions
 from train.parallel.layout import model_of
@@ -437,3 +446,39 @@ def test_only_segments_that_hold_audio_are_encoded_and_the_step_is_the_same(
         assert len(grads) == len(padded_grads)
         for got, want in zip(grads, padded_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_pipelines_first_stage_encodes_each_microbatchs_segments_with_audio(mixture):
+    """Under a pipeline the schedule splits the batch into microbatches itself: the runner
+    hands the first stage each microbatch's rows with audio, read on the host, and the stage
+    takes them in microbatch order, encoding those rows alone, with the padded stage's output
+    within fp32 rounding."""
+    checks = check_sources(
+        read_sources(mixture[0], "data.input_cfg"), MIXTURE_BUDGET, AudioLimits(16000), print
+    )
+    loaded = itertools.islice(batches_from(mixture_loader(checks, 1), DataPosition.start(1)), 24)
+    batch = next(b for _, b in loaded if len(b["sources"]) >= 4 and len(set(b["sources"])) > 1)
+    batch = pad_examples(Batch.of(batch).with_prompt(), 2)
+    model = build_model(get_preset("tiny"), torch.device("cpu"), init_seed=7)
+    stage = PipelinePart(model, range(model.cfg.n_layers), first=True, last=True).eval()
+    encoded_rows = []
+    stage.encoder.register_forward_pre_hook(lambda _m, args: encoded_rows.append(len(args[0])))
+    queued = microbatch_rows(batch, 2, torch.device("cpu"))
+    half = len(batch.tokens) // 2
+    micro = [Batch(*(t[i * half : (i + 1) * half] for t in batch)) for i in range(2)]
+    expected = [audio_rows(m.feature_lens) for m in micro]
+    assert [None if r is None else r.tolist() for r in queued] == [
+        None if r is None else r.tolist() for r in expected
+    ]
+    assert any(r is not None for r in expected), "no microbatch with an empty segment"
+    with torch.no_grad():
+        for m, rows in zip(micro, expected, strict=True):
+            seq_len = host_seq_len(m, model)
+            layout = batch_layout(m, audio_positions(model.cfg, segments(*m[:2])[1]), seq_len)
+            stage.audio_rows = deque([rows])
+            held = stage(*m, token_mask=layout.token_mask)
+            assert not stage.audio_rows  # taken
+            padded = stage(*m, token_mask=layout.token_mask)
+            torch.testing.assert_close(held, padded, rtol=1e-5, atol=1e-6)
+            rows_encoded = m.feature_lens.numel() if rows is None else len(rows)
+            assert encoded_rows[-2:] == [rows_encoded, m.feature_lens.numel()]

@@ -102,8 +102,12 @@ def run_ranks(
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     completed = run_python(args, nproc, env)
     if check:
+        # The error lines first, then the end of the output: a rank that died without one
+        # (a signal) leaves its peers' "Connection closed by peer" as the only error line.
         causes = [line for line in completed.stderr.splitlines() if "Error" in line]
-        assert completed.returncode == 0, "\n".join(causes[:20]) or completed.stderr[-4000:]
+        assert completed.returncode == 0, "\n".join(
+            [f"exit status {completed.returncode}", *causes[:20], completed.stderr[-3000:]]
+        )
     return completed
 
 

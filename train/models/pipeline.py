@@ -23,17 +23,17 @@ targets and no real positions, so it changes no loss and no gradient, only costs
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.loop.step import host_seq_len, to_device
+from train.loop.step import host_seq_len, tensor_to_device, to_device
 from train.models.batch import Batch
 from train.models.context import shard_sequence
 from train.models.loss import aux_weight
-from train.models.packing import batch_layout, segments
+from train.models.packing import audio_rows, batch_layout, segments
 from train.models.salm import SALM, embed_inputs
 from train.models.shape import PAD_ID, audio_positions
 from train.parallel.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
@@ -98,12 +98,17 @@ class PipelinePart(nn.Module):
         # Set per step by the runner: dp_size / global sequences, for the balance loss.
         self.aux_scale = 0.0
         self.aux_total: torch.Tensor | None = None  # this step's weighted balance-loss sum
+        # The first stage's: each microbatch's segments that hold audio, read on the host by
+        # the runner (train.models.packing.audio_rows), taken in microbatch order, the order in
+        # which every schedule runs a stage's forwards.
+        self.audio_rows: deque[torch.Tensor | None] = deque()
 
     def forward(self, *inputs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
         if self.encoder is not None:
             cp = 1 if self.llm.cp_mesh is None else self.llm.cp_mesh.size()
             batch, seq_len = Batch(*inputs), token_mask.shape[1] * cp
-            x, _ = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len)
+            rows = self.audio_rows.popleft() if self.audio_rows else None
+            x, _ = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len, rows)
             (x,) = self.llm.enter(x)
         else:
             (x,) = inputs
@@ -259,6 +264,9 @@ class PipelineRunner:
         batch = pad_examples(batch.with_prompt(), self.plan.microbatches)
         seq_len = host_seq_len(batch, self.parts[0])
         schedule = self._schedule(batch, seq_len)
+        for part in self.parts:
+            if part.encoder is not None:  # the first stage's
+                part.audio_rows = microbatch_rows(batch, self.plan.microbatches, self.device)
         batch = to_device(batch, self.device)
         feature_lens = segments(batch.features, batch.feature_lens)[1]
         layout = batch_layout(batch, audio_positions(self.parts[0].cfg, feature_lens), seq_len)
@@ -272,6 +280,20 @@ class PipelineRunner:
         inputs = batch if self.has_first else ()
         kwargs = {"target": labels if self.has_last else None, "token_mask": token_mask}
         return schedule, inputs, kwargs
+
+
+def microbatch_rows(
+    batch: Batch, microbatches: int, device: torch.device
+) -> deque[torch.Tensor | None]:
+    """Each microbatch's segments that hold audio (``train.models.packing.audio_rows``), from
+    the CPU batch that the schedule splits into ``microbatches`` equal runs of examples (a
+    multiple of them: ``pad_examples``), on ``device``."""
+    size = len(batch.feature_lens) // microbatches
+    found: deque[torch.Tensor | None] = deque()
+    for start in range(0, len(batch.feature_lens), size):
+        rows = audio_rows(batch.feature_lens[start : start + size])
+        found.append(None if rows is None else tensor_to_device(rows, device))
+    return found
 
 
 def merged_view(parts: list[nn.Module]) -> nn.Module:
