@@ -323,7 +323,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(
             f"data.balance_window={cfg.data.balance_window}: must be at least 1 (steps)"
         )
-    if cfg.data.balance == BALANCE_FLOPS and cfg.data.shar and cfg.data.input_cfg is None:
+    if cfg.data.balance == BALANCE_FLOPS and reads_own_streams(cfg):
         raise ValueError(
             "data.balance=flops deals the examples every rank draws, but with data.shar each "
             "rank draws a stream of its own: set data.balance=seconds (or auto)"
@@ -382,11 +382,17 @@ def validate(cfg: TrainConfig) -> None:
         )
 
 
+def reads_own_streams(cfg: TrainConfig) -> bool:
+    """Whether each data-parallel rank draws a stream of its own (the corpus's Shar export),
+    rather than its share of the batches every rank draws."""
+    return cfg.data.shar and cfg.data.input_cfg is None
+
+
 def balance_mode(cfg: TrainConfig) -> str:
     """How this config's steps are dealt: flops or seconds (auto resolved)."""
     if cfg.data.balance != BALANCE_AUTO:
         return cfg.data.balance
-    return BALANCE_SECONDS if cfg.data.shar and cfg.data.input_cfg is None else BALANCE_FLOPS
+    return BALANCE_SECONDS if reads_own_streams(cfg) else BALANCE_FLOPS
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -84,6 +84,13 @@ def turn_recordings(cut: Cut) -> list[Recording] | None:
     return [Recording.from_dict(copy.deepcopy(given)) for given in custom.get(AUDIO_KEY, [])]
 
 
+def audio_segments(cut: Cut) -> list[Cut]:
+    """The cuts of ``cut``'s audio segments, in order, as the encoder takes them one by one: a
+    conversation's audio turns (none for one of text only), or a speech cut itself."""
+    recordings = turn_recordings(cut)
+    return [cut] if recordings is None else [recording.to_cut() for recording in recordings]
+
+
 def line_cut(
     line: Mapping[str, Any],
     path: Path,

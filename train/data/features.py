@@ -23,7 +23,7 @@ import numpy as np
 from lhotse import Fbank, FbankConfig
 from lhotse.cut import Cut
 
-from train.data.conversation_cuts import turn_recordings
+from train.data.conversation_cuts import audio_segments
 
 FBANK_BINS = 80  # the corpus's features (recipes/make_corpus.py) and the own encoder's input
 OWN_RATE = 16000
@@ -144,10 +144,7 @@ class Featurizer:
     def segments(self, cut: Cut) -> list[np.ndarray]:
         """The features of each of ``cut``'s audio segments, in order: a conversation's audio
         turns (none for one of text only), or a speech cut's audio."""
-        recordings = turn_recordings(cut)
-        if recordings is None:
-            return [self(cut)]
-        return [self(recording.to_cut()) for recording in recordings]
+        return [self(segment) for segment in audio_segments(cut)]
 
     def compute(self, audio: np.ndarray) -> np.ndarray:
         if self._fbank is not None:

@@ -12,22 +12,18 @@ from lhotse.cut import Cut
 from lhotse.utils import compute_num_frames
 
 from train.data.balance import CostOf
-from train.data.conversation_cuts import turn_recordings
+from train.data.conversation_cuts import audio_segments
 from train.data.loader import TextCodec, encoded
 from train.flops import sequence_flops
 from train.models.shape import SALMConfig
 
 
-def segment_seconds(cut: Cut) -> list[float]:
-    """The seconds of each of the cut's audio segments: a conversation's audio turns, or the
-    cut itself (none for a conversation of text alone)."""
-    recordings = turn_recordings(cut)
-    return [cut.duration] if recordings is None else [r.duration for r in recordings]
-
-
 def segment_frames(cut: Cut, hop_s: float, sampling_rate: int) -> list[int]:
     """The feature frames (``hop_s`` apart) of each of the cut's audio segments."""
-    return [compute_num_frames(seconds, hop_s, sampling_rate) for seconds in segment_seconds(cut)]
+    return [
+        compute_num_frames(segment.duration, hop_s, sampling_rate)
+        for segment in audio_segments(cut)
+    ]
 
 
 def example_frames(cuts: Sequence[Cut], hop_s: float, sampling_rate: int) -> torch.Tensor:
