@@ -29,6 +29,7 @@ from tests.harness.models import (
 from tests.harness.process import REPO, run_module, run_tool
 from tests.harness.training import TRAPPED_TRAINING
 from tests.harness.workers.pretrained_worker import ENCODER, LAYOUTS, LLM, outputs
+from train.checkpoint.saved_run import find_checkpoint
 from train.data.loader import load_cuts
 from train.exported import ENCODER_DIR, LLM_DIR, LORA_DIR
 from train.models.hf_weights import encoder_state
@@ -160,6 +161,42 @@ def test_a_chain_of_the_real_salm_resumes_bitwise_and_trains_adapters_alone(
         assert torch.equal(tensor, whisper_files[name]), name
     moved = [n for n, w in chain_weights.items() if ".lora_B." in n and w.abs().max() > 0]
     assert moved, "no adapter trained"
+    held = held_tensors(run_dir)
+    assert held and all(".lora_" in key or key.startswith("model.projector.") for key in held)
+
+
+def held_tensors(run_dir: Path) -> set[str]:
+    """The model tensors the run's newest checkpoint holds (DCP's metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = find_checkpoint(run_dir, None, None)
+    keys = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    return {key for key in keys if key.startswith("model.")}
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [(1, []), (3, ["parallel.tp=3", "parallel.dp_shard=1"])],
+    ids=["one-process", "tp3"],
+)
+def test_a_chain_resumes_bitwise_from_checkpoints_that_hold_the_frozen_parts_by_reference(
+    corpus, tmp_path, nproc, layout
+) -> None:
+    """One process, and TP=3 (SmolLM2's 3 KV heads and its tied head split in three): two jobs
+    of one step end bitwise where one job of two steps does, from checkpoints that hold the
+    adapters and the projector alone, SmolLM2 and Whisper by reference (FSDP2: ``chained``)."""
+    run_dir, alone = tmp_path / "chain", tmp_path / "alone"
+    for _ in range(2):
+        train(
+            run_dir, corpus, "train.max_steps=2", "train.max_steps_per_run=1", *layout, nproc=nproc
+        )
+    train(alone, corpus, "train.max_steps=2", *layout, nproc=nproc)
+    held = held_tensors(run_dir)
+    assert held and all(".lora_" in key or key.startswith("model.projector.") for key in held)
+    chain_weights, one_job = final_model(run_dir), final_model(alone)
+    assert chain_weights.keys() == one_job.keys()
+    for name, weight in one_job.items():
+        assert torch.equal(chain_weights[name], weight), name
 
 
 def test_the_real_salm_exports_for_transformers_and_peft_and_evaluates(chained, tmp_path) -> None:

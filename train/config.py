@@ -172,6 +172,10 @@ class CheckpointConfig:
     # YAML key checkpoint.async_save (`async` is a Python keyword): write in the background
     # (DCP async_save) so training goes on; finalized at a later sync step, next save or the end.
     async_save: bool = False
+    # Frozen parameters of a pretrained LLM or encoder are not saved: a checkpoint records the
+    # part's directory and its files' digests, and a resume loads them from there (the files
+    # must stay as they were). False: every checkpoint holds the whole model.
+    by_reference: bool = True
 
 
 @dataclass

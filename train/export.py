@@ -62,9 +62,10 @@ from train.models.hf_config import CONFIG_FILE, WEIGHT_FILES, read_config
 from train.models.hf_encoder import transformers_class
 from train.models.hf_encoder_config import encoder_config
 from train.models.hf_names import PROJECTIONS, hf_name
-from train.models.hf_weights import ENCODER, encoder_state, llm_state
+from train.models.hf_weights import encoder_state, llm_state
 from train.models.inventory import inventory
 from train.models.lora import LORA_A, LORA_B, adapter_names, merged_weight
+from train.models.pretrained_parts import ENCODER_PREFIX
 from train.models.salm import SALM
 from train.models.shape import SALMConfig, llm_head_dim
 from train.parallel.layout import model_of
@@ -250,7 +251,7 @@ def write_speech(
     """The projector (and the own encoder), and the config that joins them to DIR/llm (and
     DIR/lora, DIR/encoder)."""
     pretrained = model_cfg.pretrained_encoder is not None
-    elsewhere = ("llm.", ENCODER) if pretrained else ("llm.",)
+    elsewhere = ("llm.", ENCODER_PREFIX) if pretrained else ("llm.",)
     parts = {
         name: param.detach().contiguous()
         for name, param in model.named_parameters()

@@ -27,9 +27,10 @@ from torch import nn
 from train.config import ConfigError, ModelConfig, model_from_record
 from train.models.hf_config import CONFIG_FILE, WEIGHT_FILES
 from train.models.hf_names import hf_name
-from train.models.hf_weights import ENCODER, load_encoder_weights, load_llm_weights
+from train.models.hf_weights import load_encoder_weights, load_llm_weights
 from train.models.init import canonical_name
 from train.models.lora import adapter_module, is_adapter
+from train.models.pretrained_parts import ENCODER_PREFIX
 
 LLM_DIR, LORA_DIR, ENCODER_DIR = "llm", "lora", "encoder"
 SPEECH_WEIGHTS, SPEECH_CONFIG = "speech.safetensors", "speech_config.json"
@@ -90,7 +91,7 @@ def load_export(model: nn.Module, export: Export) -> None:
     if encoder is not None:
         load_encoder_weights(model, Path(encoder))
     names = {canonical_name(name): param for name, param in model.named_parameters()}
-    elsewhere = ("llm.",) if encoder is None else ("llm.", ENCODER)
+    elsewhere = ("llm.",) if encoder is None else ("llm.", ENCODER_PREFIX)
     speech = {name: param for name, param in names.items() if not name.startswith(elsewhere)}
     if speech:
         reader = dcp.HuggingFaceStorageReader(str(export.directory))

@@ -31,8 +31,10 @@ import torch.distributed as dist
 
 from contract import job_env
 from contract.job_end import EXIT_HUNG, EXIT_NOT_SAVED, job_end_record, write_job_end
+from contract.run_dir import CHECKPOINTS_DIR
 from train.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteState
-from train.config import ConfigError, ModelConfig, TrainConfig
+from train.checkpoint.references import PretrainedPartChanged, check_newest
+from train.config import ConfigError, TrainConfig
 from train.data.batch_hash import BatchChecks
 from train.data.features import Featurizer
 from train.data.loader import LoadedBatch
@@ -56,12 +58,13 @@ from train.models.batch import Batch
 from train.models.build import build_model, build_pipeline, encoder_replica, freeze_parameters
 from train.models.compiled import describe_graphs, graph_counts
 from train.models.encoder_cache import MIB, EncoderCache
-from train.models.hf_weights import load_encoder_weights, load_llm_weights
+from train.models.hf_weights import PART_LOADERS
 from train.models.parallelize import ParallelizeOptions, compute_autocast, fsdp_mixed_precision
 from train.models.pipeline import PipelineRunner, merged_view
+from train.models.pretrained_parts import PARTS, part_of, pretrained_dirs
 from train.parallel.dims import ParallelDims
 from train.parallel.distributed import clip_grad_norm, say
-from train.parallel.layout import frozen_of, model_of, training_layout
+from train.parallel.layout import frozen_of, model_of, referenced_of, training_layout
 from train.parallel.mesh import build_meshes
 from train.parallel.pipeline_plan import PipelinePlan
 from train.seeding import seed_rank
@@ -80,27 +83,14 @@ class Prepared:
     data: DataPlan
 
 
-# What a run starts from, by ModelConfig key: the part's name in the log and its loader.
-PRETRAINED_PARTS = (
-    ("LLM", "pretrained_llm", load_llm_weights),
-    ("encoder", "pretrained_encoder", load_encoder_weights),
-)
-
-
-def pretrained_dirs(model: ModelConfig) -> dict[str, str | None]:
-    """The config's pretrained directories by key, as the first job loads them and the
-    checkpoint records them: absolute, so evaluation and export find them from any working
-    directory (None: the preset's own part)."""
-    dirs: dict[str, str | None] = {}
-    for _, key, _ in PRETRAINED_PARTS:
-        directory = getattr(model, key)
-        dirs[key] = None if directory is None else str(Path(directory).expanduser().resolve())
-    return dirs
-
-
 def preflight(cfg: TrainConfig) -> Prepared:
-    """Everything checkable before a process group exists."""
+    """Everything checkable before a process group exists: the layout, the compile backend,
+    the pretrained parts the newest checkpoint holds by reference, and the data."""
     dims, plan = training_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        check_newest(Path(cfg.run_dir) / CHECKPOINTS_DIR, pretrained_dirs(cfg.model))
+    except PretrainedPartChanged as error:
+        raise ConfigError(str(error)) from None
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(
             f"compile_backend={cfg.compile_backend}: not a torch.compile backend; "
@@ -195,6 +185,8 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
             timeout=timeout,
             interval=cfg.checkpoint.interval,
+            pretrained=pretrained_dirs(cfg.model),
+            by_reference=frozenset(filter(None, map(part_of, referenced_of(cfg)))),
         )
         self.tallies = StepTallies(device)
         self.step_log = StepLog(cfg, device)
@@ -277,11 +269,11 @@ class Trainer:
         found = self.checkpoints.load_latest(self.model, self.optimizer, self.scheduler)
         if found is None:
             say(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting fresh")
-            dirs = pretrained_dirs(self.cfg.model)
-            for part, key, load in PRETRAINED_PARTS:
-                if dirs[key] is not None:
-                    load(self.model, Path(dirs[key]))
-                    say(f"{part} weights loaded from {dirs[key]}")
+            for part, directory in pretrained_dirs(self.cfg.model).items():
+                if directory is not None:
+                    PART_LOADERS[part](self.model, Path(directory))
+                    say(f"{PARTS[part]} weights loaded from {directory}")
+            self.checkpoints.identify_pretrained()
             return None
         latest, state = found
         self.state.load_state_dict(state)

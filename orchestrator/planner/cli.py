@@ -27,6 +27,7 @@ from train.models.hf_config import decoder_fields
 from train.models.inventory import inventory
 from train.models.lora import DEFAULT_ALPHA, DEFAULT_TARGETS, freeze_rules, with_lora
 from train.models.presets import PRESETS, get_preset
+from train.models.pretrained_parts import ENCODER_PART, LLM_PART, PARTS, part_of, referenced_names
 from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, DEGREES
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "comm_buffers", "allowance")
@@ -169,6 +170,10 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         model = with_lora(model, args.lora_rank, DEFAULT_ALPHA, 0.0, targets)
         names = [tensor.name for tensor in inventory(model)]
         frozen = frozen_names(names, freeze_rules(args.freeze, args.lora_rank), args.unfreeze)
+        # What checkpoints leave to the pretrained files (checkpoint.by_reference's default).
+        pretrained = {LLM_PART} if args.hf_config else set()
+        pretrained |= {ENCODER_PART} if model.encoder_dir else set()
+        referenced = referenced_names(frozen, pretrained)
         gpu = gpu_preset(args.gpu)
         cluster = Cluster(
             gpus=args.gpus,
@@ -197,6 +202,7 @@ def request_from(args: argparse.Namespace) -> PlanRequest:
         ac_modes=("none",) if args.no_ac else AC_MODES,
         mixed_precision=not args.no_mixed_precision,
         frozen=frozenset(frozen),
+        referenced=frozenset(referenced),
         compiled=not args.eager,
         llm_only=args.llm_only,
         loss_chunk=args.loss_chunk,
@@ -256,6 +262,7 @@ def result_json(result: PlanResult, shown: list[Estimate], elapsed: float) -> di
         "gpu": request.cluster.gpu.key,
         "memory_per_gpu_gib": request.cluster.memory_bytes / GIB,
         "fits_one_gpu": result.fits_one_gpu,
+        "checkpoint_bytes": result.checkpoint_bytes,
         "layouts_priced": len(result.estimates),
         "feasible": len(result.feasible),
         "best": None if best is None else estimate_json(best, request.seconds),
@@ -277,6 +284,18 @@ def recipe_lines(request: PlanRequest) -> list[str]:
     ]
 
 
+def checkpoint_line(result: PlanResult) -> str:
+    """``a checkpoint: 0.02 GiB (what trains, with its Adam moments; the frozen pretrained
+    LLM by reference)``."""
+    request = result.request
+    parts = sorted({PARTS[part] for part in map(part_of, request.referenced) if part})
+    held = f"; the frozen pretrained {' and '.join(parts)} by reference" if parts else ""
+    return (
+        f"a checkpoint: {result.checkpoint_bytes / GIB:.2f} GiB (weights, with Adam's moments "
+        f"for what trains{held})"
+    )
+
+
 def print_result(result: PlanResult, shown: list[Estimate], elapsed: float) -> None:
     request = result.request
     cluster = request.cluster
@@ -288,6 +307,7 @@ def print_result(result: PlanResult, shown: list[Estimate], elapsed: float) -> N
         f"each); {request.global_batch} sequences of {request.seconds:g} s audio + "
         f"{request.tokens} tokens per step"
     )
+    print(checkpoint_line(result))
     print(
         f"{len(result.estimates)} layouts priced in {elapsed * 1000:.0f} ms, "
         f"{len(result.feasible)} fit"

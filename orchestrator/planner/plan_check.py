@@ -94,7 +94,13 @@ def request_and_layout(
     cfg: TrainConfig, nodes: int, tasks_per_node: int, capacity: Capacity
 ) -> tuple[PlanRequest, Layout]:
     """The planner's view of a trainer config on ``nodes`` x ``tasks_per_node`` ranks."""
-    from train.parallel.layout import frozen_of, model_of, parallel_dims, pipeline_for
+    from train.parallel.layout import (
+        frozen_of,
+        model_of,
+        parallel_dims,
+        pipeline_for,
+        referenced_of,
+    )
 
     world = nodes * tasks_per_node
     dims = parallel_dims(cfg, world)
@@ -126,6 +132,7 @@ def request_and_layout(
         on_gpu=capacity.gpu is not None,
         strategy=cfg.strategy,
         frozen=frozenset(frozen_of(cfg)),
+        referenced=frozenset(referenced_of(cfg)),
         compiled=cfg.compile,
         loss_chunk=cfg.loss_chunk,
     )

@@ -25,6 +25,9 @@ class PlanRequest:
     on_gpu: bool = True  # False: a CPU recipe checked against host memory
     strategy: str = "fsdp2"  # or ddp (whole replicas)
     frozen: frozenset[str] = frozenset()  # parameter names model.freeze leaves frozen
+    # The frozen ones a checkpoint holds by reference (checkpoint.by_reference: those of a
+    # pretrained LLM or encoder): no bytes in a checkpoint.
+    referenced: frozenset[str] = frozenset()
     compiled: bool = True  # torch.compile per block (the GPU recipes' default); False: eager
     # The loss's chunk of positions (train.loss_chunk); 0: a loss over the full logits, as
     # torchtitan (the published measurements) and our trainer before 2026-11-29 held them.
@@ -94,6 +97,7 @@ class PlanResult:
     estimates: list[Estimate]  # feasible first (best first), then those that do not fit
     fits_one_gpu: bool
     one_gpu_bytes: float
+    checkpoint_bytes: int  # one checkpoint's weights and optimizer states (state.checkpoint_bytes)
 
     @property
     def feasible(self) -> list[Estimate]:

@@ -36,7 +36,14 @@ from orchestrator.planner.activations import (
 from orchestrator.planner.cluster import GIB
 from orchestrator.planner.request import Estimate, Layout, PlanRequest, PlanResult
 from orchestrator.planner.speed import step_time
-from orchestrator.planner.state import GroupedInventory, group, held, state_bytes, uses_fsdp
+from orchestrator.planner.state import (
+    GroupedInventory,
+    checkpoint_bytes,
+    group,
+    held,
+    state_bytes,
+    uses_fsdp,
+)
 from train.flops import sequence_flops
 from train.models.inventory import inventory, stage_param_counts
 from train.models.shape import SALMConfig
@@ -337,15 +344,16 @@ def reasoning(
     return "; ".join(parts)
 
 
-def priced_inventory(request: PlanRequest) -> tuple[GroupedInventory, tuple]:
-    """The model's grouped parameters and what the pipeline split weighs (per-block counts,
-    the first and last stages' extras, the total)."""
+def priced_inventory(request: PlanRequest) -> tuple[GroupedInventory, tuple, int]:
+    """The model's grouped parameters, what the pipeline split weighs (per-block counts, the
+    first and last stages' extras, the total) and the bytes of one checkpoint."""
     cfg = request.model
     tensors = inventory(cfg)
     if request.llm_only:
         tensors = [t for t in tensors if not t.name.startswith(AUDIO_PREFIXES)]
     grouped = group(tensors, request.frozen)
-    return grouped, (*stage_param_counts(tensors, cfg.n_layers), grouped.numel)
+    saved = checkpoint_bytes(tensors, request.frozen, request.referenced)
+    return grouped, (*stage_param_counts(tensors, cfg.n_layers), grouped.numel), saved
 
 
 def price(request: PlanRequest, layout: Layout) -> PlanResult:
@@ -357,18 +365,19 @@ def price(request: PlanRequest, layout: Layout) -> PlanResult:
             f"{layout.dp} data-parallel ranks x {layout.microbatches} microbatches of "
             f"{layout.microbatch}"
         )
-    grouped, counts = priced_inventory(request)
+    grouped, counts, saved = priced_inventory(request)
     fits_one, needed = full_state_fits(request, grouped.numel, grouped.trainable_numel)
     result = estimate(request, layout, grouped, counts, {})
     result.reasoning = reasoning(request, layout, grouped.numel, needed, math.nan)
-    return PlanResult(request, grouped.numel, grouped.trainable_numel, [result], fits_one, needed)
+    trainable = grouped.trainable_numel
+    return PlanResult(request, grouped.numel, trainable, [result], fits_one, needed, saved)
 
 
 def plan(request: PlanRequest) -> PlanResult:
     """Every layout, priced; feasible ones first, fastest first (the flowchart's order among
     near ties), then those that do not fit."""
     cfg = request.model
-    grouped, counts = priced_inventory(request)
+    grouped, counts, saved = priced_inventory(request)
     params = grouped.numel
     fits_one, needed = full_state_fits(request, params, grouped.trainable_numel)
     layouts = candidate_layouts(request)
@@ -402,4 +411,5 @@ def plan(request: PlanRequest) -> PlanResult:
         result.reasoning = reasoning(
             request, result.layout, params, needed, min(dp_times) if dp_times else None
         )
-    return PlanResult(request, params, grouped.trainable_numel, estimates, fits_one, needed)
+    trainable = grouped.trainable_numel
+    return PlanResult(request, params, trainable, estimates, fits_one, needed, saved)

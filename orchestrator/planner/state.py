@@ -213,3 +213,15 @@ def state_bytes(
             grads += count * local * FP32
             optimizer += count * (ADAM_MOMENTS * local + 1) * FP32
     return StateBytes(params, grads, optimizer)
+
+
+def checkpoint_bytes(
+    tensors: list[ParamTensor], frozen: frozenset[str], referenced: frozenset[str]
+) -> int:
+    """The tensor bytes of one checkpoint, whatever the layout (it holds one copy): each
+    trained tensor's fp32 weight and AdamW moments, each frozen one's weight, nothing of those
+    held by reference (a pretrained part's, ``checkpoint.by_reference``)."""
+    per_element = {True: FP32 * (1 + ADAM_MOMENTS), False: FP32}
+    return sum(
+        0 if t.name in referenced else t.numel * per_element[t.name not in frozen] for t in tensors
+    )

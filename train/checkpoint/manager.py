@@ -5,7 +5,7 @@ Layout of ``run_dir/checkpoints``::
     step_<N>/                 one complete checkpoint
         .metadata, *.distcp   DCP: model, optimizer and LR scheduler state (one copy, any layout)
         rng/rank_<r>.pt       RNG states of global rank r (torch CPU, CUDA, numpy, python)
-        state.json            {"step", "world_size", "trainer_state"}; readable without torch
+        state.json            {"step", "world_size", "trainer_state", "references"}; no torch
         COMPLETE              the marker, written last
     .tmp-step_<N>-<unique>/   a save in progress, or one torn by a crash (removed at start)
     .trash-<name>-<unique>/   a pruned checkpoint being deleted in the background
@@ -19,6 +19,10 @@ optimizer state is flattened to per-parameter keys (hyperparameters included), s
 saves and loads exactly its own parameters' entries whatever the stage split. Checkpoints
 written before that (with the optimizer's param groups as lists) still load, under layouts
 without pipeline parallelism. The LR scheduler is replicated on every rank; DCP keeps one copy.
+
+Frozen parameters of a pretrained part (``by_reference``) are left out of the DCP state;
+``references`` records each such part's directory and its files' digests
+(``train.checkpoint.references``), and a load fills them from those files before the rest.
 
 ``trainer_state`` is the trainer's small JSON dict (step, tokens seen, W&B run id, data
 position, ...). It lives in ``state.json`` so that tools without torch can read where a run is.
@@ -102,9 +106,19 @@ from train.checkpoint.nonfinite import (
     squares_finite,
 )
 from train.checkpoint.pauses_for_tests import armed_pauses
+from train.checkpoint.references import (
+    REFERENCES,
+    PretrainedPartChanged,
+    identity,
+    mismatch,
+    part_directory,
+    refusal,
+)
 from train.checkpoint.rng import restore_rng, rng_state, write_rng
 from train.checkpoint.staging import Staging
+from train.models.hf_weights import PART_LOADERS
 from train.models.init import canonical_name
+from train.models.pretrained_parts import PARTS, part_of
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +161,25 @@ def _optimizer_param(key: str) -> str | None:
     return None
 
 
-def _frozen_when_saved(optim_state: dict, saved: set[str]) -> set[str]:
+def _frozen_when_saved(optim_state: dict, saved: set[str], referenced: set[str]) -> set[str]:
     """The parameters that train now but were frozen when the checkpoint was saved (a
-    ``model.freeze`` rule changed between jobs): their weights are in it, their optimizer state
-    is not. Every other key is loaded as strictly as before."""
+    ``model.freeze`` rule changed between jobs): their weights are in it, or in a pretrained
+    part it ``referenced``, their optimizer state is not. Every other key is loaded as strictly
+    as before."""
     with_state = {_optimizer_param(key[len("optim.") :]) for key in saved if key[:6] == "optim."}
     training = {_optimizer_param(key) for key in optim_state} - {None}
-    return {n for n in training if n not in with_state and f"model.{n}" in saved}  # type: ignore[misc]
+    return {
+        n  # type: ignore[misc]
+        for n in training
+        if n not in with_state and (f"model.{n}" in saved or _in_part(n, saved, referenced))
+    }
+
+
+def _in_part(name: str, saved: set[str], referenced: set[str]) -> bool:
+    """Whether model parameter ``name`` (as the state dict names it) is left out of a
+    checkpoint whose ``saved`` keys hold the others, its weights in one of the ``referenced``
+    pretrained parts."""
+    return f"model.{name}" not in saved and part_of(canonical_name(name)) in referenced
 
 
 def _staged_nonfinite(state: dict, group: dist.ProcessGroup | None) -> tuple[str | None, bool]:
@@ -210,15 +236,27 @@ class CheckpointManager:
         async_save: bool = False,
         timeout: timedelta | None = None,
         interval: int = 0,
+        pretrained: dict[str, str | None] | None = None,
+        by_reference: frozenset[str] = frozenset(),
     ) -> None:
         """``timeout``: of the background saves' gloo group (the trainer gives every process
         group the same, ``train.loop.watchdog.process_group_timeout``); None: gloo's default.
-        ``interval``: the training saves every so many steps (``due``); 0: only as it ends."""
+        ``interval``: the training saves every so many steps (``due``); 0: only as it ends.
+        ``pretrained``: the config's pretrained directories by part (``pretrained_dirs``), where
+        a load finds the parts a checkpoint holds by reference (else where it recorded them).
+        ``by_reference``: the parts (keys of ``PARTS``, each in ``pretrained``) whose frozen
+        parameters a save leaves out, recording the part's directory and digests instead."""
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1 (the checkpoint to resume from)")
+        unknown = sorted(part for part in by_reference if not (pretrained or {}).get(part))
+        if unknown:
+            raise ValueError(f"by_reference={unknown}: parts without a pretrained directory")
         self.directory = Path(run_dir) / CHECKPOINTS_DIR
         self.keep = keep
         self.interval = interval
+        self.pretrained = dict(pretrained or {})
+        self.by_reference = by_reference
+        self._identities: dict[str, dict] = {}  # rank 0: each part's record, its digests kept
         self._pending: _Pending | None = None
         self._deleting: list[threading.Thread] = []
         self._staging: Staging | None = None
@@ -282,6 +320,37 @@ class CheckpointManager:
 
     # saving -----------------------------------------------------------------------------------
 
+    def identify_pretrained(self) -> None:
+        """Rank 0: hash the weight files of the parts saved by reference now, while a job
+        starts (they were just read), rather than in its first save. A file that cannot be read
+        is left for that save to report."""
+        if global_rank() != 0:
+            return
+        try:
+            self._references()
+        except OSError as exc:
+            log.warning("pretrained files not identified yet: %s", exc)
+
+    def _references(self) -> dict[str, dict]:
+        """Rank 0: the record of each part saved by reference (``train.checkpoint.references``);
+        a file hashed before keeps its digest while its size and modification time stand."""
+        for part in sorted(self.by_reference):
+            directory = Path(self.pretrained[part])  # type: ignore[arg-type]
+            self._identities[part] = identity(directory, self._identities.get(part))
+        return {part: self._identities[part] for part in sorted(self.by_reference)}
+
+    def _left_out(self, model: nn.Module) -> set[str]:
+        """The names (canonical) of this rank's frozen parameters of the parts saved by
+        reference, a tied head under its own name too."""
+        if not self.by_reference:
+            return set()
+        names = set()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            name = canonical_name(name)
+            if not param.requires_grad and part_of(name) in self.by_reference:
+                names.add(name)
+        return names
+
     def save(
         self,
         step: int,
@@ -299,15 +368,15 @@ class CheckpointManager:
         the finalize raises it), and CheckpointSaveError if the files cannot be written.
         """
         started = time.perf_counter()
+        record = {"step": step, "world_size": world_size(), "trainer_state": trainer_state}
         try:
-            state_json = json.dumps(
-                {"step": step, "world_size": world_size(), "trainer_state": trainer_state},
-                indent=1,
-            )
+            json.dumps(record)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"trainer_state must be JSON-serialisable: {exc}") from exc
         self.wait()
         model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
+        left_out = self._left_out(model)
+        model_state = {k: v for k, v in model_state.items() if canonical_name(k) not in left_out}
         state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
         if self._staging is None:  # an asynchronous save checks its copy in the background
             bad = first_nonfinite(state)
@@ -315,12 +384,16 @@ class CheckpointManager:
                 raise NonFiniteState(self._refusal(step, bad))
         final = self.directory / step_name(step)
         made: str | dict | None = None
+        state_json = ""  # rank 0's: written as the save completes
         if global_rank() == 0 and not (final / MARKER).is_file():
             made = tmp_step_name(step, uuid.uuid4().hex[:12])
             try:
+                references = self._references()
                 (self.directory / made).mkdir(parents=True)
             except OSError as exc:
                 made = describe(exc, self.directory)
+            else:
+                state_json = json.dumps({**record, REFERENCES: references}, indent=1)
         made = broadcast_from_rank0(made)
         if made is None:
             if global_rank() == 0:
@@ -559,16 +632,24 @@ class CheckpointManager:
         except CheckpointError as exc:
             problem = str(exc)
         self._agree_loadable(problem)
+        references = saved.get(REFERENCES, {})
+        self._load_parts(path, model, references)
         optimizers = () if optimizer is None else optimizer
         options = FLAT_OPTIMIZER if flat else None
         model_state, optim_state = get_state_dict(model, optimizers, options=options)
+        if references:  # the parts' parameters are loaded: the rest comes from the checkpoint
+            options = StateDictOptions(flatten_optimizer_state_dict=flat, strict=False)
+            parts = set(references)
+            model_state = {k: v for k, v in model_state.items() if not _in_part(k, keys, parts)}
         state: dict[str, Any] = {"model": model_state}
         if optimizer is not None:
             state["optim"] = optim_state
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
         unfrozen = (
-            _frozen_when_saved(optim_state, keys) if optimizer is not None and flat else set()
+            _frozen_when_saved(optim_state, keys, set(references))
+            if optimizer is not None and flat
+            else set()
         )
         fresh = {
             k: optim_state.pop(k) for k in list(optim_state) if _optimizer_param(k) in unfrozen
@@ -595,6 +676,29 @@ class CheckpointManager:
         if global_rank() == 0:
             log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - started)
         return saved["trainer_state"]
+
+    def _load_parts(self, path: Path, model: nn.Module, references: dict[str, dict]) -> None:
+        """Load the pretrained parts checkpoint ``path`` holds by reference, from the config's
+        directory for each (else the recorded one), once rank 0 has found its files to be the
+        recorded ones (PretrainedPartChanged on every rank otherwise). Collective."""
+        problem = None
+        if global_rank() == 0:
+            for part, record in references.items():
+                directory = part_directory(part, record, self.pretrained)
+                found = mismatch(record, directory)
+                if found is not None:
+                    problem = refusal(path, part, record, found)
+                    break
+                if part in self.by_reference and str(directory) == record["directory"]:
+                    self._identities[part] = record  # the next save keeps its digests
+        problem = first_of_ranks(problem)
+        if problem is not None:
+            raise PretrainedPartChanged(problem)
+        for part, record in references.items():
+            directory = part_directory(part, record, self.pretrained)
+            PART_LOADERS[part](model, directory)
+            if global_rank() == 0:
+                log.info("%s held by reference: loaded from %s", PARTS[part], directory)
 
     @staticmethod
     def _start_fresh(
@@ -629,7 +733,11 @@ class CheckpointManager:
             )
         try:
             saved = json.loads((path / STATE_FILE).read_text())
-            return {"world_size": int(saved["world_size"]), "trainer_state": saved["trainer_state"]}
+            return {
+                "world_size": int(saved["world_size"]),
+                "trainer_state": saved["trainer_state"],
+                REFERENCES: dict(saved.get(REFERENCES, {})),
+            }
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 f"cannot load checkpoint {path}: unreadable {STATE_FILE} ({exc!r})"

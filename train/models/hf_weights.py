@@ -27,6 +27,7 @@ from train.models.hf_config import WEIGHT_FILES
 from train.models.hf_names import hf_name
 from train.models.init import canonical_name
 from train.models.lora import is_adapter
+from train.models.pretrained_parts import ENCODER_PART, ENCODER_PREFIX, LLM_PART
 
 
 def llm_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -51,7 +52,6 @@ def load_llm_weights(model: nn.Module, directory: Path) -> None:
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
 
 
-ENCODER = "encoder."  # our encoder's parameters: this, then transformers' names
 ENCODER_PREFIXES = ("model.encoder.", "encoder.", "")
 
 
@@ -61,8 +61,8 @@ def encoder_state(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]
     state = {}
     for name, param in model.named_parameters():
         name = canonical_name(name)
-        if name.startswith(ENCODER):
-            state[prefix + name.removeprefix(ENCODER)] = param
+        if name.startswith(ENCODER_PREFIX):
+            state[prefix + name.removeprefix(ENCODER_PREFIX)] = param
     return state
 
 
@@ -90,3 +90,7 @@ def load_encoder_weights(model: nn.Module, directory: Path) -> None:
         )
     state = encoder_state(model, prefix)
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
+
+
+# Each pretrained part's loader, by its ModelConfig key (train.models.pretrained_parts.PARTS).
+PART_LOADERS = {LLM_PART: load_llm_weights, ENCODER_PART: load_encoder_weights}

@@ -27,6 +27,7 @@ from train.models.freeze import frozen_names
 from train.models.inventory import inventory
 from train.models.lora import freeze_rules, with_lora
 from train.models.presets import model_shape
+from train.models.pretrained_parts import pretrained_dirs, referenced_names
 from train.models.shape import SALMConfig
 from train.parallel.dims import ParallelDims
 from train.parallel.pipeline_plan import PipelinePlan, pipeline_plan
@@ -92,6 +93,15 @@ def frozen_of(cfg: TrainConfig) -> set[str]:
     except ValueError as error:
         raise ConfigError(str(error)) from error
     return frozen | {tensor.name for tensor in tensors if not tensor.trainable}
+
+
+def referenced_of(cfg: TrainConfig) -> set[str]:
+    """The frozen parameters that checkpoints hold by reference (``checkpoint.by_reference``):
+    those of a pretrained part the config names (``train.models.pretrained_parts``)."""
+    if not cfg.checkpoint.by_reference:
+        return set()
+    parts = {part for part, path in pretrained_dirs(cfg.model).items() if path}
+    return referenced_names(frozen_of(cfg), parts)
 
 
 def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims, frozen: set[str]) -> None:
