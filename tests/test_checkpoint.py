@@ -37,12 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from contract.run_dir import MARKER
 from tests.harness.disk import fill_disk, tmpfs
 from tests.harness.process import REPO, run_python
 from tests.harness.training import metrics, train, train_together
 from train.checkpoint import manager as checkpoint
+from train.checkpoint.hyperparameters import expanded, shared, to_load
 from train.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -288,6 +290,11 @@ def test_round_trip_in_one_process(world_of_one, tmp_path):
     for key, value in optimizer.state_dict()["state"].items():
         for name, tensor in value.items():
             assert torch.equal(fresh_optimizer.state_dict()["state"][key][name], tensor), name
+    # The scheduler's lr and every other hyperparameter, saved once for all parameters.
+    assert fresh_optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    held = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    assert "optim.hyperparameters.lr" in held
+    assert not any(key.startswith("optim.param_groups.") for key in held)
 
     weights_only, _, _ = _training_objects(seed=5)
     assert manager.load(path, weights_only, None, None) == TRAINER_STATE
@@ -374,7 +381,6 @@ def test_a_checkpoint_with_list_style_optimizer_state_still_loads(tmp_path):
     """Checkpoints written before pipeline parallelism keep the optimizer's param groups as
     lists; a resumed run must still read them (and every new save is flattened)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optimizer, scheduler = _training_objects(seed=0)
     _train_step(model, optimizer, scheduler)
@@ -393,6 +399,42 @@ def test_a_checkpoint_with_list_style_optimizer_state_still_loads(tmp_path):
         assert torch.equal(saved, loaded)
     want = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], want)
+
+
+def test_a_checkpoint_with_each_parameters_hyperparameters_still_loads(tmp_path):
+    """Checkpoints written before 2026-11-30 repeat the hyperparameters under every
+    parameter's name (DCP's flattened optimizer state as it comes); they load as they are."""
+    model, optimizer, scheduler = _training_objects(seed=0)
+    _train_step(model, optimizer, scheduler)
+    old = tmp_path / "checkpoints" / "step_1"
+    model_state, optim_state = get_state_dict(model, optimizer, options=checkpoint.FLAT_OPTIMIZER)
+    assert "param_groups.0.weight.lr" in optim_state
+    dcp.save(
+        {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
+        checkpoint_id=old,
+    )
+    (old / "state.json").write_text('{"step": 1, "world_size": 2, "trainer_state": {}}')
+    (old / MARKER).write_text("done\n")
+    fresh_model, fresh_optimizer, fresh_scheduler = _training_objects(seed=1)
+    CheckpointManager(tmp_path).load(old, fresh_model, fresh_optimizer, fresh_scheduler)
+    assert fresh_optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    want = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], want)
+
+
+def test_hyperparameters_are_kept_once_only_where_every_parameter_has_the_same() -> None:
+    same = {"state.a.step": 1, "param_groups.a.lr": 0.1, "param_groups.b.lr": 0.1}
+    assert shared(same) == {"state.a.step": 1, "hyperparameters.lr": 0.1}
+    differing = {"param_groups.a.lr": 0.1, "param_groups.b.lr": 0.2}
+    assert shared(differing) == differing
+    tensors = {"param_groups.a.lr": torch.tensor(0.1), "param_groups.b.lr": torch.tensor(0.1)}
+    assert shared(tensors) is tensors
+    template = {"state.a.step": 0, "param_groups.a.lr": 1.0, "param_groups.b.lr": 1.0}
+    asked = to_load(template)
+    assert asked == {"state.a.step": 0, "hyperparameters.lr": 1.0}
+    asked["hyperparameters.lr"], asked["state.a.step"] = 0.25, 7
+    want = {"state.a.step": 7, "param_groups.a.lr": 0.25, "param_groups.b.lr": 0.25}
+    assert expanded(asked, template) == want
 
 
 # asynchronous saves ---------------------------------------------------------------------------

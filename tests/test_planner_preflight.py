@@ -144,7 +144,7 @@ def test_the_plan_check_prices_the_pipeline_the_trainer_runs(overrides):
     capacity = Capacity(64 * GIB, "a test host", None)
     request, layout = request_and_layout(cfg, 1, 2, capacity)
     trainer_plan = pipeline_for(cfg, parallel_dims(cfg, 2))
-    _, counts = priced_inventory(request)
+    _, counts, _ = priced_inventory(request)
     assert search_pipeline(counts, layout, {}) == trainer_plan
     assert layout.microbatches == trainer_plan.microbatches
     assert check_training_fits(cfg, 1, 2, capacity, "tiny_pp").fits

@@ -5,6 +5,7 @@ One module a job; import a name from the module that owns it:
 - ``manager``: ``CheckpointManager`` (save, load, prune; the layout on disk and why a
   ``step_<N>`` directory is always whole) and its errors;
 - ``collectives``: how the ranks agree (without a process group: one rank);
+- ``hyperparameters``: the optimizer's hyperparameters saved once, not per parameter;
 - ``references``: the frozen pretrained parts a checkpoint holds by reference, and their digests;
 - ``rng``: each rank's generator states, in a file of its own;
 - ``nonfinite``: the scan that keeps NaN and inf out of a checkpoint;

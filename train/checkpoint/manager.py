@@ -15,8 +15,9 @@ Model and optimizer go through ``get_state_dict``/``set_state_dict``, which hand
 (FSDP2/TP/EP) under their global shapes with FQN keys, so the checkpoint holds one copy whatever
 the data-parallel degree, and loads under another layout (DCP reshards) or into a plain
 single-process model. Under pipeline parallelism a rank holds some of the parameters only; the
-optimizer state is flattened to per-parameter keys (hyperparameters included), so every rank
-saves and loads exactly its own parameters' entries whatever the stage split. Checkpoints
+optimizer state is flattened to per-parameter keys, so every rank saves and loads exactly its
+own parameters' entries whatever the stage split; their hyperparameters are kept once
+(``train.checkpoint.hyperparameters``). Checkpoints
 written before that (with the optimizer's param groups as lists) still load, under layouts
 without pipeline parallelism. The LR scheduler is replicated on every rank; DCP keeps one copy.
 
@@ -99,6 +100,7 @@ from train.checkpoint.collectives import (
     world_size,
 )
 from train.checkpoint.disk import describe, failure_text, fsync_dir, room_problem, write_durably
+from train.checkpoint.hyperparameters import expanded, saved_shared, shared, to_load
 from train.checkpoint.nonfinite import (
     first_nonfinite,
     local_nonfinite,
@@ -375,6 +377,7 @@ class CheckpointManager:
             raise ValueError(f"trainer_state must be JSON-serialisable: {exc}") from exc
         self.wait()
         model_state, optim_state = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
+        optim_state = shared(optim_state)
         left_out = self._left_out(model)
         model_state = {k: v for k, v in model_state.items() if canonical_name(k) not in left_out}
         state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
@@ -641,11 +644,6 @@ class CheckpointManager:
             options = StateDictOptions(flatten_optimizer_state_dict=flat, strict=False)
             parts = set(references)
             model_state = {k: v for k, v in model_state.items() if not _in_part(k, keys, parts)}
-        state: dict[str, Any] = {"model": model_state}
-        if optimizer is not None:
-            state["optim"] = optim_state
-        if scheduler is not None:
-            state["scheduler"] = scheduler.state_dict()
         unfrozen = (
             _frozen_when_saved(optim_state, keys, set(references))
             if optimizer is not None and flat
@@ -654,18 +652,27 @@ class CheckpointManager:
         fresh = {
             k: optim_state.pop(k) for k in list(optim_state) if _optimizer_param(k) in unfrozen
         }
+        once = optimizer is not None and flat and saved_shared(keys)
+        state: dict[str, Any] = {"model": model_state}
+        if optimizer is not None:
+            state["optim"] = to_load(optim_state) if once else optim_state
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
         try:
             dcp.load(state, checkpoint_id=path)  # DCP raises on every rank if one fails
         except CheckpointException as exc:
             failure = next(iter(exc.failures.values()))[0]
             reason = str(failure) or repr(failure)  # a torn file: EOFError() says nothing
             raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from None
-        optim_state.update(fresh)
+        loaded = state.get("optim", {})
+        if once:
+            loaded = expanded(loaded, optim_state)
+        loaded.update(fresh)
         set_state_dict(
             model,
             optimizers,
             model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
+            optim_state_dict=loaded,
             options=options,
         )
         if scheduler is not None:
