@@ -377,15 +377,19 @@ def test_trainer_state_must_be_json(tmp_path):
     assert manager.latest() is None
 
 
-def test_a_checkpoint_with_list_style_optimizer_state_still_loads(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [None, checkpoint.FLAT_OPTIMIZER],
+    ids=["param-groups-as-lists", "hyperparameters-per-parameter"],
+)
+def test_a_checkpoint_of_an_older_optimizer_format_still_loads(tmp_path, options):
     """Checkpoints written before pipeline parallelism keep the optimizer's param groups as
-    lists; a resumed run must still read them (and every new save is flattened)."""
-    import torch.distributed.checkpoint as dcp
-
+    lists; those written before 2026-11-30 repeat the hyperparameters under every parameter's
+    name (DCP's flattened state as it comes). A resumed run reads both as they are."""
     model, optimizer, scheduler = _training_objects(seed=0)
     _train_step(model, optimizer, scheduler)
     old = tmp_path / "checkpoints" / "step_1"
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     dcp.save(
         {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
         checkpoint_id=old,
@@ -397,26 +401,6 @@ def test_a_checkpoint_with_list_style_optimizer_state_still_loads(tmp_path):
     CheckpointManager(tmp_path).load(old, fresh_model, fresh_optimizer, fresh_scheduler)
     for saved, loaded in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(saved, loaded)
-    want = optimizer.state_dict()["state"][0]["exp_avg"]
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], want)
-
-
-def test_a_checkpoint_with_each_parameters_hyperparameters_still_loads(tmp_path):
-    """Checkpoints written before 2026-11-30 repeat the hyperparameters under every
-    parameter's name (DCP's flattened optimizer state as it comes); they load as they are."""
-    model, optimizer, scheduler = _training_objects(seed=0)
-    _train_step(model, optimizer, scheduler)
-    old = tmp_path / "checkpoints" / "step_1"
-    model_state, optim_state = get_state_dict(model, optimizer, options=checkpoint.FLAT_OPTIMIZER)
-    assert "param_groups.0.weight.lr" in optim_state
-    dcp.save(
-        {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()},
-        checkpoint_id=old,
-    )
-    (old / "state.json").write_text('{"step": 1, "world_size": 2, "trainer_state": {}}')
-    (old / MARKER).write_text("done\n")
-    fresh_model, fresh_optimizer, fresh_scheduler = _training_objects(seed=1)
-    CheckpointManager(tmp_path).load(old, fresh_model, fresh_optimizer, fresh_scheduler)
     assert fresh_optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
     want = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], want)
