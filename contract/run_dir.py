@@ -2,6 +2,7 @@
 
     RUN_DIR/
       checkpoints/step_<N>/        a complete checkpoint: its COMPLETE marker and state.json
+      checkpoint_location          the s3:// prefix they are under instead (checkpoint.location)
       checkpoints/.tmp-step_<N>-*  a save in progress, or one a crash tore (the trainer's own)
       metrics.jsonl                one JSON row per logged step, appended across jobs
       eval/step_<N>/               what ``python -m train.evaluate`` wrote for that checkpoint
@@ -19,6 +20,8 @@ import shutil
 from pathlib import Path
 
 CHECKPOINTS_DIR = "checkpoints"
+# Where checkpoints in object storage are (checkpoint.location): their s3:// prefix, one line.
+CHECKPOINT_LOCATION_FILE = "checkpoint_location"
 MARKER = "COMPLETE"  # written last into a checkpoint: one without it is not complete
 STATE_FILE = "state.json"  # a checkpoint's step, data position and layout
 METRICS_FILE = "metrics.jsonl"
@@ -71,11 +74,6 @@ def scan_checkpoints(checkpoints: Path) -> tuple[dict[int, Path], list[tuple[int
 def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
     """The run dir's complete checkpoints by step (oldest first)."""
     return scan_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)[0]
-
-
-def newest_complete_step(run_dir: Path) -> int | None:
-    """The step of the run dir's newest complete checkpoint; None: none yet."""
-    return max(complete_checkpoints(run_dir), default=None)
 
 
 def not_writable(directory: Path) -> bool:

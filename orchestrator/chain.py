@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from contract import job_env
-from contract.run_dir import LOGS_DIR, log_pattern, newest_complete_step
+from contract.run_dir import LOGS_DIR, log_pattern
 from contract.seeds import chain_seeds
 from orchestrator.backends.base import Backend, JobRequest, dependency_spec
-from orchestrator.errors import SchedulerError, prefixed
+from orchestrator.errors import SchedulerError, UsageError, prefixed
 from orchestrator.launch_checks import (
     check_dependency,
     check_job_name,
@@ -61,6 +61,8 @@ from orchestrator.snapshot import (
     freeze,
     plan_code,
 )
+from train.checkpoint.location import newest_step
+from train.data.storage import StorageError
 
 # The --then job waits for the chain's last job to end, however it ended: a chain that failed or
 # timed out still gets its final answer from what it saved.
@@ -247,6 +249,15 @@ class ChainPlan:
         )
 
 
+def starting_step(run_dir: Path) -> int | None:
+    """The step a chain on ``run_dir`` starts from: its newest complete checkpoint, wherever
+    the run keeps them (a bucket that does not answer is one line, nothing queued)."""
+    try:
+        return newest_step(run_dir)
+    except StorageError as error:
+        raise UsageError(f"run dir {run_dir}'s checkpoints: {error}") from None
+
+
 def contract_env(plan: ChainPlan, index: int) -> dict[str, str]:
     """The ORCH_* variables of the .sub contract for job ``index``.
 
@@ -343,7 +354,7 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         retry_on_exit=list(plan.retry_on_exit),
         max_stalled=plan.max_stalled,
         restarts_in_job=plan.restarts_in_job,
-        start_step=newest_complete_step(plan.run_dir),
+        start_step=starting_step(plan.run_dir),
         workdir=str(plan.workdir),
         code_mode=code.mode if code else None,
         code_dir=str(code.root) if code and code.root else None,

@@ -40,7 +40,6 @@ from contract.job_end import (
     outcome_line,
     read_job_end,
 )
-from contract.run_dir import newest_complete_step
 from contract.seeds import chain_seeds
 from contract.slurm_states import END_STATES, ENDING_STATES
 from orchestrator import in_job
@@ -74,6 +73,8 @@ from orchestrator.manifest import (
     chain_lock,
 )
 from orchestrator.slurm.commands import requeue_job, show_job
+from train.checkpoint.location import newest_step
+from train.data.storage import StorageError
 
 ACTIVE_BACKEND = SlurmBackend.label  # the backend whose chains the hook looks after
 # A job has ended, or is ending (its dependants may already start).
@@ -126,10 +127,14 @@ class ChainKeeper:
         """Judge ``job``, noting the newest checkpoint it left and whether it trained (a record,
         or checkpoints in the run dir: a command that saves none is not measured for stalls)."""
         record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
-        job.checkpoint_step = newest_complete_step(self.run_dir)
-        job.measured = record is not None or job.checkpoint_step is not None
         if record is not None:
             job.step = record.get("step")
+        try:
+            job.checkpoint_step = newest_step(self.run_dir)
+        except StorageError as error:  # the bucket did not answer: the job's own word for it
+            print(f"warning: {error}; taking job {job.index}'s last step", file=sys.stderr)
+            job.checkpoint_step = job.step if record is not None and record.get("saved") else None
+        job.measured = record is not None or job.checkpoint_step is not None
         retry_on_exit = tuple(self.manifest.retry_on_exit)
         return job, judge(record, status, state, started, retry_on_exit)
 

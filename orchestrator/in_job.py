@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from contract import job_env
-from contract.run_dir import MARKER, complete_checkpoints
+from train.checkpoint.location import completed
 
 # The time a restart needs when the run dir has too few checkpoints to measure an interval.
 MIN_RESTART_S = 60.0
@@ -60,11 +60,11 @@ def refusal(
 def checkpoint_interval_s(run_dir: Path) -> float:
     """Seconds between the run dir's two newest complete checkpoints (their markers' times),
     at least MIN_RESTART_S; MIN_RESTART_S when there are fewer than two."""
-    steps = complete_checkpoints(run_dir)
+    steps = completed(run_dir)
     if len(steps) < 2:
         return MIN_RESTART_S
-    newest, before = (steps[step] / MARKER for step in sorted(steps)[-2:][::-1])
-    return max(MIN_RESTART_S, newest.stat().st_mtime - before.stat().st_mtime)
+    before, newest = (steps[step][1] for step in sorted(steps)[-2:])
+    return max(MIN_RESTART_S, newest - before)
 
 
 def seconds_left() -> float | None:

@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from contract.run_dir import MARKER
 from tests.harness.disk import fill_disk, tmpfs
-from tests.harness.process import REPO, run_python
+from tests.harness.process import REPO, kill_tree, run_python
 from tests.harness.training import metrics, train, train_together
 from train.checkpoint import manager as checkpoint
 from train.checkpoint.hyperparameters import expanded, shared, to_load
@@ -703,14 +702,7 @@ def test_a_kill_during_an_async_save_leaves_no_complete_checkpoint(tmp_path):
     try:
         _wait_for(lambda: all((run_dir / f"rank{r}.written").exists() for r in (0, 1)))
     finally:
-        # torchrun starts its workers in sessions of their own: kill the whole tree, or the
-        # ranks train on forever as orphans.
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(True)]
-        for member in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                member.kill()
-        psutil.wait_procs(tree, timeout=30)
-        process.wait()
+        kill_tree(process)
         log_file.close()
     checkpoints = run_dir / "checkpoints"
     torn = list(checkpoints.glob(".tmp-step_2-*"))

@@ -114,10 +114,10 @@ def test_the_start_check_reads_the_newest_complete_checkpoint(tmp_path) -> None:
         state = {"step": step, "trainer_state": {}, REFERENCES: references}
         (checkpoints / f"step_{step}" / STATE_FILE).write_text(json.dumps(state))
         (checkpoints / f"step_{step}" / "COMPLETE").write_text("")
-    check_newest(checkpoints, {"pretrained_llm": str(part)})
+    check_newest(tmp_path, {"pretrained_llm": str(part)})
     flip_last_byte(part / "model.safetensors")
     with pytest.raises(PretrainedPartChanged, match="step_2 holds the frozen LLM") as error:
-        check_newest(checkpoints, {"pretrained_llm": None})  # the recorded directory
+        check_newest(tmp_path, {"pretrained_llm": None})  # the recorded directory
     assert "\n" not in str(error.value) and "start a new run_dir" in str(error.value)
 
 

@@ -26,6 +26,7 @@ from contract.job_end import EXIT_CONFIG
 from contract.job_env import SEED_LIMIT
 from contract.seeds import chain_seeds
 from contract.spelling import closest
+from train.checkpoint.location import check_location as check_checkpoint_location
 from train.data.sources import Source, read_sources
 from train.loop.host_syncs import HOST_SYNC_MODES
 from train.loop.watchdog import STOPPABLE
@@ -176,6 +177,9 @@ class CheckpointConfig:
     # part's directory and its files' digests, and a resume loads them from there (the files
     # must stay as they were). False: every checkpoint holds the whole model.
     by_reference: bool = True
+    # Where checkpoints are saved: empty for RUN_DIR/checkpoints, or s3://bucket/prefix (each
+    # run dir under a prefix of its own; credentials from the environment, as for data).
+    location: str = ""
 
 
 @dataclass
@@ -404,6 +408,8 @@ def check_data(cfg: TrainConfig) -> None:
     storage answers): torch-free, so that auto_launch's plan check refuses a missing corpus
     or source with the trainer's own line before anything is queued."""
     validate(cfg)
+    if cfg.checkpoint.location:
+        check_checkpoint_location(cfg.checkpoint.location)
     if cfg.data.input_cfg is not None:
         read_sources(cfg.data.input_cfg, "data.input_cfg")
     if cfg.eval.interval and cfg.eval.sets:

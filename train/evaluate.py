@@ -49,6 +49,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from contract.configs import EVALUATE_CONFIG, PACKAGED_CONFIGS
 from contract.job_end import EXIT_CONFIG
 from contract.run_dir import EVAL_DIR, step_name
+from train.checkpoint.location import Ref
 from train.checkpoint.manager import CheckpointError, CheckpointManager
 from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
 from train.config import ConfigError, ParallelConfig, refuse_uncomposable
@@ -120,7 +121,7 @@ class EvalSet:
 class Plan:
     """What preflight resolved: the checkpoint, its step and model, the sets, the layout."""
 
-    source: Path | Export  # the checkpoint, or an export (train/exported.py)
+    source: Ref | Export  # the checkpoint, or an export (train/exported.py)
     step: int
     model: SALMConfig  # the shape the run trained (a preset, or with a pretrained LLM)
     extractor: Extractor  # the features its encoder reads

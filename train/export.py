@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import save_file
 
 from contract.job_end import EXIT_CONFIG
+from train.checkpoint.location import Ref
 from train.checkpoint.manager import CheckpointError, CheckpointManager
 from train.checkpoint.saved_run import find_checkpoint, saved_model, saved_state
 from train.config import ConfigError, LoraConfig, ModelConfig
@@ -130,7 +131,7 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: its parent {out.parent} does not exist")
 
 
-def plan_export(args: argparse.Namespace) -> tuple[Path, dict, ModelConfig, SALMConfig]:
+def plan_export(args: argparse.Namespace) -> tuple[Ref, dict, ModelConfig, SALMConfig]:
     """Everything checkable before the model is built; one ConfigError line otherwise."""
     out = Path(args.out)
     check_out(out)
@@ -291,7 +292,7 @@ def readable(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def load_trained(run_dir: Path, checkpoint: Path, shape: SALMConfig) -> SALM:
+def load_trained(run_dir: Path, checkpoint: Ref, shape: SALMConfig) -> SALM:
     """The whole model of ``checkpoint`` in one process, fp32 on the CPU."""
     with torch.device("meta"):
         model = SALM(shape)

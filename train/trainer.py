@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from contract import job_env
 from contract.job_end import EXIT_HUNG, EXIT_NOT_SAVED, job_end_record, write_job_end
-from contract.run_dir import CHECKPOINTS_DIR
+from train.checkpoint.location import LocationError, checkpoint_name, settle
 from train.checkpoint.manager import CheckpointManager, CheckpointSaveError, NonFiniteState
 from train.checkpoint.references import PretrainedPartChanged, check_newest
 from train.config import ConfigError, TrainConfig
@@ -39,6 +39,7 @@ from train.data.batch_hash import BatchChecks
 from train.data.features import Featurizer
 from train.data.loader import LoadedBatch
 from train.data.plan import DataPlan, data_plan
+from train.data.storage import StorageError
 from train.data.stream import TrainingData
 from train.data.text import text_codec
 from train.eval.validation import ValidationSet, Validator
@@ -81,22 +82,29 @@ class Prepared:
     dims: ParallelDims
     plan: PipelinePlan | None
     data: DataPlan
+    checkpoints: str | None  # the run's prefix in object storage; None: RUN_DIR/checkpoints
 
 
 def preflight(cfg: TrainConfig) -> Prepared:
-    """Everything checkable before a process group exists: the layout, the compile backend,
-    the pretrained parts the newest checkpoint holds by reference, and the data."""
+    """Everything checkable before a process group exists: where checkpoints go, the layout,
+    the compile backend, the pretrained parts the newest checkpoint holds by reference, and
+    the data."""
+    try:
+        first_rank = os.environ.get("RANK", "0") == "0"
+        checkpoints = settle(Path(cfg.run_dir), cfg.checkpoint.location, first_rank)
+    except (LocationError, StorageError) as error:
+        raise ConfigError(str(error)) from None
     dims, plan = training_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     try:
-        check_newest(Path(cfg.run_dir) / CHECKPOINTS_DIR, pretrained_dirs(cfg.model))
-    except PretrainedPartChanged as error:
+        check_newest(Path(cfg.run_dir), pretrained_dirs(cfg.model))
+    except (LocationError, PretrainedPartChanged, StorageError) as error:
         raise ConfigError(str(error)) from None
     if cfg.compile and cfg.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(
             f"compile_backend={cfg.compile_backend}: not a torch.compile backend; "
             "use inductor (the default) or aot_eager"
         )
-    return Prepared(dims, plan, data_plan(cfg, say))
+    return Prepared(dims, plan, data_plan(cfg, say), checkpoints)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -185,6 +193,7 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
             timeout=timeout,
             interval=cfg.checkpoint.interval,
+            location=prepared.checkpoints,
             pretrained=pretrained_dirs(cfg.model),
             by_reference=frozenset(filter(None, map(part_of, referenced_of(cfg)))),
         )
@@ -327,7 +336,7 @@ class Trainer:
         except NonFiniteState as error:
             raise self.diverged(error) from None
         if self.checkpoints.pending:
-            say(f"checkpoint {path.name}: being written in the background")
+            say(f"checkpoint {checkpoint_name(path)}: being written in the background")
         else:
             say(f"checkpoint saved: {path}")
         self.collector.at_pause()

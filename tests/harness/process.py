@@ -177,6 +177,20 @@ def kill_session(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL to a launcher and every process below it, waited for: torchrun starts its
+    workers in sessions of their own, which a kill of its group alone would leave training on
+    as orphans."""
+    import psutil
+
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(True)]
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(tree, timeout=30)
+    process.wait()
+
+
 def read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 

@@ -39,9 +39,12 @@ Asynchronous saves (``async_save``): while the loop waits, the state is copied i
 buffers (``train.checkpoint.staging``). A background thread then checks that copy for
 non-finite values, and DCP writes it (with nothing left to stage) over a gloo group of its own
 (its collectives would otherwise interleave with the training loop's), along with the RNG file.
-The save is finalized (marker and rename, as above) at a step boundary where every rank agrees
-its write is done (``poll``), or before the next save or the end of the job (``wait``): all
-ranks finalize at the same call, and a crash before that leaves only a ``.tmp-*`` directory.
+DCP's save returns once every rank's files are written (the ranks all-reduce, before it, that
+every copy is finite and every RNG file written), so rank 0's background thread then marks the
+save complete (marker and rename, as above) and prunes, off the training's path. The save is
+finalized at a step boundary where every rank agrees its write is done (``poll``), or before
+the next save or the end of the job (``wait``): all ranks learn there, at the same call, whether
+it failed. A crash before the marker leaves only a ``.tmp-*`` directory.
 
 A save that fails (disk full, read-only, no permission) removes its temporary directory once
 every rank has given up and raises ``CheckpointSaveError``: one line naming the problem, the
@@ -60,10 +63,8 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,22 +76,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
-from contract.run_dir import (
-    CHECKPOINTS_DIR,
-    MARKER,
-    STATE_FILE,
-    TMP_DIR,
-    scan_checkpoints,
-    step_name,
-    tmp_step_name,
-)
+from contract.run_dir import MARKER, STATE_FILE, step_name
 from train.checkpoint.collectives import (
     all_ranks,
     broadcast_from_rank0,
@@ -99,8 +91,8 @@ from train.checkpoint.collectives import (
     global_rank,
     world_size,
 )
-from train.checkpoint.disk import describe, failure_text, fsync_dir, room_problem, write_durably
 from train.checkpoint.hyperparameters import expanded, saved_shared, shared, to_load
+from train.checkpoint.location import Ref
 from train.checkpoint.nonfinite import (
     first_nonfinite,
     local_nonfinite,
@@ -108,6 +100,7 @@ from train.checkpoint.nonfinite import (
     squares_finite,
 )
 from train.checkpoint.pauses_for_tests import armed_pauses
+from train.checkpoint.places import DirectoryPlace, ObjectPlace, Place, place_of
 from train.checkpoint.references import (
     REFERENCES,
     PretrainedPartChanged,
@@ -116,15 +109,15 @@ from train.checkpoint.references import (
     part_directory,
     refusal,
 )
-from train.checkpoint.rng import restore_rng, rng_state, write_rng
+from train.checkpoint.rng import restore_rng, rng_bytes, rng_name, rng_state
 from train.checkpoint.staging import Staging
+from train.data.storage import StorageError, is_url, join
 from train.models.hf_weights import PART_LOADERS
 from train.models.init import canonical_name
 from train.models.pretrained_parts import PARTS, part_of
 
 log = logging.getLogger(__name__)
 
-_TRASH_PREFIX = ".trash-"
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 # Only list-style param groups (before pipelines) have this key: a flattened one ends in a
 # hyperparameter's name.
@@ -144,10 +137,10 @@ class NonFiniteState(RuntimeError):
     """Parameters or optimizer states hold NaN or inf: nothing was saved."""
 
 
-def _saved_keys(path: Path) -> set[str]:
+def _saved_keys(place: Place, path: Ref) -> set[str]:
     """The keys of the checkpoint at ``path`` (``model.<name>``, ``optim.state.<name>.<field>``)."""
     try:
-        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        return set(place.reader(path).read_metadata().state_dict_metadata)
     except Exception as exc:  # a torn .metadata fails in pickle with any of several errors
         raise CheckpointError(
             f"cannot load checkpoint {path}: unreadable metadata ({exc!r})"
@@ -184,22 +177,19 @@ def _in_part(name: str, saved: set[str], referenced: set[str]) -> bool:
     return f"model.{name}" not in saved and part_of(canonical_name(name)) in referenced
 
 
-def _staged_nonfinite(state: dict, group: dist.ProcessGroup | None) -> tuple[str | None, bool]:
+def _staged_nonfinite(
+    state: dict, group: dist.ProcessGroup | None, ok: bool
+) -> tuple[str | None, bool]:
     """The check of a staged CPU copy, in the background write (beside it: a collective over
     the manager's own group): this rank's first non-finite tensor (or None), and whether every
-    rank's copy is finite (one all-reduce over ``group``, a CPU group; None: this process
-    alone)."""
+    rank's copy is finite and every rank's own writes so far ``ok`` (one all-reduce over
+    ``group``, a CPU group; None: this process alone)."""
     tensors = list(local_tensors(state))
     bad = None if squares_finite(tensors).item() else local_nonfinite(tensors)
-    finite = torch.tensor(float(bad is None), device="cpu")
+    finite = torch.tensor(float(bad is None and ok), device="cpu")
     if group is not None:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
     return bad, bool(finite.item())
-
-
-def _remove_all(paths: list[Path]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
@@ -208,6 +198,7 @@ class _Written:
 
     nonfinite: str | None = None  # this rank's first non-finite tensor: nothing was written
     error: dict | None = None  # a failed write (``describe``)
+    marked: bool = False  # rank 0: the save marked complete (and pruned) in the background
 
 
 @dataclass
@@ -215,7 +206,7 @@ class _Pending:
     """A save whose files are being written into ``tmp``, finalized by ``_finalize``."""
 
     step: int
-    tmp: Path
+    tmp: Ref
     state_json: str
     started: float
     error: dict | None = None  # a failure of this rank's own writes (the RNG file)
@@ -238,12 +229,15 @@ class CheckpointManager:
         async_save: bool = False,
         timeout: timedelta | None = None,
         interval: int = 0,
+        location: str | None = None,
         pretrained: dict[str, str | None] | None = None,
         by_reference: frozenset[str] = frozenset(),
     ) -> None:
         """``timeout``: of the background saves' gloo group (the trainer gives every process
         group the same, ``train.loop.watchdog.process_group_timeout``); None: gloo's default.
         ``interval``: the training saves every so many steps (``due``); 0: only as it ends.
+        ``location``: the run's s3:// prefix (the trainer's ``checkpoint.location``, settled);
+        None: where the run dir says (``train.checkpoint.location``), else its checkpoints/.
         ``pretrained``: the config's pretrained directories by part (``pretrained_dirs``), where
         a load finds the parts a checkpoint holds by reference (else where it recorded them).
         ``by_reference``: the parts (keys of ``PARTS``, each in ``pretrained``) whose frozen
@@ -253,7 +247,7 @@ class CheckpointManager:
         unknown = sorted(part for part in by_reference if not (pretrained or {}).get(part))
         if unknown:
             raise ValueError(f"by_reference={unknown}: parts without a pretrained directory")
-        self.directory = Path(run_dir) / CHECKPOINTS_DIR
+        self.place = ObjectPlace(location) if location else place_of(Path(run_dir))
         self.keep = keep
         self.interval = interval
         self.pretrained = dict(pretrained or {})
@@ -280,11 +274,11 @@ class CheckpointManager:
         """Whether a save is still being written (async_save) and not yet finalized."""
         return self._pending is not None
 
-    def _scan(self) -> tuple[dict[int, Path], list[tuple[int, Path]]]:
-        """Complete checkpoints by step, and the torn entries (step dirs without marker, tmp)."""
-        return scan_checkpoints(self.directory)
+    def _scan(self) -> tuple[dict[int, Ref], list[tuple[int, Ref]]]:
+        """Complete checkpoints by step, and the torn entries (no marker, saves in progress)."""
+        return self.place.scan()
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Ref | None:
         """The newest complete checkpoint, or None; torn ones are skipped with a warning."""
         complete, torn = self._scan()
         if torn and global_rank() == 0:
@@ -301,21 +295,19 @@ class CheckpointManager:
         """Rank 0 deletes ``.tmp-*`` saves torn by a crash and ``.trash-*`` left by pruning:
         they hold a checkpoint's worth of disk each. Call at a job's start only: a running
         job's save in progress is a ``.tmp-*`` too."""
-        if global_rank() != 0 or not self.directory.is_dir():
+        if global_rank() != 0:
             return
-        leftovers = [
-            entry
-            for entry in sorted(self.directory.iterdir())
-            if TMP_DIR.fullmatch(entry.name) or entry.name.startswith(_TRASH_PREFIX)
-        ]
+        leftovers = self.place.leftovers()
         if leftovers:
-            log.warning("removing what earlier jobs left: %s", ", ".join(p.name for p in leftovers))
-            _remove_all(leftovers)
+            names = ", ".join(self.place.name(ref) for ref in leftovers)
+            log.warning("removing what earlier jobs left: %s", names)
+            for ref in leftovers:
+                self.place.discard(ref)
 
     def check_room(self) -> None:
         """Raise CheckpointSaveError (every rank, one line) if a checkpoint cannot be saved: the
         directory is not writable or has less room than the newest checkpoint took. Collective."""
-        problem = room_problem(self.directory) if global_rank() == 0 else None
+        problem = self.place.room_problem() if global_rank() == 0 else None
         problem = broadcast_from_rank0(problem)
         if problem is not None:
             raise CheckpointSaveError(problem)
@@ -385,71 +377,83 @@ class CheckpointManager:
             bad = first_nonfinite(state)
             if bad is not None:
                 raise NonFiniteState(self._refusal(step, bad))
-        final = self.directory / step_name(step)
-        made: str | dict | None = None
+        made: Ref | dict | None = None
         state_json = ""  # rank 0's: written as the save completes
-        if global_rank() == 0 and not (final / MARKER).is_file():
-            made = tmp_step_name(step, uuid.uuid4().hex[:12])
+        if global_rank() == 0:
             try:
                 references = self._references()
-                (self.directory / made).mkdir(parents=True)
-            except OSError as exc:
-                made = describe(exc, self.directory)
+                made = self.place.begin(step)
+            except (OSError, StorageError) as exc:
+                made = self.place.describe(exc, self.place.where)
             else:
                 state_json = json.dumps({**record, REFERENCES: references}, indent=1)
         made = broadcast_from_rank0(made)
         if made is None:
+            final = self._scan()[0].get(step, step_name(step))
             if global_rank() == 0:
                 log.info("checkpoint %s already exists: not saving step %d again", final, step)
             return final
         if isinstance(made, dict):
-            raise CheckpointSaveError(self._failure_line(step, made, self.directory))
-        pending = _Pending(step, self.directory / made, state_json, started)
+            raise CheckpointSaveError(self._failure_line(step, made, self.place.where))
+        pending = _Pending(step, made, state_json, started)
         if self._staging is not None:
             staged = self._staging.stage(state)
             writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
-            pending.future = writer.submit(self._write, step, pending.tmp, staged, rng_state())
+            pending.future = writer.submit(self._write, pending, staged, rng_state())
             writer.shutdown(wait=False)  # its thread ends with this write
             self._pending = pending
             if global_rank() == 0:
                 log.info(
                     "checkpoint %s staged in %.2f s, written in the background",
-                    final.name,
+                    step_name(step),
                     time.perf_counter() - started,
                 )
-            return final
+            return self._final(step)
         try:
-            write_rng(pending.tmp, rng_state())
-        except OSError as exc:
-            pending.error = describe(exc, pending.tmp)
+            self.place.put(pending.tmp, rng_name(global_rank()), rng_bytes(rng_state()))
+        except (OSError, StorageError) as exc:
+            pending.error = self.place.describe(exc, pending.tmp)
         try:
-            dcp.save(state, checkpoint_id=pending.tmp)
+            dcp.save(state, storage_writer=self.place.writer(pending.tmp, background=False))
         except (CheckpointException, OSError) as exc:
-            pending.error = pending.error or describe(exc, pending.tmp)
+            pending.error = pending.error or self.place.describe(exc, pending.tmp)
         self._finalize(pending)
-        return final
+        return self._final(step)
 
-    def _write(self, step: int, tmp: Path, staged: dict, rng: dict[str, Any]) -> _Written:
+    def _final(self, step: int) -> Ref:
+        """Where checkpoint ``step`` is once complete."""
+        if isinstance(self.place, DirectoryPlace):
+            return self.place.directory / step_name(step)
+        return join(self.place.where, step_name(step))
+
+    def _write(self, pending: _Pending, staged: dict, rng: dict[str, Any]) -> _Written:
         """The background write of an asynchronous save: the RNG file, then, if every rank's
-        staged copy is finite, DCP's files (a collective over this manager's gloo group)."""
+        staged copy is finite and its RNG file written, DCP's files (a collective over this
+        manager's gloo group). DCP's save returns once every rank's files are written, so rank
+        0 then marks the save complete and prunes, here, off the training's path (object
+        storage answers in tens of milliseconds a request); the finalize only agrees."""
+        step, tmp = pending.step, pending.tmp
         written = _Written()
         try:
-            write_rng(tmp, rng)
-        except OSError as exc:
-            written.error = describe(exc, tmp)
-        written.nonfinite, finite = _staged_nonfinite(staged, self._group)
-        if not finite:
+            self.place.put(tmp, rng_name(global_rank()), rng_bytes(rng))
+        except (OSError, StorageError) as exc:
+            written.error = self.place.describe(exc, tmp)
+        written.nonfinite, good = _staged_nonfinite(staged, self._group, written.error is None)
+        if not good:
             return written
         if self._pauses is not None and global_rank() == 0:  # the others wait in dcp.save
             self._pauses.before_write(step, tmp)
-        # The copy is already on the host: no side stream to copy it ahead with (DCP's default
-        # on a CUDA machine), whose syncs CUDA's sync debug mode would count against the step
-        # that runs meanwhile.
-        writer = FileSystemWriter(tmp, per_thread_copy_ahead=0)
+        writer = self.place.writer(tmp, background=True)
         try:
-            dcp.save(staged, checkpoint_id=tmp, storage_writer=writer, process_group=self._group)
+            dcp.save(staged, storage_writer=writer, process_group=self._group)
         except (CheckpointException, OSError) as exc:
-            written.error = written.error or describe(exc, tmp)
+            written.error = written.error or self.place.describe(exc, tmp)
+            return written
+        if global_rank() == 0:
+            written.error = self._complete(pending)
+            written.marked = written.error is None
+            if written.marked:
+                self._prune()
         return written
 
     def poll(self) -> None:
@@ -475,9 +479,10 @@ class CheckpointManager:
         self._deleting = []
 
     def _finalize(self, pending: _Pending) -> None:
-        """Once every rank's files are durable, rank 0 marks and renames the directory; if any
-        rank's state was not finite or its write failed, rank 0 removes it and every rank raises
-        the same NonFiniteState or CheckpointSaveError."""
+        """Once every rank's files are durable, rank 0 marks and renames the directory (an
+        asynchronous save's background thread has done so already); if any rank's state was not
+        finite or its write failed, rank 0 removes it and every rank raises the same
+        NonFiniteState or CheckpointSaveError."""
         self._pending = None
         error = pending.error
         if pending.future is not None:
@@ -486,42 +491,38 @@ class CheckpointManager:
             nonfinite = first_of_ranks(written.nonfinite)
             if nonfinite is not None:
                 if global_rank() == 0:
-                    shutil.rmtree(pending.tmp, ignore_errors=True)
+                    self.place.discard(pending.tmp)
                 raise NonFiniteState(self._refusal(pending.step, nonfinite))
         error = first_of_ranks(error)
-        final = self.directory / step_name(pending.step)
+        final = self._final(pending.step)
+        marked = pending.future is not None and pending.future.result().marked
         if error is None:
-            error = self._complete(pending, final) if global_rank() == 0 else None
+            error = self._complete(pending) if global_rank() == 0 and not marked else None
             error = broadcast_from_rank0(error)
         if error is not None:
             line = self._failure_line(pending.step, error, pending.tmp)
             if global_rank() == 0:
-                shutil.rmtree(pending.tmp, ignore_errors=True)
+                self.place.discard(pending.tmp)
             raise CheckpointSaveError(line)
         if global_rank() == 0:
-            self._prune()
+            if not marked:
+                self._prune()
             log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - pending.started)
 
-    def _complete(self, pending: _Pending, final: Path) -> dict | None:
-        """Rank 0: state.json, then the marker, then the rename; the failure, if any."""
+    def _complete(self, pending: _Pending) -> dict | None:
+        """Rank 0: state.json, then the marker (then, on disk, the rename); the failure."""
         if self._pauses is not None:
             how = "written in the background" if pending.future is not None else "written"
             self._pauses.before_marker(pending.step, pending.tmp, how)
         try:
-            write_durably(pending.tmp / STATE_FILE, pending.state_json)
-            fsync_dir(pending.tmp)
-            write_durably(pending.tmp / MARKER, f"{time.time()}\n")
-            if final.exists():
-                shutil.rmtree(final)  # torn: its step had no marker
-            pending.tmp.rename(final)
-            fsync_dir(self.directory)
-        except OSError as exc:
-            return describe(exc, pending.tmp)
+            self.place.finish(pending.tmp, pending.step, pending.state_json, f"{time.time()}\n")
+        except (OSError, StorageError) as exc:
+            return self.place.describe(exc, pending.tmp)
         return None
 
     def _intact(self) -> str:
         complete, _ = self._scan()
-        return complete[max(complete)].name if complete else "(none yet)"
+        return self.place.name(complete[max(complete)]) if complete else "(none yet)"
 
     def _refusal(self, step: int, nonfinite: str) -> str:
         return (
@@ -529,43 +530,39 @@ class CheckpointManager:
             f"inf); the last good checkpoint {self._intact()} is kept"
         )
 
-    def _failure_line(self, step: int, failure: dict, where: Path) -> str:
+    def _failure_line(self, step: int, failure: dict, where: Ref) -> str:
         """``checkpoint step_40 not saved: no space left on device on /mnt (0 B free) writing
         PATH; free space or move the run dir; the previous checkpoint step_20 is intact``."""
         complete, _ = self._scan()
         previous = (
-            f"the previous checkpoint {complete[max(complete)].name} is intact"
+            f"the previous checkpoint {self.place.name(complete[max(complete)])} is intact"
             if complete
             else "there is no earlier checkpoint"
         )
         return (
-            f"checkpoint step_{step} not saved: {failure_text(failure, where, where)}; {previous}"
+            f"checkpoint step_{step} not saved: {self.place.failure_text(failure, where)}; "
+            f"{previous}"
         )
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` complete checkpoints; drop torn entries not newer than those.
 
-        The doomed directories are renamed (fast) and deleted by a background thread, so no
-        rank waits for the deletion; a job's start removes any it left behind."""
+        The doomed are taken out at once (renamed on disk, their markers deleted in a bucket)
+        and removed by a background thread, so no rank waits for the deletion; a job's start
+        removes any it left behind."""
         complete, torn = self._scan()
         newest = max(complete)
         doomed = [complete[s] for s in sorted(complete)[: -self.keep]]
-        doomed += [path for s, path in torn if s <= newest]
-        trash = []
-        for path in doomed:
-            target = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}")
-            try:
-                path.rename(target)
-            except OSError as exc:
-                log.warning("could not remove old checkpoint %s: %s", path, exc)
-                continue
-            trash.append(target)
-        if not trash:
+        doomed += [ref for s, ref in torn if s <= newest]
+        try:
+            removal = self.place.doom(doomed) if doomed else None
+        except (OSError, StorageError) as exc:
+            log.warning("could not remove old checkpoints: %s", exc)
             return
-        log.info("removing old checkpoints: %s", ", ".join(p.name for p in doomed))
-        thread = threading.Thread(
-            target=_remove_all, args=(trash,), name="checkpoint-prune", daemon=True
-        )
+        if removal is None:
+            return
+        log.info("removing old checkpoints: %s", ", ".join(map(self.place.name, doomed)))
+        thread = threading.Thread(target=removal, name="checkpoint-prune", daemon=True)
         thread.start()  # not waiting for the previous one: the finalize is on the loop's path
         self._deleting = [t for t in self._deleting if t.is_alive()] + [thread]
 
@@ -576,41 +573,40 @@ class CheckpointManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    ) -> tuple[Path, dict] | None:
-        """Load the newest complete checkpoint that loads: (its path, its trainer_state), or
+    ) -> tuple[Ref, dict] | None:
+        """Load the newest complete checkpoint that loads: (its place, its trainer_state), or
         None when there is none. Collective: rank 0 chooses the candidates, and a checkpoint
         that fails on any rank is skipped by every rank with a warning, then set aside as
         ``step_<N>.broken-<hex>`` once an older one has loaded (so it is neither retried nor
         kept in place of the next save). Raises CheckpointError when none of them loads."""
         complete, _ = self._scan() if global_rank() == 0 else ({}, [])
-        candidates = broadcast_from_rank0([str(complete[s]) for s in sorted(complete)[::-1]])
-        broken: list[Path] = []
+        candidates = broadcast_from_rank0([complete[s] for s in sorted(complete)[::-1]])
+        broken: list[Ref] = []
         first_failure = ""
-        for candidate in map(Path, candidates):
+        for candidate in candidates:
             try:
                 trainer_state = self.load(candidate, model, optimizer, scheduler)
             except CheckpointError as exc:
                 if global_rank() == 0:
-                    log.warning("skipping checkpoint %s: %s", candidate.name, exc)
+                    log.warning("skipping checkpoint %s: %s", self.place.name(candidate), exc)
                 broken.append(candidate)
                 first_failure = first_failure or str(exc)
                 continue
             if global_rank() == 0:
-                for path in broken:
-                    aside = path.with_name(f"{path.name}.broken-{uuid.uuid4().hex[:12]}")
-                    path.rename(aside)
-                    log.warning("set aside %s as %s: it did not load", path.name, aside.name)
+                for ref in broken:
+                    aside = self.place.set_aside(ref)
+                    log.warning("set aside %s as %s: it did not load", self.place.name(ref), aside)
             return candidate, trainer_state
         if broken:
             raise CheckpointError(
-                f"no checkpoint in {self.directory} loads ({len(broken)} tried); the newest: "
+                f"no checkpoint in {self.place.where} loads ({len(broken)} tried); the newest: "
                 f"{first_failure}"
             )
         return None
 
     def load(
         self,
-        path: Path,
+        path: Ref,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None,
@@ -623,14 +619,15 @@ class CheckpointManager:
         that reads files on its own, so none is left waiting in a collective.
         """
         started = time.perf_counter()
-        path = Path(path)
+        place = self._reading(path)
+        path = path if isinstance(place, ObjectPlace) else Path(path)
         saved: dict = {}
         flat = True
         problem = None
         keys: set[str] = set()
         try:
-            saved = self._read_state_file(path)
-            keys = _saved_keys(path)
+            saved = self._read_state_file(place, path)
+            keys = _saved_keys(place, path)
             flat = optimizer is None or LEGACY_OPTIMIZER_KEY not in keys
         except CheckpointError as exc:
             problem = str(exc)
@@ -659,7 +656,7 @@ class CheckpointManager:
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
         try:
-            dcp.load(state, checkpoint_id=path)  # DCP raises on every rank if one fails
+            dcp.load(state, storage_reader=place.reader(path))  # raises on every rank if one fails
         except CheckpointException as exc:
             failure = next(iter(exc.failures.values()))[0]
             reason = str(failure) or repr(failure)  # a torn file: EOFError() says nothing
@@ -679,7 +676,7 @@ class CheckpointManager:
             scheduler.load_state_dict(state["scheduler"])
         if unfrozen:
             self._start_fresh(model, optimizer, unfrozen, path)
-        self._agree_loadable(restore_rng(path, saved["world_size"]))
+        self._agree_loadable(restore_rng(place, path, saved["world_size"]))
         if global_rank() == 0:
             log.info("loaded checkpoint %s in %.2f s", path, time.perf_counter() - started)
         return saved["trainer_state"]
@@ -731,21 +728,33 @@ class CheckpointManager:
         if problem is not None:
             raise CheckpointError(problem)
 
+    def _reading(self, path: Ref) -> Place:
+        """The place that reads checkpoint ``path``: the manager's, or the one its name says (a
+        checkpoint given by hand, elsewhere)."""
+        url = isinstance(path, str) and is_url(path)
+        if url == isinstance(self.place, ObjectPlace):
+            return self.place
+        return ObjectPlace(str(path)) if url else DirectoryPlace(Path(path).parent)
+
     @staticmethod
-    def _read_state_file(path: Path) -> dict:
-        if not (path / MARKER).is_file():
+    def _read_state_file(place: Place, path: Ref) -> dict:
+        try:
+            complete = place.is_complete(path)
+        except StorageError as exc:
+            raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
+        if not complete:
             raise CheckpointError(
                 f"cannot load checkpoint {path}: it is not a complete checkpoint (no {MARKER} "
                 "marker); pass a path that latest() returns"
             )
         try:
-            saved = json.loads((path / STATE_FILE).read_text())
+            saved = json.loads(place.get(path, STATE_FILE))
             return {
                 "world_size": int(saved["world_size"]),
                 "trainer_state": saved["trainer_state"],
                 REFERENCES: dict(saved.get(REFERENCES, {})),
             }
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
             raise CheckpointError(
                 f"cannot load checkpoint {path}: unreadable {STATE_FILE} ({exc!r})"
             ) from None

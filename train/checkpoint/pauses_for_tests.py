@@ -41,14 +41,14 @@ class Pauses:
 
     directory: Path
 
-    def before_marker(self, step: int, tmp: Path, how: str) -> None:
+    def before_marker(self, step: int, tmp: Path | str, how: str) -> None:
         """Rank 0, finalizing step ``step``'s save in ``tmp`` (its files ``how``: written, or
         written in the background)."""
         self._pause_if_armed(
             self.directory / step_name(step), tmp, f"its files {how}, no {MARKER} marker yet"
         )
 
-    def before_write(self, step: int, tmp: Path) -> None:
+    def before_write(self, step: int, tmp: Path | str) -> None:
         """Rank 0's background write of step ``step``'s staged copy into ``tmp``."""
         self._pause_if_armed(
             self.directory / f"{WRITE_PAUSE_PREFIX}{step_name(step)}",
@@ -57,7 +57,7 @@ class Pauses:
         )
 
     @staticmethod
-    def _pause_if_armed(arm: Path, tmp: Path, what: str) -> None:
+    def _pause_if_armed(arm: Path, tmp: Path | str, what: str) -> None:
         """If ``arm`` exists, disarm it by renaming it to ``<arm>.paused`` (holding the line
         below, so a test that sees the file can read it whole), then sleep its number of
         seconds."""

@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from contract.run_dir import STATE_FILE, scan_checkpoints
+from train.checkpoint.location import checkpoint_name, newest_state
 from train.models.hf_config import WEIGHT_FILES
 from train.models.pretrained_parts import PARTS
 
@@ -102,27 +102,24 @@ def part_directory(key: str, record: dict, configured: dict[str, str | None]) ->
     return Path(configured.get(key) or record["directory"])
 
 
-def refusal(checkpoint: Path, key: str, record: dict, problem: str) -> str:
+def refusal(checkpoint: Path | str, key: str, record: dict, problem: str) -> str:
     return (
-        f"checkpoint {checkpoint.name} holds the frozen {PARTS[key]} by reference to "
+        f"checkpoint {checkpoint_name(checkpoint)} holds the frozen {PARTS[key]} by reference to "
         f"{record['directory']}, and {problem}: put the part's files back as they were (or "
         "point the config at a copy of them), or start a new run_dir"
     )
 
 
-def check_newest(checkpoints: Path, configured: dict[str, str | None]) -> None:
-    """Raise PretrainedPartChanged if the newest complete checkpoint under ``checkpoints``
-    holds a part by reference whose files (where the config says, else where it recorded) are
-    not the recorded ones. A checkpoint whose state cannot be read is the load's to judge."""
-    complete, _ = scan_checkpoints(checkpoints)
-    if not complete:
+def check_newest(run_dir: Path, configured: dict[str, str | None]) -> None:
+    """Raise PretrainedPartChanged if the run dir's newest complete checkpoint holds a part by
+    reference whose files (where the config says, else where it recorded) are not the
+    recorded ones. A checkpoint whose state cannot be read is the load's to judge."""
+    newest = newest_state(run_dir)
+    if newest is None:
         return
-    newest = complete[max(complete)]
-    try:
-        references = json.loads((newest / STATE_FILE).read_text()).get(REFERENCES, {})
-    except (OSError, ValueError, AttributeError):
-        return
+    checkpoint, state = newest
+    references = state.get(REFERENCES) or {}
     for key, record in references.items():
         problem = mismatch(record, part_directory(key, record, configured))
         if problem is not None:
-            raise PretrainedPartChanged(refusal(newest, key, record, problem))
+            raise PretrainedPartChanged(refusal(checkpoint, key, record, problem))

@@ -9,25 +9,27 @@ device's generator is saved: reading every visible device would create a context
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import random
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from train.checkpoint.collectives import global_rank, world_size
-from train.checkpoint.disk import fsync_dir
+
+if TYPE_CHECKING:
+    from train.checkpoint.places import Place, Ref
 
 log = logging.getLogger(__name__)
 
 RNG_DIR = "rng"
 
 
-def _rng_file(directory: Path, rank: int) -> Path:
-    return directory / RNG_DIR / f"rank_{rank:05d}.pt"
+def rng_name(rank: int) -> str:
+    """Rank ``rank``'s RNG file in a checkpoint."""
+    return f"{RNG_DIR}/rank_{rank:05d}.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -64,20 +66,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def write_rng(directory: Path, state: dict[str, Any]) -> None:
-    """This rank's RNG file, fsynced with its directory entry before any marker can follow."""
-    path = _rng_file(directory, global_rank())
-    path.parent.mkdir(exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(path.parent)
+def rng_bytes(state: dict[str, Any]) -> bytes:
+    """The RNG file's bytes (``torch.save``): the checkpoint's place writes them durably."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
-def restore_rng(path: Path, saved_world_size: int) -> str | None:
-    """Restore this rank's RNG states from checkpoint ``path`` (same world size only); a
-    problem, or None."""
+def restore_rng(place: Place, path: Ref, saved_world_size: int) -> str | None:
+    """Restore this rank's RNG states from checkpoint ``path`` in ``place`` (same world size
+    only); a problem, or None."""
     if saved_world_size != world_size():
         if global_rank() == 0:
             log.warning(
@@ -87,10 +85,10 @@ def restore_rng(path: Path, saved_world_size: int) -> str | None:
                 world_size(),
             )
         return None
-    rng_file = _rng_file(path, global_rank())
+    rng_file = rng_name(global_rank())
     try:
-        state = torch.load(rng_file, weights_only=True)
+        state = torch.load(io.BytesIO(place.get(path, rng_file)), weights_only=True)
     except Exception as exc:  # torn pickles fail with any of several errors
-        return f"cannot load checkpoint {path}: {rng_file}: {exc!r}"
+        return f"cannot load checkpoint {path}: {path}/{rng_file}: {exc!r}"
     _set_rng_state(state)
     return None

@@ -6,44 +6,48 @@ it, so both rebuild exactly what was trained.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from contract.run_dir import CHECKPOINTS_DIR, MARKER, STATE_FILE, complete_checkpoints, step_name
-from train.checkpoint.manager import CheckpointManager
+from contract.run_dir import CHECKPOINTS_DIR, MARKER, step_name
+from train.checkpoint.location import Ref, completed, is_complete, read_state, recorded
 from train.config import ConfigError, ModelConfig, model_from_record
+from train.data.storage import is_url
 
 
-def find_checkpoint(run_dir: Path, checkpoint: str | None, step: int | None) -> Path:
-    """``checkpoint`` (a path), else ``run_dir``'s checkpoint of ``step``, else its newest
-    complete one; a missing or torn one is one ConfigError line listing the complete ones."""
+def find_checkpoint(run_dir: Path, checkpoint: str | None, step: int | None) -> Ref:
+    """``checkpoint`` (a path or an s3:// prefix), else ``run_dir``'s checkpoint of ``step``,
+    else its newest complete one, wherever the run keeps them (``train.checkpoint.location``);
+    a missing or torn one is one ConfigError line listing the complete ones."""
+    complete = {step: ref for step, (ref, _) in completed(run_dir).items()}
+    where = recorded(run_dir) or run_dir / CHECKPOINTS_DIR
     if checkpoint:
-        path = Path(checkpoint)
+        found: Ref = checkpoint if is_url(checkpoint) else Path(checkpoint)
+        if is_complete(found):
+            return found
     elif step is not None:
-        path = run_dir / CHECKPOINTS_DIR / step_name(step)
+        found = complete.get(step, f"{where}/{step_name(step)}")
+        if step in complete:
+            return found
     else:
-        latest = CheckpointManager(run_dir).latest() if run_dir.is_dir() else None
-        if latest is None:
+        if not complete:
             raise ConfigError(
-                f"run_dir={run_dir}: no complete checkpoint in {run_dir / CHECKPOINTS_DIR}; "
-                "train first, or pass checkpoint=PATH"
+                f"run_dir={run_dir}: no complete checkpoint in {where}; train first, or pass "
+                "checkpoint=PATH"
             )
-        return latest
-    if not (path / MARKER).is_file():
-        complete = ", ".join(p.name for p in complete_checkpoints(run_dir).values())
-        raise ConfigError(
-            f"{path} is not a complete checkpoint (no {MARKER} marker); complete ones in "
-            f"{run_dir / CHECKPOINTS_DIR}: {complete or 'none'}"
-        )
-    return path
+        return complete[max(complete)]
+    names = ", ".join(step_name(s) for s in complete)
+    raise ConfigError(
+        f"{found} is not a complete checkpoint (no {MARKER} marker); complete ones in "
+        f"{where}: {names or 'none'}"
+    )
 
 
-def saved_state(checkpoint: Path) -> dict:
+def saved_state(checkpoint: Ref) -> dict:
     """The checkpoint's state file: its ``step``, ``world_size`` and ``trainer_state``."""
-    return json.loads((checkpoint / STATE_FILE).read_text())
+    return read_state(checkpoint)
 
 
-def saved_model(checkpoint: Path, state: dict) -> ModelConfig:
+def saved_model(checkpoint: Ref, state: dict) -> ModelConfig:
     """The model config the run trained, as its checkpoint recorded it."""
     trainer_state = state.get("trainer_state", {})
     if "model" in trainer_state:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from contract.run_dir import CUTS_PREFIX
+from train.checkpoint.location import Ref, checkpoint_name
 from train.config import (
     BALANCE_FLOPS,
     CONTINUE,
@@ -81,7 +81,7 @@ class TrainingData:
             DATA_LAYOUT: self.layout,
         }
 
-    def resume(self, state: Mapping[str, Any], checkpoint: Path) -> bool:
+    def resume(self, state: Mapping[str, Any], checkpoint: Ref) -> bool:
         """Continue from the checkpoint's position when it was saved with this job's seed (the
         return: whether it was); otherwise the stream starts a new order."""
         saved = state.get("data_position") or {}
@@ -93,7 +93,7 @@ class TrainingData:
         self.resume_layout(state.get(DATA_LAYOUT), checkpoint)
         return True
 
-    def resume_layout(self, saved: dict | None, checkpoint: Path) -> None:
+    def resume_layout(self, saved: dict | None, checkpoint: Ref) -> None:
         """The saved position under a changed data layout, as data.on_layout_change says
         (train/data/layout.py); the preflight has refused it already unless it says otherwise."""
         if saved is None:
@@ -103,9 +103,10 @@ class TrainingData:
             return
         policy = self.cfg.data.on_layout_change
         what = "; ".join(changes)
+        since = checkpoint_name(checkpoint)
         if policy == CONTINUE:
             say(
-                f"warning: the data layout changed since {checkpoint.name} ({what}); its batch "
+                f"warning: the data layout changed since {since} ({what}); its batch "
                 f"counts are applied as they are (data.on_layout_change={CONTINUE}): data may "
                 "be skipped or read twice"
             )
@@ -114,7 +115,7 @@ class TrainingData:
             self.position = {"epoch": epoch, "batch_in_epoch": 0, "data_seed": self.cfg.seed}
             self.restart = {"data_layout_change": RESTART_EPOCH, "data_epoch": epoch}
             say(
-                f"the data layout changed since {checkpoint.name} ({what}): starting data epoch "
+                f"the data layout changed since {since} ({what}): starting data epoch "
                 f"{epoch} from its beginning (data.on_layout_change={RESTART_EPOCH}); the rest "
                 f"of epoch {epoch - 1} is not read"
             )

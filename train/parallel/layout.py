@@ -9,10 +9,9 @@ count) and the Hydra launcher's members, all before any torch is loaded. Every f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from contract.run_dir import STATE_FILE, complete_checkpoints
+from train.checkpoint.location import Ref, newest_state
 from train.config import (
     REFUSE,
     ConfigError,
@@ -128,21 +127,18 @@ def check_encoder_cache(cfg: TrainConfig, dims: ParallelDims, frozen: set[str]) 
         )
 
 
-def newest_trainer_state(cfg: TrainConfig) -> tuple[Path, dict] | None:
+def newest_trainer_state(cfg: TrainConfig) -> tuple[Ref, dict] | None:
     """The run dir's newest complete checkpoint and its trainer state (None: none, or one the
     loader will skip with its own warning)."""
-    complete = complete_checkpoints(Path(cfg.run_dir))
-    if not complete:
+    newest = newest_state(Path(cfg.run_dir))
+    if newest is None:
         return None
-    newest = complete[max(complete)]
-    try:
-        state = json.loads((newest / STATE_FILE).read_text())["trainer_state"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return (newest, state) if isinstance(state, dict) else None
+    checkpoint, state = newest
+    trainer_state = state.get("trainer_state")
+    return (checkpoint, trainer_state) if isinstance(trainer_state, dict) else None
 
 
-def check_adapters_kept(cfg: TrainConfig, newest: tuple[Path, dict] | None) -> None:
+def check_adapters_kept(cfg: TrainConfig, newest: tuple[Ref, dict] | None) -> None:
     """A chain keeps its LoRA adapters: a config whose adapters (rank, targets) differ from
     those of the run dir's newest checkpoint would not find its parameters there. One line
     naming both, and what to do, before anything starts."""
@@ -164,7 +160,7 @@ def check_adapters_kept(cfg: TrainConfig, newest: tuple[Path, dict] | None) -> N
 
 
 def check_data_layout_kept(
-    cfg: TrainConfig, dims: ParallelDims, newest: tuple[Path, dict] | None
+    cfg: TrainConfig, dims: ParallelDims, newest: tuple[Ref, dict] | None
 ) -> None:
     """A job resumed with the same seed reads on from its checkpoint's data position, which
     holds only under the data layout it was saved with (train/data/layout.py): another one is

@@ -158,7 +158,7 @@ def measure(name: str, case: Case, device: torch.device, run_dir: str) -> dict:
     cfg = config(case, run_dir)
     dims = parallel_dims(cfg, dist.get_world_size())
     with mixed_precision_on_cpu(case.bf16):
-        prepared = Prepared(dims, pipeline_for(cfg, dims), data_plan(cfg, print))
+        prepared = Prepared(dims, pipeline_for(cfg, dims), data_plan(cfg, print), None)
         trainer = Trainer(cfg, prepared, device, StopRequest())
         batch = synthetic_batch(*case.batch)
         trainer.train_step([batch])  # measures state_memory, as a job's first step does
