@@ -51,11 +51,11 @@ def _rank_main(rank: int, store: str, run_dir: Path) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
-    written: list[Path] = []
+    written: list[str] = []
     save = dcp.save
 
     def counted(state_dict, **kwargs):
-        written.append(kwargs["checkpoint_id"])
+        written.append(str(kwargs["storage_writer"].path))
         return save(state_dict, **kwargs)
 
     dcp.save = counted  # this process ends with the test
