@@ -32,6 +32,7 @@ from contract.run_dir import (
     TMP_DIR,
     scan_checkpoints,
     step_name,
+    tmp_step_name,
 )
 from train.checkpoint.disk import describe, failure_text, fsync_dir, room_problem, write_durably
 from train.checkpoint.location import Ref, checkpoint_name, recorded
@@ -136,7 +137,7 @@ class DirectoryPlace(Place):
     def begin(self, step: int) -> Ref | None:
         if (self.directory / step_name(step) / MARKER).is_file():
             return None
-        tmp = self.directory / f".tmp-{step_name(step)}-{uuid.uuid4().hex[:12]}"
+        tmp = self.directory / tmp_step_name(step, uuid.uuid4().hex[:12])
         tmp.mkdir(parents=True)
         return tmp
 
