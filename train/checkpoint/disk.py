@@ -31,10 +31,10 @@ _DISK_PROBLEMS = {
 _PROBE_BYTES = 1 << 16  # written and fsynced at start: a full or read-only disk refuses it
 
 
-def write_durably(path: Path, text: str) -> None:
-    """``text`` into ``path``, on the disk before this returns."""
-    with open(path, "w") as f:
-        f.write(text)
+def write_durably(path: Path, data: str | bytes) -> None:
+    """``data`` (text or bytes) into ``path``, on the disk before this returns."""
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

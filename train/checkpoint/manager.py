@@ -92,7 +92,7 @@ from train.checkpoint.collectives import (
     world_size,
 )
 from train.checkpoint.hyperparameters import expanded, saved_shared, shared, to_load
-from train.checkpoint.location import Ref
+from train.checkpoint.location import Ref, is_complete
 from train.checkpoint.nonfinite import (
     first_nonfinite,
     local_nonfinite,
@@ -111,7 +111,7 @@ from train.checkpoint.references import (
 )
 from train.checkpoint.rng import restore_rng, rng_bytes, rng_name, rng_state
 from train.checkpoint.staging import Staging
-from train.data.storage import StorageError, is_url, join
+from train.data.storage import StorageError, is_url
 from train.models.hf_weights import PART_LOADERS
 from train.models.init import canonical_name
 from train.models.pretrained_parts import PARTS, part_of
@@ -389,7 +389,7 @@ class CheckpointManager:
                 state_json = json.dumps({**record, REFERENCES: references}, indent=1)
         made = broadcast_from_rank0(made)
         if made is None:
-            final = self._scan()[0].get(step, step_name(step))
+            final = self.place.final(step)
             if global_rank() == 0:
                 log.info("checkpoint %s already exists: not saving step %d again", final, step)
             return final
@@ -408,7 +408,7 @@ class CheckpointManager:
                     step_name(step),
                     time.perf_counter() - started,
                 )
-            return self._final(step)
+            return self.place.final(step)
         try:
             self.place.put(pending.tmp, rng_name(global_rank()), rng_bytes(rng_state()))
         except (OSError, StorageError) as exc:
@@ -418,13 +418,7 @@ class CheckpointManager:
         except (CheckpointException, OSError) as exc:
             pending.error = pending.error or self.place.describe(exc, pending.tmp)
         self._finalize(pending)
-        return self._final(step)
-
-    def _final(self, step: int) -> Ref:
-        """Where checkpoint ``step`` is once complete."""
-        if isinstance(self.place, DirectoryPlace):
-            return self.place.directory / step_name(step)
-        return join(self.place.where, step_name(step))
+        return self.place.final(step)
 
     def _write(self, pending: _Pending, staged: dict, rng: dict[str, Any]) -> _Written:
         """The background write of an asynchronous save: the RNG file, then, if every rank's
@@ -494,7 +488,7 @@ class CheckpointManager:
                     self.place.discard(pending.tmp)
                 raise NonFiniteState(self._refusal(pending.step, nonfinite))
         error = first_of_ranks(error)
-        final = self._final(pending.step)
+        final = self.place.final(pending.step)
         marked = pending.future is not None and pending.future.result().marked
         if error is None:
             error = self._complete(pending) if global_rank() == 0 and not marked else None
@@ -739,7 +733,7 @@ class CheckpointManager:
     @staticmethod
     def _read_state_file(place: Place, path: Ref) -> dict:
         try:
-            complete = place.is_complete(path)
+            complete = is_complete(path)
         except StorageError as exc:
             raise CheckpointError(f"cannot load checkpoint {path}: {exc}") from None
         if not complete:

@@ -14,7 +14,6 @@ look, never loaded, never removed as torn).
 
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
@@ -62,6 +61,10 @@ class Place(ABC):
         """Complete checkpoints by step, and the torn entries (no marker; saves in progress)."""
 
     @abstractmethod
+    def final(self, step: int) -> Ref:
+        """Where checkpoint ``step`` is once complete."""
+
+    @abstractmethod
     def begin(self, step: int) -> Ref | None:
         """Rank 0: where the files of a save of ``step`` go; None when ``step`` already has a
         complete checkpoint. Raises OSError or StorageError."""
@@ -80,9 +83,6 @@ class Place(ABC):
     @abstractmethod
     def get(self, ref: Ref, name: str) -> bytes:
         """A file of checkpoint ``ref`` (FileNotFoundError when it has none)."""
-
-    @abstractmethod
-    def is_complete(self, ref: Ref) -> bool: ...
 
     @abstractmethod
     def finish(self, ref: Ref, step: int, state_json: str, marker: str) -> Ref:
@@ -134,8 +134,11 @@ class DirectoryPlace(Place):
         complete, torn = scan_checkpoints(self.directory)
         return dict(complete), list(torn)
 
+    def final(self, step: int) -> Ref:
+        return self.directory / step_name(step)
+
     def begin(self, step: int) -> Ref | None:
-        if (self.directory / step_name(step) / MARKER).is_file():
+        if (self.final(step) / MARKER).is_file():
             return None
         tmp = self.directory / tmp_step_name(step, uuid.uuid4().hex[:12])
         tmp.mkdir(parents=True)
@@ -155,20 +158,14 @@ class DirectoryPlace(Place):
     def put(self, ref: Ref, name: str, data: bytes) -> None:
         path = Path(ref) / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+        write_durably(path, data)
         fsync_dir(path.parent)
 
     def get(self, ref: Ref, name: str) -> bytes:
         return (Path(ref) / name).read_bytes()
 
-    def is_complete(self, ref: Ref) -> bool:
-        return (Path(ref) / MARKER).is_file()
-
     def finish(self, ref: Ref, step: int, state_json: str, marker: str) -> Ref:
-        tmp, final = Path(ref), self.directory / step_name(step)
+        tmp, final = Path(ref), Path(self.final(step))
         write_durably(tmp / STATE_FILE, state_json)
         fsync_dir(tmp)
         write_durably(tmp / MARKER, marker)
@@ -244,15 +241,18 @@ class ObjectPlace(Place):
         complete: dict[int, Ref] = {}
         torn: list[tuple[int, Ref]] = []
         for step, names in sorted(self._steps().items()):
-            ref = join(self.prefix, step_name(step))
+            ref = self.final(step)
             if MARKER in names:
                 complete[step] = ref
             elif BROKEN not in names:
                 torn.append((step, ref))
         return complete, torn
 
+    def final(self, step: int) -> Ref:
+        return join(self.prefix, step_name(step))
+
     def begin(self, step: int) -> Ref | None:
-        ref = join(self.prefix, step_name(step))
+        ref = self.final(step)
         names = set(listing(ref))
         if MARKER in names:
             return None
@@ -271,13 +271,6 @@ class ObjectPlace(Place):
 
     def get(self, ref: Ref, name: str) -> bytes:
         return get_bytes(join(str(ref), name))
-
-    def is_complete(self, ref: Ref) -> bool:
-        try:
-            get_bytes(join(str(ref), MARKER))
-        except FileNotFoundError:
-            return False
-        return True
 
     def finish(self, ref: Ref, step: int, state_json: str, marker: str) -> Ref:
         put_bytes(join(str(ref), STATE_FILE), state_json.encode())

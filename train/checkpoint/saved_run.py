@@ -18,24 +18,24 @@ def find_checkpoint(run_dir: Path, checkpoint: str | None, step: int | None) -> 
     """``checkpoint`` (a path or an s3:// prefix), else ``run_dir``'s checkpoint of ``step``,
     else its newest complete one, wherever the run keeps them (``train.checkpoint.location``);
     a missing or torn one is one ConfigError line listing the complete ones."""
-    complete = {step: ref for step, (ref, _) in completed(run_dir).items()}
     where = recorded(run_dir) or run_dir / CHECKPOINTS_DIR
     if checkpoint:
         found: Ref = checkpoint if is_url(checkpoint) else Path(checkpoint)
         if is_complete(found):
             return found
-    elif step is not None:
+    complete = {number: ref for number, (ref, _) in completed(run_dir).items()}
+    if not checkpoint:
+        if step is None:
+            if not complete:
+                raise ConfigError(
+                    f"run_dir={run_dir}: no complete checkpoint in {where}; train first, or "
+                    "pass checkpoint=PATH"
+                )
+            return complete[max(complete)]
         found = complete.get(step, f"{where}/{step_name(step)}")
         if step in complete:
             return found
-    else:
-        if not complete:
-            raise ConfigError(
-                f"run_dir={run_dir}: no complete checkpoint in {where}; train first, or pass "
-                "checkpoint=PATH"
-            )
-        return complete[max(complete)]
-    names = ", ".join(step_name(s) for s in complete)
+    names = ", ".join(step_name(number) for number in complete)
     raise ConfigError(
         f"{found} is not a complete checkpoint (no {MARKER} marker); complete ones in "
         f"{where}: {names or 'none'}"
