@@ -1,9 +1,10 @@
 """How a job's training ended: the trainer's exit codes, its end-of-job record, the log's line.
 
-Rank 0 writes ``RUN_DIR/job_ends/<ORCH_JOB_INDEX>-<SLURM_JOB_ID>.json`` as the trainer exits
-(only inside a job: no ``SLURM_JOB_ID``, no record), atomically, so a reader sees all of it or
-nothing. A rank that ends the job itself (its hang watchdog, exit 5; a lost peer rank, exit 6)
-writes it too where there is none yet: rank 0 may be the rank that was lost.
+Rank 0 writes ``RUN_DIR/job_ends/<ORCH_JOB_INDEX>-<job id>.json`` as the trainer exits (the id
+the chain records: contract.job_env.job_id; only inside a job: no ``SLURM_JOB_ID``, no record),
+atomically, so a reader sees all of it or nothing. A rank that ends the job itself (its hang
+watchdog, exit 5; a lost peer rank, exit 6) writes it too where there is none yet: rank 0 may
+be the rank that was lost.
 
     {"reason": "max_steps" | "signal" | "budget" | "diverged" | "error",
      "step": N, "finished": bool, "saved": bool, "signal": "SIGTERM" | "SIGUSR1" | null,
@@ -103,7 +104,7 @@ def one_line(error: str) -> str:
 def write_job_end(run_dir: Path | str, record: dict[str, Any], replace: bool = True) -> Path | None:
     """Write the record of this job; None outside a SLURM-style job. ``replace=False`` (a rank
     other than 0) leaves a record already there as it is: rank 0 wrote how the job ended."""
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = job_env.job_id(os.environ)
     if not job_id:
         return None
     path = job_end_path(run_dir, os.environ.get(job_env.JOB_INDEX, "0"), job_id)

@@ -7,6 +7,7 @@ variables into every job of a chain; the trainer, the chain hook and the metrics
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 RUN_DIR = "ORCH_RUN_DIR"  # the chain's run dir: checkpoints, metrics, logs
 CHAIN_ID = "ORCH_CHAIN_ID"
@@ -25,6 +26,10 @@ STOP_AT = "ORCH_STOP_AT"
 # Set by the batch script when it launches the training again inside the same job (the chain
 # hook's in-job restart): how many times so far. The metrics rows carry it.
 IN_JOB_RESTART = "ORCH_IN_JOB_RESTART"
+# A task of a chained sweep's job arrays (orchestrator/arrays.py): the sweep's task directory,
+# whose ``<task id>`` links lead to the members' run dirs and whose ``arrays.json`` names the
+# links' arrays; the chain hook reads it to free a member stuck behind a task that died.
+SWEEP_TASKS = "ORCH_SWEEP_TASKS"
 
 # Seeds stay below 2**31 so that a trainer adding small offsets never passes numpy's 2**32 limit.
 SEED_LIMIT = 2**31
@@ -35,6 +40,22 @@ SEED_LIMIT = 2**31
 # job before), and then neither torchrun can host the store. The templates render these numbers.
 PORT_BASE = 10000
 PORT_SPAN = 20000
+
+
+def job_id(environ: Mapping[str, str]) -> str | None:
+    """The id the chain records for the job running in ``environ``: ``<array id>_<task id>``
+    for a task of a job array (its SLURM_JOB_ID is a number of the task's own, which no
+    submission returned), else SLURM_JOB_ID; None outside a job."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def array_task(job_id: str) -> tuple[str, str] | None:
+    """``(array id, task id)`` of an array task's id ``A_i``; None for a plain job's."""
+    array, sep, task = job_id.partition("_")
+    return (array, task) if sep and task.isdigit() else None
 
 
 def port_for(job_id: str) -> str:

@@ -5,7 +5,8 @@ with no orchestrator process alive.
     "$ORCH_PYTHON" -m orchestrator.chain_hooks end STATUS   after the training exited (STATUS)
     python -m orchestrator.chain_hooks check RUN_DIR        by hand, e.g. after the last job died
 
-It reads ORCH_RUN_DIR, ORCH_CHAIN_ID and SLURM_JOB_ID (plus SLURM_CONF where SLURM needs it),
+It reads ORCH_RUN_DIR, ORCH_CHAIN_ID and the job's id (SLURM_JOB_ID, or an array task's
+SLURM_ARRAY_JOB_ID and SLURM_ARRAY_TASK_ID; plus SLURM_CONF where SLURM needs it),
 and acts on chains of the slurm backend only. Holding the run dir's chain lock, it judges each
 ended job of the chain once (its ``outcome`` in the manifest is the idempotency key) from the
 trainer's end-of-job record (contract/job_end.py), the launcher's exit status or SLURM's state,
@@ -43,6 +44,7 @@ from contract.job_end import (
 from contract.seeds import chain_seeds
 from contract.slurm_states import END_STATES, ENDING_STATES
 from orchestrator import in_job
+from orchestrator.arrays import CORRESPONDING, FREED, stuck_tasks, successor_of
 from orchestrator.backends import registry
 from orchestrator.backends.base import Backend, dependency_spec
 from orchestrator.backends.local import LocalBackend
@@ -72,7 +74,7 @@ from orchestrator.manifest import (
     Manifest,
     chain_lock,
 )
-from orchestrator.slurm.commands import requeue_job, show_job
+from orchestrator.slurm.commands import query_jobs, requeue_job, show_job
 from train.checkpoint.location import newest_step
 from train.data.storage import StorageError
 
@@ -166,6 +168,8 @@ class ChainKeeper:
         if preempted == ENDED:
             ending = Ending("failed", f"preempted ({ending.detail})", retry=True)
         self.act([(job, ending)], ended_ids=set())
+        if status != 0 or state not in ("", "COMPLETED") or preempted == ENDED:
+            self.release_successors(job)
         return False
 
     def restart_in_place(self, job: JobRecord, ending: Ending, state: str) -> bool:
@@ -256,6 +260,9 @@ class ChainKeeper:
             started = any(self.run_dir.glob(self.backend.log_glob(str(job.job_id))))
             endings.append(self.judge_one(job, None, state, started))
         self.act(endings, ended_ids={str(job.job_id) for job, _ in endings})
+        for job, _ in endings:
+            if statuses[str(job.job_id)].state != "COMPLETED":
+                self.release_successors(job)
 
     def act(self, endings: list[tuple[JobRecord, Ending]], ended_ids: set[str]) -> None:
         """Record the outcomes (saved before anything is queued or cancelled, so no failure is
@@ -310,10 +317,46 @@ class ChainKeeper:
         self.backend.cancel(last_first(ids))
         for other in pending:
             other.outcome = "not_started"
+        for other in pending:
+            self.release_successors(other)
         self.manifest.status = status
         cancelled = f"; cancelled {len(ids)} queued job(s): {' '.join(ids)}" if ids else ""
         self.manifest.ended = f"job {job.index} (id {job.job_id}): {detail}{cancelled}"
         say(f"chain {status}: {self.manifest.ended}")
+
+    def release_successors(self, job: JobRecord) -> None:
+        """``job``, an array task (orchestrator/arrays.py), ended unclean: the member's task
+        waiting on it task by task (aftercorr) would never start. It waits for its end instead,
+        however it ended, as every job of a chain of its own does (afterany)."""
+        for other in self.manifest.jobs:
+            if other.outcome is None and successor_of(other, str(job.job_id)):
+                self.free(other, str(job.job_id))
+
+    def free(self, waiting: JobRecord, ended_id: str) -> None:
+        spec = f"{FREED}:{ended_id}"
+        try:
+            self.backend.set_dependency(str(waiting.job_id), spec)
+        except SchedulerError as error:
+            say(
+                f"could not let job {waiting.index} (id {waiting.job_id}) start after job "
+                f"{ended_id} ({str(error).splitlines()[0]}); the next task of the sweep to "
+                "start frees it"
+            )
+            return
+        waiting.dependency = spec
+        self.manifest.save()
+        say(f"job {waiting.index} (id {waiting.job_id}) now starts once job {ended_id} has ended")
+
+    def free_stuck(self, stuck_ids: list[str]) -> None:
+        """``heal``: tasks SLURM says can never start: each waits on its predecessor's end."""
+        for job_id in stuck_ids:
+            waiting = find_job(self.manifest, job_id)
+            if waiting is None or waiting.outcome is not None or waiting.dependency is None:
+                continue
+            array = waiting.dependency.partition(":")[2]
+            task = job_id.partition("_")[2]
+            if waiting.dependency.startswith(f"{CORRESPONDING}:"):
+                self.free(waiting, f"{array}_{task}")
 
     def replace(self, job: JobRecord, ending: Ending, ended_ids: set[str]) -> None:
         """Queue one replacement at the end of the chain, while retries remain."""
@@ -426,10 +469,12 @@ def run_hook(
     job_id: str | None,
     status: int = 0,
     can_restart: bool = False,
+    stuck_ids: tuple[str, ...] = (),
 ) -> tuple[int, str | None]:
     """One hook call (``status``: the launcher's, for ``end``; ``can_restart``: the script
-    relaunches the training on EXIT_RESTART_IN_JOB): the exit code for the script, and the id
-    of a preempted job to requeue once the hook has said all it says."""
+    relaunches the training on EXIT_RESTART_IN_JOB; ``heal``: ``check`` of another member of
+    the sweep, then ``stuck_ids``, its tasks that can never start, freed): the exit code for
+    the script, and the id of a preempted job to requeue once the hook has said all it says."""
     if load_chain(run_dir, chain_id) is None:
         return 0, None
     restarts = int(os.environ.get(RESTART_COUNT_ENV) or 0)  # before the scrub drops it
@@ -458,10 +503,30 @@ def run_hook(
         elif not keeper.has_ended:
             keeper.queue_due_replacements()
             keeper.judge_earlier()
+        if mode == "heal":
+            keeper.free_stuck(list(stuck_ids))
         if mode == "start" and keeper.has_ended:
             say(f"chain {manifest.status} ({manifest.ended}): this job does not train")
             return EXIT_CHAIN_ENDED, None
     return 0, keeper.requeue_id
+
+
+def heal_sweep(own_run_dir: Path) -> None:
+    """``start`` of a task of a sweep's arrays: free the members whose next task can never
+    start, their predecessor having died without its hook (orchestrator/arrays.py): one
+    squeue for the whole sweep. Never keeps this job from training."""
+    directory = os.environ.get(job_env.SWEEP_TASKS)
+    if not directory:
+        return
+    try:
+        stuck = stuck_tasks(Path(directory), query_jobs)
+    except SchedulerError as error:
+        say(f"could not look for stuck members of the sweep: {str(error).splitlines()[0]}")
+        return
+    for run_dir, job_ids in stuck.items():
+        if run_dir != own_run_dir.resolve():
+            say(f"member {run_dir} waits on a task that died: judging it and freeing {job_ids}")
+            run_hook("heal", run_dir, None, None, stuck_ids=tuple(job_ids))
 
 
 def requeue(job_id: str) -> None:
@@ -486,7 +551,7 @@ def main(argv: list[str]) -> int:
         record = requeue_id = None
         try:
             if run_dir:
-                job_id = os.environ.get("SLURM_JOB_ID", "")
+                job_id = job_env.job_id(os.environ) or ""
                 record = read_job_end(run_dir, os.environ.get(job_env.JOB_INDEX, ""), job_id)
                 chain_id = os.environ.get(job_env.CHAIN_ID)
                 can_restart = argv[2:] == [RESTART_FLAG]
@@ -510,8 +575,9 @@ def main(argv: list[str]) -> int:
                 "start",
                 Path(run_dir),
                 os.environ.get(job_env.CHAIN_ID),
-                os.environ.get("SLURM_JOB_ID"),
+                job_env.job_id(os.environ),
             )
+            heal_sweep(Path(run_dir))
             return code
         except Exception as error:  # never keep a job from training because the hook failed
             say(f"hook failed: {type(error).__name__}: {error}")

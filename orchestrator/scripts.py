@@ -65,7 +65,13 @@ def prepare_script(path: Path | str) -> PreparedScript:
     if suffix in SCRIPT_SUFFIXES:
         text = _read_script(path)
         check_seed_contract(text, path)
-        resources = JobResources.from_directives(parse_sbatch_directives(text))
+        directives = parse_sbatch_directives(text)
+        if "array" in directives:
+            raise UsageError(
+                f"recipe {path} sets '#SBATCH --array': a chained job is one job; remove it "
+                "(run replicas with auto_launch --members M, each a chain of its own)"
+            )
+        resources = JobResources.from_directives(directives)
         return PreparedScript(text, resources, "sub")
     accepted = ", ".join(YAML_SUFFIXES + SCRIPT_SUFFIXES)
     raise UsageError(f"recipe {path}: unknown kind {suffix or '(no extension)'}; use {accepted}")

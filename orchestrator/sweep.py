@@ -3,10 +3,11 @@
 Each member's recipe is the sweep's resources plus one command, the member's ``python -m train``
 with its overrides, ``seed=${SEED}`` and ``run_dir=${ORCH_RUN_DIR}``, so every job of the chain
 resumes the member's training; with a --then recipe (``hydra.launcher.then``) each member's chain
-ends with that job, in the member's run dir, given its seed alone. Every
-member is planned, rendered and preflighted before the first submission; if a submission fails,
-the chains already queued are cancelled. The sweep index (``register_sweep``) lets
-``orchestrator status|cancel|logs SWEEP`` see all members at once.
+ends with that job, in the member's run dir, given its seed alone. Every member is planned,
+rendered and preflighted before the first submission; if a submission fails, what was queued
+is cancelled. On SLURM each link of all members is one job array (orchestrator/arrays.py), the
+cluster's array limits read before anything is queued. The sweep index (``register_sweep``)
+lets ``orchestrator status|cancel|logs SWEEP`` see all members at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from orchestrator.arrays import check_limits, submit_arrays
 from orchestrator.backends.base import Backend
+from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.chain import ChainPlan, ThenJob, new_chain_id, rollback, submit_chain
 from orchestrator.chain_hooks import judge_for
 from orchestrator.errors import SchedulerError, UsageError
@@ -26,6 +29,7 @@ from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.manifest import Manifest, register_sweep
 from orchestrator.recipe import load_recipe, parse_recipe
 from orchestrator.render import render_recipe
+from orchestrator.slurm.commands import array_limits
 from orchestrator.slurm.resources import JobResources
 from orchestrator.snapshot import SNAPSHOT
 
@@ -62,6 +66,10 @@ class SweepRequest:
     then: ThenJob | None = None  # each member's chain ends with it
     retries: int = 0  # replacements each member's chain may queue (auto_launch --retries)
     code: str = SNAPSHOT  # what each member's jobs run (auto_launch --code)
+    # On SLURM, each link of every member as one job array (orchestrator/arrays.py), at most
+    # ``array_parallelism`` of its tasks running at once (None: as many as the cluster runs).
+    arrays: bool = True
+    array_parallelism: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,22 @@ def preflight_sweep(
         retries=request.retries,
         skip_hint="hydra.launcher.plan_check=false",
     )
+    if queues_arrays(request, backend):
+        check_array_limits([item.plan for item in planned], [m.index for m in members])
     return planned, backend
+
+
+def queues_arrays(request: SweepRequest, backend: Backend) -> bool:
+    return request.arrays and isinstance(backend, SlurmBackend)
+
+
+def check_array_limits(plans: list[ChainPlan], indexes: list[int]) -> None:
+    """The cluster's MaxArraySize and MaxJobCount, read before anything is queued."""
+    try:
+        limits = array_limits()
+    except SchedulerError as error:
+        raise UsageError(f"cannot read the cluster's limits for job arrays: {error}") from None
+    check_limits(len(plans), max(indexes), len(plans) * plans[0].total_jobs, limits)
 
 
 def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Manifest]:
@@ -148,6 +171,15 @@ def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Mani
     does for auto_launch). A failed submission cancels the chains already queued for the sweep.
     """
     planned, backend = preflight_sweep(request, members)
+    if queues_arrays(request, backend):
+        assert isinstance(backend, SlurmBackend)
+        for item in planned:
+            item.plan.run_dir.mkdir(parents=True, exist_ok=True)
+            item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
+        plans = [(item.member.index, item.plan) for item in planned]
+        manifests = submit_arrays(plans, backend, request.sweep_id, request.array_parallelism)
+        register_sweep(request.sweep_id, sweep_entries(manifests, planned))
+        return manifests
     manifests: list[Manifest] = []
     try:
         for item in planned:
@@ -160,18 +192,20 @@ def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Mani
         raise
     finally:
         if manifests:
-            register_sweep(
-                request.sweep_id,
-                [
-                    {
-                        "chain_id": manifest.chain_id,
-                        "run_dir": manifest.run_dir,
-                        "overrides": list(item.member.overrides),
-                    }
-                    for manifest, item in zip(manifests, planned, strict=False)
-                ],
-            )
+            register_sweep(request.sweep_id, sweep_entries(manifests, planned))
     return manifests
+
+
+def sweep_entries(manifests: list[Manifest], planned: list[PlannedMember]) -> list[dict]:
+    """The sweep index's members: chain id, run dir and overrides of each submitted one."""
+    return [
+        {
+            "chain_id": manifest.chain_id,
+            "run_dir": manifest.run_dir,
+            "overrides": list(item.member.overrides),
+        }
+        for manifest, item in zip(manifests, planned, strict=False)
+    ]
 
 
 def print_sweep(request: SweepRequest, manifests: list[Manifest]) -> None:

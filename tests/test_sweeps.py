@@ -203,7 +203,13 @@ def test_cancel_stops_every_chain_of_a_sweep(empty_queue, corpus, tmp_path):
     for member, chain in enumerate(chains):
         jobs = chain["jobs"]
         assert [job["then"] for job in jobs] == [False, False, False, True]
-        assert jobs[3]["dependency"] == f"afterany:{jobs[2]['job_id']}"
+        # One array per link: each task waits on its own member's task of the link before.
+        arrays = [job["job_id"].partition("_")[0] for job in jobs]
+        assert [job["job_id"] for job in jobs] == [f"{array}_{member}" for array in arrays]
+        assert [job["dependency"] for job in jobs] == [
+            None,
+            *(f"aftercorr:{array}" for array in arrays[:3]),
+        ]
         run_dir = sweep_dir / str(member)
         saved = json.loads((run_dir / "manifest.json").read_text())
         assert saved["then"]["script"] == str(run_dir / "then-evaluate.sub")

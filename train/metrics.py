@@ -76,7 +76,7 @@ def job_context(environ: Mapping[str, str], config: Mapping[str, Any]) -> dict[s
     context = {
         "job_index": int(environ.get(job_env.JOB_INDEX, "0")),
         "seed": config.get("seed"),
-        "slurm_job_id": environ.get("SLURM_JOB_ID"),
+        "slurm_job_id": job_env.job_id(environ),
         "chain_id": environ.get(job_env.CHAIN_ID),
     }
     if environ.get(job_env.IN_JOB_RESTART):  # launched again inside its job (the chain hook)

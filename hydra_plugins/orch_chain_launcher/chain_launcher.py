@@ -67,6 +67,7 @@ class ChainLauncher(Launcher):
     def _launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> list[JobReturn]:
+        from orchestrator.arrays import check_parallelism
         from orchestrator.chain import ThenJob
         from orchestrator.recipe import explicit_settings, parse_settings
         from orchestrator.sweep import (
@@ -86,6 +87,9 @@ class ChainLauncher(Launcher):
             settings = {k: v for k, v in params.items() if k not in CHAIN_SETTINGS}
             resources = explicit_settings(settings)
         then = ThenJob.load(str(params["then"]), "hydra.launcher.then") if params["then"] else None
+        given = params["array_parallelism"]
+        parallelism = None if given is None else int(given)
+        check_parallelism(parallelism, "hydra.launcher.array_parallelism")
         shape = parse_settings(resources, "hydra.launcher")
         world_size = shape.nodes * shape.tasks_per_node
         configs = validate_members(
@@ -131,6 +135,8 @@ class ChainLauncher(Launcher):
             then=then,
             retries=int(params["retries"]),
             code=str(params["code"]),
+            arrays=bool(params["arrays"]),
+            array_parallelism=parallelism,
         )
         manifests = submit_sweep(request, members)
         print_sweep(request, manifests)

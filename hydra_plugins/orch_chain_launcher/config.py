@@ -24,7 +24,8 @@ class ChainSettings:
     ``plan_check``: price each member's layout with the planner and refuse, before anything is
     queued, one that cannot fit the memory its ranks get. ``code``: as ``auto_launch --code``,
     what each member's jobs run (``snapshot``: the git work tree frozen into the member's run
-    dir; ``live``; or a directory)."""
+    dir; ``live``; or a directory). ``arrays``: on SLURM, queue each link of every member as
+    one job array (orchestrator/arrays.py), ``array_parallelism`` of its tasks at once."""
 
     _target_: str = f"{PACKAGE}.chain_launcher.ChainLauncher"
     backend: str = "slurm"  # slurm | local
@@ -38,6 +39,10 @@ class ChainSettings:
     # Refuse members whose layout the planner says cannot fit (auto_launch --no-plan-check).
     plan_check: bool = True
     code: str = "snapshot"
+    # On SLURM, each link of all members as one job array (false: a chain of jobs per member),
+    # at most ``array_parallelism`` of its tasks running at once (submitit's name for it).
+    arrays: bool = True
+    array_parallelism: int | None = None
 
 
 # The chain settings plus every recipe setting, with its default, from the one recipe schema

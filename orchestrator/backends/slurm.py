@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.job_env import array_task
 from contract.slurm_states import has_ended
 from orchestrator.backends.base import (
     BatchScriptBackend,
@@ -17,7 +18,7 @@ from orchestrator.backends.base import (
     JobStatus,
     dependency_spec,
 )
-from orchestrator.backends.run_dir import run_dir_status
+from orchestrator.backends.run_dir import NOT_STARTED, run_dir_status
 from orchestrator.errors import SchedulerError, SchedulerTimeout
 from orchestrator.retry import REJECTED_MARKERS, is_transient
 from orchestrator.slurm.commands import (
@@ -41,6 +42,20 @@ def dependency_option(kind: str, after: str | None) -> list[str]:
 def export_option(env: dict[str, str]) -> str:
     """sbatch's --export list; values holding ',' cannot be expressed and are refused upstream."""
     return ",".join(["ALL", *(f"{name}={value}" for name, value in sorted(env.items()))])
+
+
+@dataclass(frozen=True)
+class ArraySubmission:
+    """One job array of a sweep's chains (orchestrator/arrays.py): its dispatcher script, the
+    task ids (``--array``'s value), what the tasks wait on, and whether it is queued held."""
+
+    script: Path
+    job_name: str
+    output: Path  # with %A (the array's id) and %a (the task's)
+    workdir: Path
+    tasks: str
+    dependency: str | None
+    hold: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,15 +152,51 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
         ]
 
     def submit(self, request: JobRequest) -> str:
-        output = run_slurm(
-            self.command_line(request, request.after),
-            idempotent=False,
-            transient_markers=REJECTED_MARKERS,
+        return self.accepted(
+            run_slurm(
+                self.command_line(request, request.after),
+                idempotent=False,
+                transient_markers=REJECTED_MARKERS,
+            )
         )
+
+    @staticmethod
+    def accepted(output: str) -> str:
+        """The job id ``sbatch --parsable`` answered (``id[;cluster]``)."""
         job_id = output.strip().split(";")[0]
         if not JOB_ID_PATTERN.match(job_id):
             raise SchedulerError(f"sbatch answered {output.strip()!r}, not a job id")
         return job_id
+
+    def array_command_line(self, array: ArraySubmission) -> list[str]:
+        """The exact sbatch command that queues ``array``."""
+        return [
+            "sbatch",
+            "--parsable",
+            f"--array={array.tasks}",
+            f"--job-name={array.job_name}",
+            f"--output={array.output}",
+            "--open-mode=append",
+            f"--chdir={array.workdir}",
+            *([f"--dependency={array.dependency}"] if array.dependency else []),
+            *(["--hold"] if array.hold else []),
+            "--export=ALL",
+            str(array.script),
+        ]
+
+    def submit_array(self, array: ArraySubmission) -> str:
+        """Queue the array; its id (each task's is ``<id>_<task id>``)."""
+        return self.accepted(
+            run_slurm(
+                self.array_command_line(array),
+                idempotent=False,
+                transient_markers=REJECTED_MARKERS,
+            )
+        )
+
+    def release(self, job_id: str) -> None:
+        """Let a job (or every task of an array) queued with --hold start."""
+        run_slurm(["scontrol", "release", job_id])
 
     def test_only(self, request: JobRequest) -> str | None:
         """sbatch --test-only's verdict (it prints to stderr and exits 0 when the job fits)."""
@@ -179,17 +230,30 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
             why = "SLURM no longer knows the job and accounting is unreachable"
         else:
             why = "SLURM no longer knows the job and keeps no accounting"
-        return {
-            job_id: seen.status(job_id)
-            or run_dir_status(self.run_dir, job_id, self.log_glob(job_id), why)
-            for job_id in job_ids
-        }
+        return {job_id: seen.status(job_id) or self.unseen(job_id, seen, why) for job_id in job_ids}
+
+    def unseen(self, job_id: str, seen: Look, why: str) -> JobStatus:
+        """A job no witness of ``seen`` knew: its run dir's word. An array task cancelled
+        before it started leaves no record at all (SLURM only shrinks the array's pending
+        range): one the controller no longer queues, with no log, has ended so."""
+        status = run_dir_status(self.run_dir, job_id, self.log_glob(job_id), why)
+        if status.state == NOT_STARTED and seen.unreachable is None and array_task(job_id):
+            reason = "left the queue before it started (SLURM keeps no record of such a task)"
+            return JobStatus(job_id, "CANCELLED", reason=reason, source="squeue")
+        return status
 
 
 def squeue_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
     """The jobs among ``job_ids`` that are still in the queue (pending, running, completing)."""
     queue = query_jobs(
-        ["squeue", "--noheader", "--jobs", ",".join(job_ids), "--format=%i|%T|%N|%r|%S|%M"]
+        [
+            "squeue",
+            "--noheader",
+            "--array",  # a pending array's tasks one per line, as ``<array id>_<task id>``
+            "--jobs",
+            ",".join(job_ids),
+            "--format=%i|%T|%N|%r|%S|%M",
+        ]
     )
     found: dict[str, JobStatus] = {}
     for line in queue.splitlines():
@@ -225,7 +289,9 @@ def status_from_fields(job_id: str, fields: dict[str, str]) -> JobStatus:
     )
 
 
-SACCT_FORMAT = "JobIDRaw,State,ExitCode,Elapsed,NodeList,Reason"
+# JobID names an array task as ``<array id>_<task id>`` (the id the chain records); JobIDRaw
+# is the task's own number, a plain job's id.
+SACCT_FORMAT = "JobID,JobIDRaw,State,ExitCode,Elapsed,NodeList,Reason"
 # sacct's error on a cluster that keeps no accounting at all: nothing is down there.
 NO_ACCOUNTING = "accounting storage is disabled"
 
@@ -261,9 +327,11 @@ def sacct_statuses(job_ids: list[str]) -> dict[str, JobStatus]:
             return {}
         raise
     found: dict[str, JobStatus] = {}
+    wanted = set(job_ids)
     for line in output.splitlines():
-        job_id, state, exit_code, elapsed, nodes, reason = (line.split("|") + [""] * 6)[:6]
-        if job_id not in job_ids or not state:
+        name, raw, state, exit_code, elapsed, nodes, reason = (line.split("|") + [""] * 7)[:7]
+        job_id = name if name in wanted else raw
+        if job_id not in wanted or not state:
             continue
         found[job_id] = JobStatus(
             job_id=job_id,

@@ -29,7 +29,7 @@ def node_states(conf: Path | str, retry: bool = True) -> dict[str, str]:
 
 def queue_job_ids(conf: Path | str) -> list[str]:
     """Ids of the jobs in the cluster's queue (pending, running or completing)."""
-    return query(["squeue", "--noheader", "--format=%i"], str(conf)).split()
+    return query(["squeue", "--noheader", "--array", "--format=%i"], str(conf)).split()
 
 
 def queue_summary(conf: Path | str) -> str:

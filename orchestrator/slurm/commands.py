@@ -63,6 +63,15 @@ def job_fields(line: str) -> dict[str, str]:
     return fields
 
 
+def chain_job_id(fields: dict[str, str]) -> str:
+    """The id a chain records for the job of ``scontrol`` ``fields``: ``<array id>_<task id>``
+    for one task of an array (its JobId is a number of the task's own), else JobId."""
+    task = fields.get("ArrayTaskId", "")
+    if task.isdigit() and fields.get("ArrayJobId"):
+        return f"{fields['ArrayJobId']}_{task}"
+    return fields.get("JobId", "")
+
+
 def show_job(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` as a dict; empty when SLURM has forgotten the job."""
     return job_fields(query_jobs(["scontrol", "show", "job", "-o", job_id]))
@@ -78,9 +87,26 @@ def show_jobs(job_ids: list[str]) -> dict[str, dict[str, str]]:
     found = {}
     for line in query_jobs(["scontrol", "show", "job", "-o"]).splitlines():
         fields = job_fields(line)
-        if fields.get("JobId") in wanted:
-            found[fields["JobId"]] = fields
+        if (job_id := chain_job_id(fields)) in wanted:
+            found[job_id] = fields
     return found
+
+
+# The cluster's limits that decide whether a sweep's arrays can be queued (slurm.conf).
+ARRAY_LIMITS = ("MaxArraySize", "MaxJobCount")
+
+
+def array_limits() -> dict[str, int]:
+    """MaxArraySize and MaxJobCount as ``scontrol show config`` gives them, and ``queued``: the
+    jobs in the queue now (an array's pending tasks one each, as they will count)."""
+    limits: dict[str, int] = {}
+    for line in run_slurm(["scontrol", "show", "config"], timeout_s=QUERY_TIMEOUT_S).splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() in ARRAY_LIMITS and value.strip().isdigit():
+            limits[name.strip()] = int(value.strip())
+    queue = run_slurm(["squeue", "--noheader", "--array", "--format=%i"], timeout_s=QUERY_TIMEOUT_S)
+    limits["queued"] = len(queue.splitlines())
+    return limits
 
 
 def probe_partitions() -> list[Partition] | None:

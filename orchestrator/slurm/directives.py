@@ -9,6 +9,7 @@ from orchestrator.errors import UsageError
 
 # sbatch's short options that take a value, mapped to their long names.
 SHORT_OPTIONS = {
+    "-a": "array",
     "-A": "account",
     "-c": "cpus-per-task",
     "-D": "chdir",
@@ -24,18 +25,26 @@ SHORT_OPTIONS = {
 }
 
 
-def parse_sbatch_directives(text: str) -> dict[str, str]:
-    """Directives as ``{long-name: value}`` (flags map to ""); a later line wins, as in sbatch.
-
-    sbatch stops reading directives at the first command line, so do we.
-    """
-    directives: dict[str, str] = {}
+def directive_lines(text: str) -> list[str]:
+    """The ``#SBATCH`` lines sbatch reads: those before the script's first command."""
+    lines = []
     for line in text.splitlines()[1:] if text.startswith("#!") else text.splitlines():
         stripped = line.strip()
         if not stripped or (stripped.startswith("#") and not stripped.startswith("#SBATCH")):
             continue
         if not stripped.startswith("#SBATCH"):
             break
+        lines.append(stripped)
+    return lines
+
+
+def parse_sbatch_directives(text: str) -> dict[str, str]:
+    """Directives as ``{long-name: value}`` (flags map to ""); a later line wins, as in sbatch.
+
+    sbatch stops reading directives at the first command line, so do we.
+    """
+    directives: dict[str, str] = {}
+    for stripped in directive_lines(text):
         words = shlex.split(stripped[len("#SBATCH") :], comments=True)
         position = 0
         while position < len(words):

@@ -66,9 +66,13 @@ def open_to_every_user(directory: Path) -> None:
 
 
 def queue_reasons() -> dict[str, str]:
-    """Each queued job's id and SLURM's reason for its state (``None`` while it runs)."""
+    """Each queued job's id (an array's tasks one each) and SLURM's reason for its state
+    (``None`` while it runs)."""
     completed = subprocess.run(
-        ["squeue", "--noheader", "--format=%i %r"], capture_output=True, text=True, timeout=30
+        ["squeue", "--noheader", "--array", "--format=%i %r"],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert completed.returncode == 0, completed.stderr
     return dict(line.split(maxsplit=1) for line in completed.stdout.splitlines() if line.strip())
