@@ -245,21 +245,10 @@ def submit_arrays(
     queued: list[str] = []
     try:
         for link in links:
-            name = f"then-{link.name}" if link.then else f"link-{link.number}"
-            script = directory / f"{name}.sub"
-            script.write_text(dispatcher_text(link))
             after = queued[-1] if queued else None
-            array_id = backend.submit_array(
-                ArraySubmission(
-                    script=script,
-                    job_name=link.name,
-                    output=log_path(directory, link.name),
-                    workdir=directory,
-                    tasks=array_spec(indexes, parallelism),
-                    dependency=f"{CORRESPONDING}:{after}" if after else None,
-                    hold=not queued,
-                )
-            )
+            submission = array_submission(link, directory, indexes, parallelism, after)
+            submission.script.write_text(dispatcher_text(link))
+            array_id = backend.submit_array(submission)
             queued.append(array_id)
             now = time.time()
             for (index, plan), manifest in zip(plans, manifests, strict=True):
@@ -284,6 +273,37 @@ def submit_arrays(
         roll_back(manifests, queued, backend, error)
         raise
     return manifests
+
+
+def array_submission(
+    link: Link, directory: Path, indexes: list[int], parallelism: int | None, after: str | None
+) -> ArraySubmission:
+    """How ``link`` is queued: its dispatcher in the task directory, every member's task,
+    waiting task by task on the array ``after`` (None: the first link, queued held)."""
+    name = f"then-{link.name}" if link.then else f"link-{link.number}"
+    return ArraySubmission(
+        script=directory / f"{name}.sub",
+        job_name=link.name,
+        output=log_path(directory, link.name),
+        workdir=directory,
+        tasks=array_spec(indexes, parallelism),
+        dependency=f"{CORRESPONDING}:{after}" if after else None,
+        hold=after is None,
+    )
+
+
+def array_submissions(
+    plans: Sequence[tuple[int, ChainPlan]], sweep_id: str, parallelism: int | None
+) -> list[ArraySubmission]:
+    """What ``submit_arrays`` would queue, for a dry run (the ids it waits on are named)."""
+    directory = tasks_dir(plans, sweep_id)
+    indexes = [index for index, _ in plans]
+    return [
+        array_submission(
+            link, directory, indexes, parallelism, f"<array {number - 1}>" if number else None
+        )
+        for number, link in enumerate(links_of(plans, directory))
+    ]
 
 
 def write_arrays(directory: Path, sweep_id: str, arrays: list[str]) -> None:

@@ -147,6 +147,7 @@ class ChainPlan:
         restarts_in_job: int = DEFAULT_RESTARTS_IN_JOB,
         code: str = SNAPSHOT,
         code_limit_mb: float = DEFAULT_LIMIT_MB,
+        code_source: CodeSource | None = None,
     ) -> ChainPlan:
         """The one way to plan a chain: every check made, the id, run dir and seeds decided.
 
@@ -154,7 +155,8 @@ class ChainPlan:
         A --then job takes the seed after the chain's last, derived the same way. ``code``:
         what the jobs run (``orchestrator.snapshot``: by default a snapshot of the git work
         tree holding ``workdir``, frozen into the run dir at submission; the jobs start in its
-        copy of ``workdir``).
+        copy of ``workdir``). ``code_source``: code planned already, which the members of a
+        sweep share (one snapshot, frozen once).
         """
         check_num_jobs(num_jobs)
         check_dependency(dependency_kind)
@@ -168,7 +170,9 @@ class ChainPlan:
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
-        source = plan_code(code, workdir or Path.cwd(), resolved_run_dir, code_limit_mb)
+        source = code_source or plan_code(
+            code, workdir or Path.cwd(), resolved_run_dir, code_limit_mb
+        )
         return cls(
             chain_id=chain_id,
             recipe=recipe,

@@ -223,10 +223,14 @@ def _holds(directory: Path, root: Path) -> bool:
     return root.resolve().is_relative_to(directory.resolve())
 
 
+# Snapshots this process has frozen: the members of a sweep share one, copied once.
+_FROZEN: set[Path] = set()
+
+
 def freeze(code: CodeSource) -> None:
     """Copy the snapshot into the run dir and link what git ignores; a failure removes what
     was copied and is one UsageError."""
-    if code.mode != SNAPSHOT or code.root is None or code.tree is None:
+    if code.mode != SNAPSHOT or code.root is None or code.tree is None or code.root in _FROZEN:
         return
     try:
         for name in code.files:
@@ -242,6 +246,7 @@ def freeze(code: CodeSource) -> None:
         code.workdir.mkdir(parents=True, exist_ok=True)
         if code.diff_path is not None:
             code.diff_path.write_text(code.diff)
+        _FROZEN.add(code.root)
     except OSError as error:
         shutil.rmtree(code.root, ignore_errors=True)
         raise UsageError(

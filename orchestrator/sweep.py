@@ -31,7 +31,7 @@ from orchestrator.recipe import load_recipe, parse_recipe
 from orchestrator.render import render_recipe
 from orchestrator.slurm.commands import array_limits
 from orchestrator.slurm.resources import JobResources
-from orchestrator.snapshot import SNAPSHOT
+from orchestrator.snapshot import DEFAULT_LIMIT_MB, SNAPSHOT, CodeSource, plan_code
 
 BACKENDS = ("slurm", "local")
 
@@ -93,7 +93,9 @@ def member_command(request: SweepRequest, member: SweepMember) -> list[str]:
     return [*request.train_argv, *member.overrides, "seed=${SEED}", "run_dir=${ORCH_RUN_DIR}"]
 
 
-def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
+def plan_member(
+    request: SweepRequest, member: SweepMember, code: CodeSource | None = None
+) -> PlannedMember:
     """Render and check one member's chain; nothing is written or submitted."""
     fields = {**request.resources, "command": member_command(request, member)}
     recipe_path = member.run_dir / f"{request.job_name}.yaml"
@@ -116,6 +118,7 @@ def plan_member(request: SweepRequest, member: SweepMember) -> PlannedMember:
         then=request.then,
         retries=request.retries,
         code=request.code,
+        code_source=code,
     )
     config = member.config
     job = LaunchJob(
@@ -135,7 +138,8 @@ def preflight_sweep(
         raise UsageError(f"backend {request.backend!r}: choose one of {', '.join(BACKENDS)}")
     if not members:
         raise UsageError("the sweep has no members")
-    planned = [plan_member(request, member) for member in members]
+    code = plan_code(request.code, request.workdir, members[0].run_dir.parent, DEFAULT_LIMIT_MB)
+    planned = [plan_member(request, member, code) for member in members]
     jobs = [item.job for item in planned]
     if request.then is not None:
         jobs.append(then_job(request.then))
@@ -165,55 +169,69 @@ def check_array_limits(plans: list[ChainPlan], indexes: list[int]) -> None:
 
 
 def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Manifest]:
-    """Preflight all members, submit each member's chain, then register the sweep.
+    """Preflight all members, write their recipes, queue their chains, register the sweep.
 
     Returns as soon as the jobs are queued (the local backend runs them before returning, as it
-    does for auto_launch). A failed submission cancels the chains already queued for the sweep.
+    does for auto_launch). A failed submission cancels what was queued for the sweep.
     """
     planned, backend = preflight_sweep(request, members)
-    if queues_arrays(request, backend):
-        assert isinstance(backend, SlurmBackend)
-        for item in planned:
-            item.plan.run_dir.mkdir(parents=True, exist_ok=True)
-            item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
-        plans = [(item.member.index, item.plan) for item in planned]
-        manifests = submit_arrays(plans, backend, request.sweep_id, request.array_parallelism)
-        register_sweep(request.sweep_id, sweep_entries(manifests, planned))
-        return manifests
+    for item in planned:
+        item.plan.run_dir.mkdir(parents=True, exist_ok=True)
+        item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
+    return queue_members(
+        [(item.member.index, item.plan, list(item.member.overrides)) for item in planned],
+        backend,
+        request.sweep_id,
+        arrays=queues_arrays(request, backend),
+        parallelism=request.array_parallelism,
+    )
+
+
+def queue_members(
+    members: list[tuple[int, ChainPlan, list[str]]],
+    backend: Backend,
+    sweep_id: str,
+    *,
+    arrays: bool,
+    parallelism: int | None = None,
+) -> list[Manifest]:
+    """Queue every member's chain (index, plan, the overrides that name it), then register the
+    sweep: as job arrays (``arrays``; at most ``parallelism`` tasks of each at once), else one
+    chain after another. What was queued before a failed submission is cancelled."""
     manifests: list[Manifest] = []
+    if arrays:
+        assert isinstance(backend, SlurmBackend)
+        plans = [(index, plan) for index, plan, _ in members]
+        manifests = submit_arrays(plans, backend, sweep_id, parallelism)
+        register_sweep(sweep_id, sweep_entries(manifests, members))
+        return manifests
     try:
-        for item in planned:
-            item.plan.run_dir.mkdir(parents=True, exist_ok=True)
-            item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
-            manifests.append(submit_chain(item.plan, backend, judge=judge_for(backend)))
+        for _, plan, _ in members:
+            manifests.append(submit_chain(plan, backend, judge=judge_for(backend)))
     except (SchedulerError, KeyboardInterrupt) as error:
         for manifest in manifests:
             rollback(manifest, backend, error)
         raise
     finally:
         if manifests:
-            register_sweep(request.sweep_id, sweep_entries(manifests, planned))
+            register_sweep(sweep_id, sweep_entries(manifests, members))
     return manifests
 
 
-def sweep_entries(manifests: list[Manifest], planned: list[PlannedMember]) -> list[dict]:
+def sweep_entries(
+    manifests: list[Manifest], members: list[tuple[int, ChainPlan, list[str]]]
+) -> list[dict]:
     """The sweep index's members: chain id, run dir and overrides of each submitted one."""
     return [
-        {
-            "chain_id": manifest.chain_id,
-            "run_dir": manifest.run_dir,
-            "overrides": list(item.member.overrides),
-        }
-        for manifest, item in zip(manifests, planned, strict=False)
+        {"chain_id": manifest.chain_id, "run_dir": manifest.run_dir, "overrides": overrides}
+        for manifest, (_, _, overrides) in zip(manifests, members, strict=False)
     ]
 
 
-def print_sweep(request: SweepRequest, manifests: list[Manifest]) -> None:
+def print_sweep(sweep_id: str, num_jobs: int, manifests: list[Manifest]) -> None:
     """The sweep id first (for status/cancel/logs), then one line per member chain."""
-    print(
-        f"sweep {request.sweep_id}: {len(manifests)} member chain(s) of {request.num_jobs} job(s)"
-    )
+    print(f"sweep {sweep_id}: {len(manifests)} member chain(s) of {num_jobs} job(s)")
     for manifest in manifests:
         ids = ",".join(manifest.job_ids())
         print(f"  {manifest.chain_id}  jobs {ids}  run dir {manifest.run_dir}")
-    print(f"follow with: orchestrator status {request.sweep_id}", file=sys.stderr)
+    print(f"follow with: orchestrator status {sweep_id}", file=sys.stderr)

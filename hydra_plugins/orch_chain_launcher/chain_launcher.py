@@ -139,7 +139,7 @@ class ChainLauncher(Launcher):
             array_parallelism=parallelism,
         )
         manifests = submit_sweep(request, members)
-        print_sweep(request, manifests)
+        print_sweep(request.sweep_id, request.num_jobs, manifests)
         return [
             JobReturn(
                 overrides=list(member.overrides),

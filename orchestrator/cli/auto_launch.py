@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from contract.seeds import chain_seeds
 from orchestrator import remote
+from orchestrator.arrays import array_submissions, check_parallelism
 from orchestrator.backends.base import Backend
 from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.slurm import SlurmBackend
 from orchestrator.chain import ChainPlan, ThenJob, submit_chain, write_scripts
 from orchestrator.chain_hooks import judge_for
 from orchestrator.chain_status import chain_status
@@ -23,27 +27,35 @@ from orchestrator.cli.chain_view import (
 )
 from orchestrator.cli.launch_arguments import auto_launch_parser, split_script_args
 from orchestrator.cli.program import run_program, say
-from orchestrator.errors import EXIT_CHAIN_FAILED
+from orchestrator.errors import EXIT_CHAIN_FAILED, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
-from orchestrator.manifest import FAILED_STATUSES, MANIFEST_NAME, JobRecord
+from orchestrator.launch_checks import check_run_dir
+from orchestrator.manifest import FAILED_STATUSES, MANIFEST_NAME, JobRecord, orch_home
+from orchestrator.resources import locate_recipe
 from orchestrator.scripts import PreparedScript, read_recipe
+from orchestrator.seeds import validate_base_seed
+from orchestrator.snapshot import CodeSource, plan_code
+from orchestrator.sweep import check_array_limits, new_sweep_id, print_sweep, queue_members
 
 
 def build_plan(
-    args: argparse.Namespace, script_args: list[str]
+    args: argparse.Namespace, script_args: list[str], member: Member | None = None
 ) -> tuple[ChainPlan, PreparedScript]:
-    """Validate the request (preflight, part one) and decide everything but the job ids."""
+    """Validate the request (preflight, part one) and decide everything but the job ids;
+    ``member``: one replica of ``--members``, its run dir, base seed, ids and shared code."""
     recipe, prepared = read_recipe(args.recipe)
     then = ThenJob.load(args.then, "--then") if args.then else None
     plan = ChainPlan.create(
         job_name=args.name or recipe.stem,
         recipe=recipe,
         script_text=prepared.text,
-        run_dir=args.run_dir,
+        run_dir=member.run_dir if member else args.run_dir,
         num_jobs=args.num_jobs,
         dependency_kind=args.dependency,
-        base_seed=args.seed,
+        base_seed=member.base_seed if member else args.seed,
         script_args=tuple(script_args),
+        chain_id=member.chain_id if member else None,
+        sweep_id=member.sweep_id if member else None,
         then=then,
         retries=args.retries,
         retry_on_exit=args.retry_on_exit,
@@ -51,8 +63,86 @@ def build_plan(
         restarts_in_job=args.restarts_in_job,
         code=args.code,
         code_limit_mb=args.code_limit_mb,
+        code_source=member.code if member else None,
     )
     return plan, prepared
+
+
+@dataclass(frozen=True)
+class Member:
+    """One replica of ``auto_launch --members``: a chain of its own within the sweep."""
+
+    sweep_id: str
+    index: int
+    run_dir: Path
+    base_seed: int
+    code: CodeSource
+
+    @property
+    def chain_id(self) -> str:
+        return f"{self.sweep_id}-{self.index}"
+
+
+def launch_members(args: argparse.Namespace) -> int:
+    """``auto_launch --members M``: M chains of the recipe, each with seeds of its own, queued
+    as one job array per link on SLURM (orchestrator/arrays.py) and registered as a sweep."""
+    count, parallelism = args.members, args.array_parallelism
+    if count < 1:
+        raise UsageError(f"--members {count}: give at least 1 replica")
+    check_parallelism(parallelism, "--array-parallelism")
+    if args.seed is not None:
+        validate_base_seed(args.seed)
+    recipe = locate_recipe(args.recipe)
+    sweep_id = new_sweep_id(args.name or recipe.stem)
+    base = (args.run_dir or orch_home() / "runs" / sweep_id).expanduser().resolve()
+    check_run_dir(base)
+    code = plan_code(args.code, Path.cwd(), base, args.code_limit_mb)
+    seeds = chain_seeds(count, args.seed)
+    members = [Member(sweep_id, i, base / str(i), seeds[i], code) for i in range(count)]
+    planned = [build_plan(args, args.script_args, member) for member in members]
+    plans = [plan for plan, _ in planned]
+    backend = prepare_launch(
+        args.backend,
+        launch_jobs(plans[0], planned[0][1], not args.no_plan_check),
+        base,
+        retries=args.retries,
+    )
+    arrays = isinstance(backend, SlurmBackend)
+    if arrays:
+        check_array_limits(plans, list(range(count)))
+    if args.dry_run:
+        print_members_dry_run(plans, backend, sweep_id, arrays, parallelism)
+        return 0
+    manifests = queue_members(
+        [(i, plan, []) for i, plan in enumerate(plans)],
+        backend,
+        sweep_id,
+        arrays=arrays,
+        parallelism=parallelism,
+    )
+    print_sweep(sweep_id, args.num_jobs, manifests)
+    if backend.runs_here:
+        ended = [chain_status(m, backend.statuses(m.job_ids())).status for m in manifests]
+        return EXIT_CHAIN_FAILED if any(status in FAILED_STATUSES for status in ended) else 0
+    return 0
+
+
+def print_members_dry_run(
+    plans: list[ChainPlan], backend: Backend, sweep_id: str, arrays: bool, parallelism: int | None
+) -> None:
+    """What ``--members`` would queue: each member's seeds, and on SLURM each array's sbatch."""
+    import shlex
+
+    first = plans[0]
+    how = f"{first.total_jobs} job array(s)" if arrays else f"{len(plans)} chain(s)"
+    print(f"# sweep {sweep_id}: {len(plans)} member(s) of {first.num_jobs} job(s), as {how}")
+    for index, plan in enumerate(plans):
+        print(f"# member {index}: run dir {plan.run_dir}, seeds {list(plan.seeds)}")
+    if not arrays:
+        return
+    assert isinstance(backend, SlurmBackend)
+    for submission in array_submissions(list(enumerate(plans)), sweep_id, parallelism):
+        print(shlex.join(backend.array_command_line(submission)))
 
 
 def launch_jobs(plan: ChainPlan, prepared: PreparedScript, plan_check: bool) -> list[LaunchJob]:
@@ -108,6 +198,10 @@ def test_only_in_scratch(plan: ChainPlan, backend: Backend, index: int) -> str |
 def auto_launch(args: argparse.Namespace) -> int:
     if args.host:
         return launch_on_host(args)
+    if args.members is not None:
+        return launch_members(args)
+    if args.array_parallelism is not None:
+        raise UsageError("--array-parallelism throttles the arrays of --members M; give both")
     plan, prepared = build_plan(args, args.script_args)
     backend = prepare_launch(
         args.backend,

@@ -100,6 +100,20 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="refuse a snapshot larger than this (default %(default)g)",
     )
+    parser.add_argument(
+        "--members",
+        type=int,
+        metavar="M",
+        help="M replicas of the recipe, each a chain of its own with its own seeds (derived "
+        "from --seed where given) in RUN_DIR/<member>; on SLURM each link of all members is "
+        "one job array. Look after them as a sweep: orchestrator status|cancel|logs SWEEP",
+    )
+    parser.add_argument(
+        "--array-parallelism",
+        type=int,
+        metavar="P",
+        help="with --members on SLURM: at most P tasks of each array run at once",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print, submit nothing")
     parser.add_argument("--json", action="store_true", help="end with a JSON summary line")
     parser.add_argument(
