@@ -525,7 +525,6 @@ def heal_sweep(own_run_dir: Path) -> None:
         return
     for run_dir, job_ids in stuck.items():
         if run_dir != own_run_dir.resolve():
-            say(f"member {run_dir} waits on a task that died: judging it and freeing {job_ids}")
             run_hook("heal", run_dir, None, None, stuck_ids=tuple(job_ids))
 
 

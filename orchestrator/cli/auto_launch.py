@@ -31,7 +31,6 @@ from orchestrator.errors import EXIT_CHAIN_FAILED, UsageError
 from orchestrator.launch import LaunchJob, prepare_launch, then_job
 from orchestrator.launch_checks import check_run_dir
 from orchestrator.manifest import FAILED_STATUSES, MANIFEST_NAME, JobRecord, orch_home
-from orchestrator.resources import locate_recipe
 from orchestrator.scripts import PreparedScript, read_recipe
 from orchestrator.seeds import validate_base_seed
 from orchestrator.snapshot import CodeSource, plan_code
@@ -39,13 +38,25 @@ from orchestrator.sweep import check_array_limits, new_sweep_id, print_sweep, qu
 
 
 def build_plan(
-    args: argparse.Namespace, script_args: list[str], member: Member | None = None
+    args: argparse.Namespace, script_args: list[str]
 ) -> tuple[ChainPlan, PreparedScript]:
-    """Validate the request (preflight, part one) and decide everything but the job ids;
-    ``member``: one replica of ``--members``, its run dir, base seed, ids and shared code."""
+    """Validate the request (preflight, part one) and decide everything but the job ids."""
     recipe, prepared = read_recipe(args.recipe)
     then = ThenJob.load(args.then, "--then") if args.then else None
-    plan = ChainPlan.create(
+    return plan_chain(args, script_args, recipe, prepared, then), prepared
+
+
+def plan_chain(
+    args: argparse.Namespace,
+    script_args: list[str],
+    recipe: Path,
+    prepared: PreparedScript,
+    then: ThenJob | None,
+    member: Member | None = None,
+) -> ChainPlan:
+    """The chain the options ask for; ``member``: one replica of ``--members``, with its run
+    dir, base seed, ids and the code the replicas share."""
+    return ChainPlan.create(
         job_name=args.name or recipe.stem,
         recipe=recipe,
         script_text=prepared.text,
@@ -65,7 +76,6 @@ def build_plan(
         code_limit_mb=args.code_limit_mb,
         code_source=member.code if member else None,
     )
-    return plan, prepared
 
 
 @dataclass(frozen=True)
@@ -92,18 +102,27 @@ def launch_members(args: argparse.Namespace) -> int:
     check_parallelism(parallelism, "--array-parallelism")
     if args.seed is not None:
         validate_base_seed(args.seed)
-    recipe = locate_recipe(args.recipe)
+    recipe, prepared = read_recipe(args.recipe)
+    then = ThenJob.load(args.then, "--then") if args.then else None
     sweep_id = new_sweep_id(args.name or recipe.stem)
     base = (args.run_dir or orch_home() / "runs" / sweep_id).expanduser().resolve()
     check_run_dir(base)
     code = plan_code(args.code, Path.cwd(), base, args.code_limit_mb)
     seeds = chain_seeds(count, args.seed)
-    members = [Member(sweep_id, i, base / str(i), seeds[i], code) for i in range(count)]
-    planned = [build_plan(args, args.script_args, member) for member in members]
-    plans = [plan for plan, _ in planned]
+    plans = [
+        plan_chain(
+            args,
+            args.script_args,
+            recipe,
+            prepared,
+            then,
+            Member(sweep_id, i, base / str(i), seeds[i], code),
+        )
+        for i in range(count)
+    ]
     backend = prepare_launch(
         args.backend,
-        launch_jobs(plans[0], planned[0][1], not args.no_plan_check),
+        launch_jobs(plans[0], prepared, not args.no_plan_check),
         base,
         retries=args.retries,
     )

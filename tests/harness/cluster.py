@@ -94,7 +94,7 @@ def wait_gone(job_ids: list[str], timeout: float = 30) -> None:
 
 
 # The SLURM commands whose calls ``counted_slurm`` records.
-COUNTED = ("squeue", "sacct", "scontrol", "scancel")
+COUNTED = ("sbatch", "squeue", "sacct", "scontrol", "scancel")
 
 
 def counted_slurm(directory: Path) -> tuple[dict[str, str], Path]:
