@@ -21,9 +21,12 @@ hook for a task that died without running its own, ``end_chain`` for the tasks i
 lost, SIGKILL) waits as DependencyNeverSatisfied until the next start of any task of the
 sweep frees it (``stuck_run_dirs``), or ``python -m orchestrator.chain_hooks check RUN_DIR``.
 
-The first link is queued held and released once every member's manifest holds every task, so
-that no task starts (and runs its hook) before its record exists; a failed submission cancels
-the arrays already queued before any task ran, and marks every member's chain rolled back.
+The first link is queued held and released once every member's manifest holds every task
+(each written once, whole), so that no task starts (and runs its hook) before its record
+exists; a failed submission cancels the arrays already queued before any task ran, and marks
+every member's chain rolled back. Each array is on record in the task directory's
+``arrays.json`` as soon as SLURM accepts it: a launch killed before the manifests are written
+leaves held arrays that never run, named there for ``scancel``.
 """
 
 from __future__ import annotations
@@ -222,7 +225,6 @@ def submit_arrays(
     backend: SlurmBackend,
     sweep_id: str,
     parallelism: int | None,
-    announce: Callable[[Link, str], None] | None = None,
 ) -> list[Manifest]:
     """Queue every member's chain as arrays (see the module); the members' manifests, saved
     and registered. A submission that fails cancels what was queued and rolls every member
@@ -230,29 +232,22 @@ def submit_arrays(
     check_alike(plans)
     directory = tasks_dir(plans, sweep_id)
     link_members(plans, directory)
-    manifests = []
-    for _, plan in plans:
-        (plan.run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
-        if plan.code is not None:
-            freeze(plan.code)
-        write_scripts(plan)
-        manifest = new_manifest(plan, backend.label)
-        manifest.save(durable=False)
-        register_chain(manifest)
-        manifests.append(manifest)
-    links = links_of(plans, directory)
+    for code in {plan.code for _, plan in plans if plan.code is not None}:
+        freeze(code)
+    manifests = [prepared(plan, backend.label) for _, plan in plans]
     indexes = [index for index, _ in plans]
     queued: list[str] = []
     try:
-        for link in links:
+        for link in links_of(plans, directory):
             after = queued[-1] if queued else None
             submission = array_submission(link, directory, indexes, parallelism, after)
             submission.script.write_text(dispatcher_text(link))
             array_id = backend.submit_array(submission)
             queued.append(array_id)
+            write_arrays(directory, sweep_id, queued)  # on record at once
             now = time.time()
             for (index, plan), manifest in zip(plans, manifests, strict=True):
-                manifest.record_job(
+                manifest.jobs.append(
                     JobRecord(
                         index=link.number,
                         seed=plan.seeds[link.number],
@@ -262,17 +257,27 @@ def submit_arrays(
                         then=link.then,
                     )
                 )
-            if announce is not None:
-                announce(link, array_id)
-        write_arrays(directory, sweep_id, queued)
         for manifest in manifests:
-            manifest.status = SUBMITTED
-            manifest.save()
+            saved(manifest)
         backend.release(queued[0])
     except (SchedulerError, KeyboardInterrupt, OSError) as error:
         roll_back(manifests, queued, backend, error)
         raise
     return manifests
+
+
+def prepared(plan: ChainPlan, backend_label: str) -> Manifest:
+    """A member's run dir made ready (its logs folder, its scripts) and its manifest, unsaved."""
+    (plan.run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    write_scripts(plan)
+    return new_manifest(plan, backend_label)
+
+
+def saved(manifest: Manifest) -> None:
+    """A member's manifest on record, every task in it, and in the index of chains."""
+    manifest.status = SUBMITTED
+    manifest.save()
+    register_chain(manifest)
 
 
 def array_submission(
@@ -337,6 +342,7 @@ def roll_back(
         manifest.status = ROLLED_BACK
         manifest.error = f"{reason}. The sweep is rolled back: {said}."
         manifest.save()
+        register_chain(manifest)
 
 
 def successor_of(record: JobRecord, job_id: str) -> bool:

@@ -10,6 +10,7 @@ env values, which may reference the contract variables (see orchestrator.recipe)
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -66,10 +67,17 @@ CONTRACT = {
 
 def template_environment() -> jinja2.Environment:
     """Templates from ``$ORCH_TEMPLATE_DIR`` first (a user's own, or their versions of the
-    shipped ones), then the ones packaged with the orchestrator."""
+    shipped ones), then the ones packaged with the orchestrator: one environment per template
+    directory, which compiles each template once (a sweep renders one per member) and
+    compiles it again when its file changes (Jinja2's loaders check the file's mtime)."""
+    return environment_for(os.environ.get(TEMPLATE_DIR_ENV) or None)
+
+
+@functools.cache
+def environment_for(template_dir: str | None) -> jinja2.Environment:
     loaders: list[jinja2.BaseLoader] = []
-    if os.environ.get(TEMPLATE_DIR_ENV):
-        loaders.append(jinja2.FileSystemLoader(os.environ[TEMPLATE_DIR_ENV]))
+    if template_dir:
+        loaders.append(jinja2.FileSystemLoader(template_dir))
     loaders.append(jinja2.FileSystemLoader(packaged_templates()))
     environment = jinja2.Environment(
         loader=jinja2.ChoiceLoader(loaders),

@@ -34,6 +34,8 @@ from orchestrator.slurm.resources import JobResources
 from orchestrator.snapshot import DEFAULT_LIMIT_MB, SNAPSHOT, CodeSource, plan_code
 
 BACKENDS = ("slurm", "local")
+# libyaml's safe dumper where PyYAML has it: a sweep writes one recipe per member.
+RECIPE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ def submit_sweep(request: SweepRequest, members: list[SweepMember]) -> list[Mani
     planned, backend = preflight_sweep(request, members)
     for item in planned:
         item.plan.run_dir.mkdir(parents=True, exist_ok=True)
-        item.plan.recipe.write_text(yaml.safe_dump(item.recipe_fields, sort_keys=False))
+        recipe_text = yaml.dump(item.recipe_fields, Dumper=RECIPE_DUMPER, sort_keys=False)
+        item.plan.recipe.write_text(recipe_text)
     return queue_members(
         [(item.member.index, item.plan, list(item.member.overrides)) for item in planned],
         backend,
