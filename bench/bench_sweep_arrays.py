@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,36 +27,23 @@ from collections import Counter
 from pathlib import Path
 
 from bench.loopback import bench_cluster
+from tests.harness.cluster import calls_of, counted_slurm
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-COUNTED = ("sbatch", "squeue", "sacct", "scontrol", "scancel")
 RESOURCES = {"template": "single", "time": "00:05:00", "cpus_per_task": 1}
 
 
 def counting_path(directory: Path) -> Path:
-    """Wrappers that append ``name args`` to calls.log before running the real command."""
-    directory.mkdir(parents=True)
-    calls = directory / "calls.log"
-    calls.touch()
-    for name in COUNTED:
-        real = shutil.which(name)
-        assert real, f"{name} is not on PATH"
-        wrapper = directory / name
-        wrapper.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexec {real} "$@"\n')
-        wrapper.chmod(0o755)
-    os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ['PATH']}"
+    """SLURM's commands counted by the test harness's wrappers, first on this process's PATH."""
+    env, calls = counted_slurm(directory)
+    os.environ["PATH"] = env["PATH"]
     return calls
 
 
 def taken(calls: Path) -> Counter[str]:
     """The commands recorded since the last call (``scontrol`` with its verb), then empty."""
-    lines = calls.read_text().splitlines()
-    calls.write_text("")
-    return Counter(
-        " ".join(line.split()[:2]) if line.startswith("scontrol") else line.split()[0]
-        for line in lines
-    )
+    return Counter(calls_of(calls))
 
 
 def nodes(state: str) -> None:
