@@ -327,9 +327,12 @@ class ChainKeeper:
     def release_successors(self, job: JobRecord) -> None:
         """``job``, an array task (orchestrator/arrays.py), ended unclean: the member's task
         waiting on it task by task (aftercorr) would never start. It waits for its end instead,
-        however it ended, as every job of a chain of its own does (afterany)."""
+        however it ended, as every job of a chain of its own does (afterany), but for an
+        ``afterok`` chain's next job: that one stays unstarted, as afterok leaves it."""
+        goes_on = self.manifest.dependency_kind != "afterok"
         for other in self.manifest.jobs:
-            if other.outcome is None and successor_of(other, str(job.job_id)):
+            waits = other.outcome is None and successor_of(other, str(job.job_id))
+            if waits and (other.then or goes_on):
                 self.free(other, str(job.job_id))
 
     def free(self, waiting: JobRecord, ended_id: str) -> None:
@@ -355,7 +358,8 @@ class ChainKeeper:
                 continue
             array = waiting.dependency.partition(":")[2]
             task = job_id.partition("_")[2]
-            if waiting.dependency.startswith(f"{CORRESPONDING}:"):
+            afterok = self.manifest.dependency_kind == "afterok" and not waiting.then
+            if waiting.dependency.startswith(f"{CORRESPONDING}:") and not afterok:
                 self.free(waiting, f"{array}_{task}")
 
     def replace(self, job: JobRecord, ending: Ending, ended_ids: set[str]) -> None:

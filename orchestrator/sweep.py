@@ -158,7 +158,14 @@ def preflight_sweep(
 
 
 def queues_arrays(request: SweepRequest, backend: Backend) -> bool:
-    return request.arrays and isinstance(backend, SlurmBackend)
+    return arrays_for(backend, request.dependency) and request.arrays
+
+
+def arrays_for(backend: Backend, dependency: str) -> bool:
+    """Whether members' chains go to SLURM as job arrays: on the slurm backend, where each
+    job waits on the one before (a ``singleton`` job waits on every job of its name, which
+    would be every member's)."""
+    return isinstance(backend, SlurmBackend) and dependency != "singleton"
 
 
 def check_array_limits(plans: list[ChainPlan], indexes: list[int]) -> None:

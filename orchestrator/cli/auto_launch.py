@@ -34,7 +34,13 @@ from orchestrator.manifest import FAILED_STATUSES, MANIFEST_NAME, JobRecord, orc
 from orchestrator.scripts import PreparedScript, read_recipe
 from orchestrator.seeds import validate_base_seed
 from orchestrator.snapshot import CodeSource, plan_code
-from orchestrator.sweep import check_array_limits, new_sweep_id, print_sweep, queue_members
+from orchestrator.sweep import (
+    arrays_for,
+    check_array_limits,
+    new_sweep_id,
+    print_sweep,
+    queue_members,
+)
 
 
 def build_plan(
@@ -126,7 +132,7 @@ def launch_members(args: argparse.Namespace) -> int:
         base,
         retries=args.retries,
     )
-    arrays = isinstance(backend, SlurmBackend)
+    arrays = arrays_for(backend, args.dependency)
     if arrays:
         check_array_limits(plans, list(range(count)))
     if args.dry_run:
