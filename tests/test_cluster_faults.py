@@ -274,10 +274,25 @@ def test_dead_accounting_daemons_are_restarted(faulty: Faulty) -> None:
 def test_status_answers_while_accounting_is_down(faulty: Faulty, tmp_path: Path) -> None:
     """slurmdbd stopped under a finished chain: status still reads the jobs (from scontrol, which
     remembers them for MinJobAge) and says once that accounting is unreachable; `cluster up`
-    restarts slurmdbd alone and sacct answers again."""
+    restarts slurmdbd alone and sacct answers again. So for a sweep queued as job arrays, whose
+    ended tasks scontrol names by their own numbers."""
     directory, env = faulty.directory, faulty.env
     chain = launch(env, tmp_path, num_jobs=2, nodes=1, hold_s=0)["chain_id"]
+    members = run_tool(
+        "auto_launch",
+        "-n1",
+        "--members",
+        "2",
+        "--run-dir",
+        str(tmp_path / "members"),
+        str(tmp_path / "hold.sub"),
+        env={**env, "HOLD_S": "0"},
+    )
+    assert members.returncode == 0, members.stderr
+    sweep = members.stdout.split()[1].rstrip(":")
     wait_chain(env, chain)
+    for member in range(2):
+        wait_chain(env, f"{sweep}-{member}")
     _, healthy_s = timed_status(env, chain)
     slurmdbd = daemon_pids(directory)["slurmdbd"]
     os.kill(slurmdbd, signal.SIGTERM)
@@ -298,6 +313,13 @@ def test_status_answers_while_accounting_is_down(faulty: Faulty, tmp_path: Path)
         notices = [line for line in text.stdout.splitlines() if "unreachable" in line]
         assert len(notices) == 1, text.stdout
         assert notices[0].startswith("accounting (slurmdbd) unreachable ("), text.stdout
+        tasks = [job for chain in status_json(env, sweep)["chains"] for job in chain["jobs"]]
+        assert [
+            (job["job_id"].partition("_")[2], job["state"], job["source"]) for job in tasks
+        ] == [
+            ("0", "COMPLETED", "scontrol"),
+            ("1", "COMPLETED", "scontrol"),
+        ], tasks
     finally:
         again = cluster_cli("up", "--dir", directory)
     assert again.returncode == 0, again.stderr
