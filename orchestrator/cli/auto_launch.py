@@ -145,7 +145,13 @@ def launch_members(args: argparse.Namespace) -> int:
         arrays=arrays,
         parallelism=parallelism,
     )
-    print_sweep(sweep_id, args.num_jobs, manifests)
+    if args.json:
+        chains = [
+            {"chain_id": m.chain_id, "run_dir": m.run_dir, "jobs": m.job_ids()} for m in manifests
+        ]
+        print(json.dumps({"sweep_id": sweep_id, "backend": backend.label, "chains": chains}))
+    else:
+        print_sweep(sweep_id, args.num_jobs, manifests)
     if backend.runs_here:
         ended = [chain_status(m, backend.statuses(m.job_ids())).status for m in manifests]
         return EXIT_CHAIN_FAILED if any(status in FAILED_STATUSES for status in ended) else 0
@@ -221,6 +227,11 @@ def test_only_in_scratch(plan: ChainPlan, backend: Backend, index: int) -> str |
 
 
 def auto_launch(args: argparse.Namespace) -> int:
+    if args.host and args.members is not None:
+        raise UsageError(
+            "--members with --host: run it on the login node itself (ssh there, then "
+            "auto_launch --members), or sweep with hydra/launcher=chain_slurm there"
+        )
     if args.host:
         return launch_on_host(args)
     if args.members is not None:
