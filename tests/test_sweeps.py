@@ -20,21 +20,24 @@ from tests.harness.chains import wait_chain
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import REPO, run_tool
 from tests.harness.recorded_jobs import read_jsonl, recording_recipe
+from tests.harness.wandb_runs import WANDB_OFFLINE
 
 # Few, short steps: each member trains in seconds on one shared core. W&B is not what a sweep
 # checks here (tests/test_metrics.py does); its start would cost every member seconds of CPU.
-TINY = (
-    "data.max_duration=8",
-    "wandb.enabled=false",
-    "optim.warmup_steps=2",
-    "checkpoint.interval=2",
-)
+TINY = ("data.max_duration=8", "optim.warmup_steps=2", "checkpoint.interval=2")
+NO_WANDB = "wandb.enabled=false"
 
 
 def multirun(
-    sweep_dir: Path, corpus: Path, *overrides: str, timeout: float = 300, env: dict | None = None
+    sweep_dir: Path,
+    corpus: Path,
+    *overrides: str,
+    timeout: float = 300,
+    env: dict | None = None,
+    wandb: str = NO_WANDB,
 ):
-    """``python -m train -m`` from the repository root, with the sweep under ``sweep_dir``."""
+    """``python -m train -m`` from the repository root, with the sweep under ``sweep_dir``;
+    ``wandb``: the override that sets W&B (off unless a test looks at it)."""
     return subprocess.run(
         [
             sys.executable,
@@ -44,6 +47,7 @@ def multirun(
             f"hydra.sweep.dir={sweep_dir}",
             f"data.corpus={corpus}",
             *TINY,
+            wandb,
             *overrides,
         ],
         cwd=REPO,
@@ -131,9 +135,9 @@ def test_stock_submitit_slurm_launcher_gives_members_their_own_run_dir_and_seed(
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corpus, tmp_path):
-    """2 members x 2 chained jobs of a step each: the launcher returns with the jobs queued;
-    job 1 resumes; then each member's --then job runs in the member's run dir, given its seed
-    alone."""
+    """2 members x 2 chained jobs of a step each, queued as one job array per link: the
+    launcher returns with the jobs queued; job 1 resumes, in the member's W&B run (offline);
+    then each member's --then job runs in the member's run dir, given its seed alone."""
     sweep_dir = tmp_path / "sweep"
     evaluate = recording_recipe(tmp_path / "evaluate.sub")
     done = multirun(
@@ -145,6 +149,7 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
         "train.max_steps=2",
         "train.max_steps_per_run=1",
         "optim.lr=1e-3,3e-4",
+        wandb=WANDB_OFFLINE,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = sweep_id(done.stdout)
@@ -155,6 +160,7 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
     assert len(states) == 6
     assert all(state in ("PENDING", "RUNNING") for state in states), states
 
+    wandb_runs: list[set[str]] = []
     # squeue is cheap; `orchestrator status` (wait_chain) costs a Python start per poll.
     wait_gone([job["job_id"] for chain in status["chains"] for job in chain["jobs"]], 240)
     for chain in status["chains"]:
@@ -166,11 +172,18 @@ def test_chained_sweep_returns_at_once_and_each_member_resumes(empty_queue, corp
         assert [row["job_index"] for row in rows] == [0, 1]
         seeds = [job["seed"] for job in chain["jobs"]]
         assert [row["seed"] for row in rows] == [seeds[0], seeds[1]]
+        tasks = [job["job_id"] for job in chain["jobs"][:2]]
+        assert [row["slurm_job_id"] for row in rows] == tasks  # <array id>_<member>
+        assert {row["chain_id"] for row in rows} == {chain["chain_id"]}
+        runs = {path.name for path in (run_dir / "wandb").glob("offline-run-*/run-*.wandb")}
+        assert len(runs) == 1, runs  # both links in the member's one W&B run
+        wandb_runs.append(runs)
         (then,) = read_jsonl(run_dir / "jobs.jsonl")
         assert then["argv"] == [str(seeds[2])], then  # its seed alone, not the overrides
         assert then["env"]["ORCH_RUN_DIR"] == str(run_dir)
         assert then["env"]["ORCH_JOB_INDEX"] == "2"
         assert then["env"]["ORCH_SWEEP_ID"] == sweep
+    assert wandb_runs[0] != wandb_runs[1], wandb_runs  # a run per member
     run_dirs = {Path(chain["run_dir"]) for chain in status["chains"]}
     assert run_dirs == {sweep_dir / "0", sweep_dir / "1"}
     script = (sweep_dir / "0" / "tiny_fsdp2.sub").read_text()
