@@ -11,6 +11,8 @@ from pathlib import Path
 
 from contract.slurm_states import has_ended
 from orchestrator import __version__, remote
+from orchestrator.backends import registry
+from orchestrator.backends.base import Backend
 from orchestrator.chain import last_first
 from orchestrator.chain_status import chain_status
 from orchestrator.cli.chain_view import jobs_label, looked_at, print_table
@@ -83,9 +85,19 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         manifests = find_manifests(args.chain)
     else:
         manifests = [member_manifest(args.chain, args.member)]
-    for manifest, (backend, statuses) in zip(manifests, looked_at(manifests), strict=True):
+    looked = list(zip(manifests, looked_at(manifests), strict=True))
+    # The chains of one scheduler (backends sharing its look) are cancelled in one command,
+    # each chain's jobs last first: a sweep of 200 members is one scancel, not 200.
+    to_cancel: dict[object, tuple[Backend, list[str]]] = {}
+    lives = []
+    for manifest, (backend, statuses) in looked:
         live = [job_id for job_id, status in statuses.items() if not has_ended(status.state)]
-        backend.cancel(last_first(live))
+        scheduler = registry.by_label(manifest.backend).look_at or manifest.chain_id
+        to_cancel.setdefault(scheduler, (backend, []))[1].extend(last_first(live))
+        lives.append(live)
+    for backend, job_ids in to_cancel.values():
+        backend.cancel(job_ids)
+    for (manifest, _), live in zip(looked, lives, strict=True):
         with chain_lock(Path(manifest.run_dir)):  # the hooks judge no more jobs of it
             current = Manifest.load(manifest.path)
             if current.status == SUBMITTED:
