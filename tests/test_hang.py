@@ -11,15 +11,13 @@ longest of them; each test then checks its own run's outcome."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +27,8 @@ import pytest
 from contract.job_end import read_job_end
 from orchestrator.chain_judgement import judge
 from tests.harness.chains import launch_training, wait_chain
-from tests.harness.process import REPO, run_tool
-from tests.harness.training import metrics, wait_for_step
+from tests.harness.process import run_tool
+from tests.harness.training import metrics, rank_processes, two_ranks, wait_for_step
 from train.config import DebugConfig, TrainConfig, TrainLoopConfig, validate
 from train.loop.watchdog import SIGNAL_PATIENCE_S, STOPPABLE
 
@@ -56,44 +54,6 @@ CHAIN_STEPS, CHAIN_INTERVAL = 12, 4  # the chain's train.max_steps and checkpoin
 # alone, on a machine busy with the other hangs here and other tests' runs (test_in_job_restart
 # times the restart itself).
 RELAUNCH_S = 60
-
-
-@contextmanager
-def two_ranks(
-    run_dir: Path, corpus: Path, log: Path, *overrides: str
-) -> Iterator[subprocess.Popen]:
-    """2-rank training under torchrun, W&B off, stderr in ``log``, as job 0 of a SLURM job (so
-    rank 0 would write its end-of-job record); on the way out no process of it is left, stopped
-    ones included (the ranks have sessions of their own)."""
-    argv = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
-        *("-m", "train", f"run_dir={run_dir}", f"data.corpus={corpus}"),
-        *("data.max_duration=8", "wandb.enabled=false", "train.max_steps=1000", *overrides),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": JOB_ID, "ORCH_JOB_INDEX": "0"}
-    with log.open("w") as stderr:
-        torchrun = subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    try:
-        yield torchrun
-    finally:
-        if torchrun.poll() is None:
-            for child in psutil.Process(torchrun.pid).children(recursive=True):
-                with suppress(psutil.Error):
-                    child.kill()
-            os.killpg(torchrun.pid, signal.SIGKILL)
-            torchrun.wait()
-
-
-def rank_processes(torchrun: int) -> dict[int, psutil.Process]:
-    """torchrun's workers by rank (their RANK environment variable)."""
-    return {int(child.environ()["RANK"]): child for child in psutil.Process(torchrun).children()}
 
 
 def rank_stopped(torchrun: int) -> list[psutil.Process]:
@@ -138,7 +98,7 @@ def stop_a_rank(tmp: Path, corpus: Path, stopped: int, hang_timeout_s: int, usr1
     wait for torchrun to end, or with USR1 for the watchdog's line, then kill the stopped rank."""
     run_dir, log = tmp / "run", tmp / "stderr.log"
     overrides = ("checkpoint.interval=2", f"train.hang_timeout_s={hang_timeout_s}")
-    with two_ranks(run_dir, corpus, log, *overrides) as torchrun:
+    with two_ranks(run_dir, corpus, log, *overrides, job_id=JOB_ID) as torchrun:
         wait_for_step(run_dir, 3, lambda: torchrun.poll() is None)
         ranks = rank_processes(torchrun.pid)
         ranks[stopped].suspend()
@@ -166,7 +126,7 @@ def hang_in_a_phase(
     run_dir, log = tmp / "run", tmp / "stderr.log"
     faulty = (f"debug.stop_in={stop_in}", f"debug.stop_rank={stopped}")
     timeout = f"train.hang_timeout_s={HANG_TIMEOUT_S}"
-    with two_ranks(run_dir, corpus, log, timeout, *faulty, *overrides) as torchrun:
+    with two_ranks(run_dir, corpus, log, timeout, *faulty, *overrides, job_id=JOB_ID) as torchrun:
         deadline = time.monotonic() + 240
         while not rank_stopped(torchrun.pid):
             assert torchrun.poll() is None, log.read_text()[-3000:]

@@ -147,6 +147,17 @@ class OptimConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """Naming a slow rank (train/loop/straggler.py): the slowest in each of ``intervals``
+    intervals of ``every`` steps in a row (0: never named; the per-rank figures are logged all
+    the same), its compute time over them at least ``ratio`` times the other ranks' median."""
+
+    ratio: float = 1.5
+    intervals: int = 3
+    every: int = 20
+
+
+@dataclass
 class TrainLoopConfig:
     max_steps: int = 100
     log_every: int = 1
@@ -164,6 +175,7 @@ class TrainLoopConfig:
     # steps between Python's collections of reference cycles, on every rank at the same step
     # (train/loop/garbage.py); 0: Python's automatic collection
     gc_interval: int = 50
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 @dataclass
@@ -353,6 +365,21 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.train.hang_timeout_s < 0:
         raise ValueError("train.hang_timeout_s must be 0 (no watchdog) or positive seconds")
+    straggler = cfg.train.straggler
+    if straggler.ratio <= 1:
+        raise ValueError(
+            f"train.straggler.ratio={straggler.ratio}: must be above 1 (a rank this many times "
+            "slower than the others' median is named)"
+        )
+    if straggler.every < 1:
+        raise ValueError(
+            f"train.straggler.every={straggler.every}: must be at least 1 step an interval"
+        )
+    if straggler.intervals < 0:
+        raise ValueError(
+            f"train.straggler.intervals={straggler.intervals}: must be 0 (never name a rank) or "
+            "a positive number of log intervals in a row"
+        )
     if cfg.debug.host_syncs not in HOST_SYNC_MODES:
         raise ValueError(
             f"debug.host_syncs={cfg.debug.host_syncs}: choose one of {', '.join(HOST_SYNC_MODES)}"

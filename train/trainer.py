@@ -51,6 +51,7 @@ from train.loop.step import WholeModelRunner
 from train.loop.step_log import StepLog, log_state_memory
 from train.loop.step_tallies import COUNTS, StepTallies, Synced, global_counts
 from train.loop.stop import StopRequest
+from train.loop.straggler import StragglerWatch
 from train.loop.train_state import TrainState
 from train.loop.watchdog import RESTORE, SAVE, STEP, VALIDATION, Watchdog, process_group_timeout
 from train.memory import gradient_bytes, state_bytes
@@ -199,6 +200,7 @@ class Trainer:
         )
         self.tallies = StepTallies(device)
         self.step_log = StepLog(cfg, device)
+        self.stragglers = StragglerWatch(self.runner.parts, cfg.train.straggler, device)
         self.batch_checks = BatchChecks(
             self.run_dir, self.dims, self.rank, cfg.debug.check_batches, cfg.debug.batch_hashes
         )
@@ -348,6 +350,7 @@ class Trainer:
         cfg, first_step = self.cfg, self.step
         batches = self.data.batches()
         self.step_log.start(first_step)
+        self.stragglers.resume(first_step)
         while self.step < cfg.train.max_steps:
             self.watchdog.beat(self.step, STEP)
             step_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
@@ -365,8 +368,10 @@ class Trainer:
                 return f"stopping at step {step}: {why}"
             if self.checkpoints.due(step, last):
                 self.save()
+                self.stragglers.resume(step)
             if self.validator.due(step, last):
                 self.validate(metrics)
+                self.stragglers.resume(step)
         return "max_steps reached"
 
     def train_step(self, batches: list[LoadedBatch]) -> None:
@@ -407,7 +412,8 @@ class Trainer:
             )
             with trapped(self.cfg.debug.device_trap):
                 counts = self.data.cut_counts(self.meshes.dp.get_group())
-            metrics.log(step, {**record, **counts})
+                ranks = self.stragglers.interval(step)
+            metrics.log(step, {**record, **counts, **ranks})
         self.finalize_save(wait=False)
         return self.stop.reason(synced.stop_flag)
 

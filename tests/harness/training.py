@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +20,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.harness.process import run_python
+from tests.harness.process import REPO, run_python
 
 if TYPE_CHECKING:
     from train.trainer import Trainer
@@ -167,3 +172,66 @@ def training_rank(run_dir: Path) -> psutil.Process | None:
         if "-m train" in cmdline and parent and "torchrun" in " ".join(parent.cmdline()):
             return process
     return None
+
+
+@contextmanager
+def two_ranks(
+    run_dir: Path, corpus: Path, log: Path, *overrides: str, job_id: str
+) -> Iterator[subprocess.Popen]:
+    """2-rank training under torchrun, W&B off, stderr in ``log``, as job 0 of SLURM job
+    ``job_id`` (so rank 0 would write its end-of-job record); on the way out no process of it
+    is left, stopped ones included (the ranks have sessions of their own)."""
+    argv = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+        *("-m", "train", f"run_dir={run_dir}", f"data.corpus={corpus}"),
+        *("data.max_duration=8", "wandb.enabled=false", "train.max_steps=1000", *overrides),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": job_id, "ORCH_JOB_INDEX": "0"}
+    with log.open("w") as stderr:
+        torchrun = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        yield torchrun
+    finally:
+        if torchrun.poll() is None:
+            for child in psutil.Process(torchrun.pid).children(recursive=True):
+                with suppress(psutil.Error):
+                    child.kill()
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+
+
+def rank_processes(torchrun: int) -> dict[int, psutil.Process]:
+    """torchrun's workers by rank (their RANK environment variable)."""
+    return {int(child.environ()["RANK"]): child for child in psutil.Process(torchrun).children()}
+
+
+@contextmanager
+def throttled(process: psutil.Process, stopped_s: float = 0.05, running_s: float = 0.05):
+    """Slow ``process`` down from outside, as a throttled GPU or a busy node would: SIGSTOP and
+    SIGCONT in turn (``stopped_s`` stopped, ``running_s`` running) until the block ends."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        with suppress(psutil.Error):
+            while not done.is_set():
+                process.suspend()
+                time.sleep(stopped_s)
+                process.resume()
+                done.wait(running_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        with suppress(psutil.Error):
+            process.resume()
