@@ -83,6 +83,18 @@ def last_progress(manifest: Manifest) -> dict[int, tuple[int, float | None]]:
     return progress
 
 
+def slow_ranks(manifest: Manifest) -> list[str]:
+    """The ranks the trainer named slow (train/loop/straggler.py), a line each, as ``status``
+    shows them: ``slow: node X, rank R, 1.7x median (job J, step S)``."""
+    return [
+        f"slow: node {row.get('straggler_node', '?')}, rank {row['straggler_rank']}, "
+        f"{row.get('straggler_ratio', 0):.1f}x median (job {row.get('job_index', 0)}, "
+        f"step {row['step']})"
+        for row in chain_rows(manifest)
+        if "straggler_rank" in row
+    ]
+
+
 @dataclass(frozen=True)
 class Validation:
     """A validation loss the trainer logged (pooled), and each set's where there were several."""

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.harness.process import run_tool
+from tests.harness.results import make_chain, status_json, train_row
 from tests.harness.training import metrics, rank_processes, throttled, two_ranks, wait_for_step
 from train.config import StragglerConfig, TrainConfig, TrainLoopConfig, validate
 from train.loop.straggler import Blame, StragglerJudge, interval_figures, ratios_to_others
@@ -118,3 +120,21 @@ def test_a_throttled_rank_is_named_and_an_even_run_names_nobody(corpus, tmp_path
     )
     print(f"named after {named_s:.1f} s; step time throttled/even: {slowdown:.2f}x")
     assert slowdown > 1.1  # every rank waited for the throttled one
+
+
+def test_status_names_the_slow_rank_with_its_node(tmp_path):
+    """``orchestrator status`` of a chain whose trainer named a rank slow: one line saying so,
+    and the same in its --json."""
+    chain = "slow-rank-chain"
+    named = {
+        **train_row(chain, 40, 1, 2.0),
+        "straggler_rank": 3,
+        "straggler_ratio": 1.84,
+        "straggler_node": "n2 GPU 3",
+    }
+    make_chain(tmp_path, chain, [train_row(chain, 20, 0, 3.0), named])
+    shown = run_tool("orchestrator", "status", chain)
+    assert shown.returncode == 0, shown.stderr
+    line = "slow: node n2 GPU 3, rank 3, 1.8x median (job 1, step 40)"
+    assert shown.stdout.count("slow: node") == 1 and line in shown.stdout, shown.stdout
+    assert status_json(chain)["slow"] == [line]

@@ -19,7 +19,14 @@ from orchestrator.cli.chain_view import (
     summary,
 )
 from orchestrator.manifest import JobRecord, Manifest, find_manifests, sweep_labels
-from orchestrator.results import RunResults, as_json, disk_problem, format_wer, last_progress
+from orchestrator.results import (
+    RunResults,
+    as_json,
+    disk_problem,
+    format_wer,
+    last_progress,
+    slow_ranks,
+)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -74,6 +81,7 @@ def status_payload(
         row["source"] = status.source if status else ""
         row["last_step"], row["last_loss"] = progress.get(job.index, (None, None))
     payload["disk_problem"] = disk_problem(Path(manifest.run_dir))
+    payload["slow"] = slow_ranks(manifest)
     payload["validation"] = as_json(results.validation)
     payload["evaluation"] = as_json(results.evaluation)
     return payload
@@ -129,6 +137,8 @@ def print_status(payload: dict, results: RunResults) -> None:
     if payload["ended"] and payload["status"] != "complete":
         print(f"{payload['status']}: {payload['ended']}")
     print(f"latest: {results.describe()}")
+    for line in payload["slow"]:
+        print(line)
     per_set = results.per_set()
     if per_set:
         print_table(
