@@ -19,6 +19,7 @@ their time counts as compute on every rank alike.
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -177,8 +178,9 @@ def interval_figures(compute: Sequence[float], waited: Sequence[float]) -> dict[
 
 
 def place() -> str:
-    """Where this rank runs, as a blame names it: the node, and the GPU where there is one."""
-    node = socket.gethostname()
+    """Where this rank runs, as a blame names it: the node (SLURM's name for it, which
+    ``--exclude`` takes; else the host's), and the GPU where there is one."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     return f"{node} GPU {torch.cuda.current_device()}" if torch.cuda.is_initialized() else node
 
 
