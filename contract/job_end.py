@@ -8,9 +8,11 @@ be the rank that was lost.
 
     {"reason": "max_steps" | "signal" | "budget" | "diverged" | "error",
      "step": N, "finished": bool, "saved": bool, "signal": "SIGTERM" | "SIGUSR1" | null,
-     "exit_code": N, "error": "data: ... does not exist; make the corpus ..." | null}
+     "exit_code": N, "error": "data: ... does not exist; make the corpus ..." | null,
+     "slow": [{"node": "n2", "rank": 1, "ratio": 1.84, "step": 40}]}   (only where one was named)
 
-``saved`` means the state at ``step`` is in a complete checkpoint. ``error`` is the trainer's own
+``saved`` means the state at ``step`` is in a complete checkpoint. ``slow``: the ranks the trainer
+named slow (train/loop/straggler.py), with their nodes. ``error`` is the trainer's own
 ``error:`` line (its first line, without the prefix) where it stopped on one: what the chain's
 status, its ``[local]`` line and ``orchestrator logs`` show instead of the launcher's traceback.
 The batch script's hook (``orchestrator.chain_hooks``) reads it: finished cancels the chain's

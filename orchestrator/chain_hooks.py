@@ -131,6 +131,7 @@ class ChainKeeper:
         record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
         if record is not None:
             job.step = record.get("step")
+            job.slow = list(record.get("slow") or [])
         try:
             job.checkpoint_step = newest_step(self.run_dir)
         except StorageError as error:  # the bucket did not answer: the job's own word for it

@@ -111,6 +111,8 @@ class JobRecord:
     # A failure whose replacement SLURM did not take (its controller down past the patience):
     # why the job failed, until a later hook run (a job's start, `chain_hooks check`) queues it.
     replacement_due: str | None = None
+    # The ranks its trainer named slow (its end-of-job record's ``slow``): node, rank, ratio.
+    slow: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -8,12 +8,17 @@ every 0.1 s), named with its node within a bound, while both ranks' step times s
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import statistics
 import time
 
 import pytest
 
+from contract.job_end import job_end_path, job_end_record, read_job_end
+from orchestrator.chain_hooks import ChainKeeper
+from orchestrator.manifest import MANIFEST_NAME, Manifest
 from tests.harness.process import run_tool
 from tests.harness.results import make_chain, status_json, train_row
 from tests.harness.training import metrics, rank_processes, throttled, two_ranks, wait_for_step
@@ -109,7 +114,20 @@ def test_a_throttled_rank_is_named_and_an_even_run_names_nobody(corpus, tmp_path
                 time.sleep(0.2)
             named_s = time.monotonic() - began
             rows = metrics(slow_dir)
+        for rank in rank_processes(run.pid).values():  # stop as a job's time limit would
+            rank.send_signal(signal.SIGUSR1)
+        assert run.wait(timeout=120) == 0, slow_log.read_text()[-3000:]
     (blamed,) = [row for row in rows if "straggler_rank" in row]
+    record = read_job_end(slow_dir, "0", "52")
+    assert record is not None and record["saved"], record
+    assert record["slow"] == [
+        {
+            "node": socket.gethostname(),
+            "rank": 1,
+            "ratio": round(blamed["straggler_ratio"], 2),
+            "step": blamed["step"],
+        }
+    ], record
     assert blamed["straggler_rank"] == 1 and blamed["straggler_ratio"] >= 1.5, blamed
     assert blamed["straggler_node"] == socket.gethostname()
     line = next(line for line in slow_log.read_text().splitlines() if "slow: node" in line)
@@ -138,3 +156,23 @@ def test_status_names_the_slow_rank_with_its_node(tmp_path):
     line = "slow: node n2 GPU 3, rank 3, 1.8x median (job 1, step 40)"
     assert shown.stdout.count("slow: node") == 1 and line in shown.stdout, shown.stdout
     assert status_json(chain)["slow"] == [line]
+
+
+def test_the_chain_keeps_the_slow_ranks_its_job_named(tmp_path):
+    """The chain's judgement copies the end-of-job record's ``slow`` onto the job's record in
+    the manifest, and ``status`` shows it beside the job."""
+    run_dir = make_chain(tmp_path, "slow-record-chain", [])
+    manifest = Manifest.load(run_dir / MANIFEST_NAME)
+    job = manifest.jobs[0]
+    named = [{"node": "n2", "rank": 1, "ratio": 1.84, "step": 40}]
+    record = job_end_record(
+        0, step=40, max_steps=100, signalled=True, signal_name="SIGUSR1", diverged=False
+    )
+    path = job_end_path(run_dir, str(job.index), str(job.job_id))
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**record, "slow": named}))
+    _, ending = ChainKeeper(manifest, None).judge_one(job, 0, "COMPLETED", True)
+    assert ending.outcome == "stopped" and job.slow == named
+    manifest.save()
+    shown = status_json("slow-record-chain")["jobs"][0]["reason"]
+    assert "slow: node n2, rank 1" in shown, shown

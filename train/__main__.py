@@ -61,6 +61,8 @@ def record_job_end(
         diverged=code == EXIT_DIVERGED,
         error=error or (trainer.error if trainer is not None else None),
     )
+    if trainer is not None and trainer.stragglers.named:
+        record["slow"] = trainer.stragglers.named  # the ranks named slow (train.straggler)
     write_job_end(cfg.run_dir, record, replace)
 
 

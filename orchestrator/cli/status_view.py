@@ -115,6 +115,8 @@ def job_reason(job: JobRecord, status: JobStatus | None, error: str | None = Non
         parts.append(f"preempted and requeued {job.restarts}x")
     if job.in_job_restarts:
         parts.append(f"restarted in place {job.in_job_restarts}x")
+    for slow in job.slow:
+        parts.append(f"slow: node {slow.get('node')}, rank {slow.get('rank')}")
     if status and status.reason:
         parts.append(status.reason)
     return "; ".join(parts)

@@ -202,6 +202,8 @@ class StragglerWatch:
         self.judge = StragglerJudge(settings.ratio, settings.intervals)
         self.places: list[str] | None = None
         self.since, self.since_step = time.perf_counter(), 0
+        # The ranks named this job, for its end-of-job record (the chain's record of them).
+        self.named: list[dict[str, Any]] = []
 
     def resume(self, step: int) -> None:
         """Intervals count from now, after ``step`` (a job's start, a save, a validation)."""
@@ -238,5 +240,8 @@ class StragglerWatch:
             )
             record.update(
                 straggler_rank=blame.rank, straggler_ratio=blame.ratio, straggler_node=where
+            )
+            self.named.append(
+                {"node": where, "rank": blame.rank, "ratio": round(blame.ratio, 2), "step": step}
             )
         return record
