@@ -27,7 +27,8 @@ from tests.harness.training import metrics, wait_for_step
 from tests.harness.wandb_runs import WANDB_OFFLINE
 
 INTERVAL = 4  # checkpoint interval
-MAX_STEPS = 24  # enough that neither chain finishes before the preemption reaches it, under load
+MAX_STEPS = 48  # enough that neither chain finishes before the preemption reaches it, under load:
+# 24 were not, once: one chain's job had trained all 24 when the urgent job came, the other's 4
 RECIPE = REPO / "recipes" / "train_tiny_fsdp2.yaml"
 
 
