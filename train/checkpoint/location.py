@@ -16,6 +16,7 @@ Torch-free; boto3 is imported only for a run in object storage.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from contract.run_dir import (
@@ -86,7 +87,11 @@ def settle(run_dir: Path, location: str, first_rank: bool) -> str | None:
         )
     if first_rank and before is None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CHECKPOINT_LOCATION_FILE).write_text(prefix + "\n")
+        # Written aside and renamed into place: the other ranks, reading it in their own
+        # preflight meanwhile, find no file or the whole one, never an empty one being written.
+        aside = run_dir / f".{CHECKPOINT_LOCATION_FILE}.{os.getpid()}"
+        aside.write_text(prefix + "\n")
+        os.replace(aside, run_dir / CHECKPOINT_LOCATION_FILE)
     return prefix
 
 
