@@ -330,13 +330,14 @@ class ChainKeeper:
         waiting on it task by task (aftercorr) would never start. It waits for its end instead,
         however it ended, as every job of a chain of its own does (afterany), but for an
         ``afterok`` chain's next job: that one stays unstarted, as afterok leaves it."""
-        goes_on = self.manifest.dependency_kind != "afterok"
         for other in self.manifest.jobs:
-            waits = other.outcome is None and successor_of(other, str(job.job_id))
-            if waits and (other.then or goes_on):
+            if other.outcome is None and successor_of(other, str(job.job_id)):
                 self.free(other, str(job.job_id))
 
     def free(self, waiting: JobRecord, ended_id: str) -> None:
+        """``waiting`` starts once ``ended_id`` has ended, however (afterok's next job stays)."""
+        if self.manifest.dependency_kind == "afterok" and not waiting.then:
+            return
         spec = f"{FREED}:{ended_id}"
         try:
             self.backend.set_dependency(str(waiting.job_id), spec)
@@ -357,11 +358,9 @@ class ChainKeeper:
             waiting = find_job(self.manifest, job_id)
             if waiting is None or waiting.outcome is not None or waiting.dependency is None:
                 continue
-            array = waiting.dependency.partition(":")[2]
-            task = job_id.partition("_")[2]
-            afterok = self.manifest.dependency_kind == "afterok" and not waiting.then
-            if waiting.dependency.startswith(f"{CORRESPONDING}:") and not afterok:
-                self.free(waiting, f"{array}_{task}")
+            kind, _, array = waiting.dependency.partition(":")
+            if kind == CORRESPONDING:
+                self.free(waiting, f"{array}_{job_id.partition('_')[2]}")
 
     def replace(self, job: JobRecord, ending: Ending, ended_ids: set[str]) -> None:
         """Queue one replacement at the end of the chain, while retries remain."""

@@ -86,24 +86,25 @@ class TimedWork(dist.Work):
         return self.clock.timed(self.inner.wait)
 
 
-class TimedAllGather(DefaultAllGather):
+class TimedComm:
+    """The collective FSDP2 asks for (the default one that follows in the class's bases),
+    timed through ``clock``: its launch, and on gloo the wait of its asynchronous handle."""
+
     def __init__(self, clock: CommClock) -> None:
         super().__init__()
         self.clock = clock
 
     def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None:
-        work = self.clock.timed(lambda: super(TimedAllGather, self).__call__(*args, **kwargs))
+        work = self.clock.timed(lambda: super(TimedComm, self).__call__(*args, **kwargs))
         return TimedWork(work, self.clock) if work is not None and not self.clock.cuda else work
 
 
-class TimedReduceScatter(DefaultReduceScatter):
-    def __init__(self, clock: CommClock) -> None:
-        super().__init__()
-        self.clock = clock
+class TimedAllGather(TimedComm, DefaultAllGather):
+    pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> dist.Work:
-        work = self.clock.timed(lambda: super(TimedReduceScatter, self).__call__(*args, **kwargs))
-        return TimedWork(work, self.clock) if work is not None and not self.clock.cuda else work
+
+class TimedReduceScatter(TimedComm, DefaultReduceScatter):
+    pass
 
 
 def time_collectives(parts: Sequence[torch.nn.Module], clock: CommClock) -> int:
