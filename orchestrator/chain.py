@@ -34,6 +34,7 @@ from orchestrator.launch_checks import (
     check_restarts_in_job,
     check_retries,
     check_run_dir,
+    check_slow_nodes,
     parse_exit_codes,
 )
 from orchestrator.manifest import (
@@ -52,6 +53,7 @@ from orchestrator.manifest import (
 )
 from orchestrator.scripts import read_recipe
 from orchestrator.seeds import validate_base_seed
+from orchestrator.slow_nodes import DEFAULT_EXCLUDE_SLOW_NODES
 from orchestrator.slurm.resources import JobResources
 from orchestrator.snapshot import (
     DEFAULT_LIMIT_MB,
@@ -121,6 +123,8 @@ class ChainPlan:
     retry_on_exit: tuple[int, ...] = ()  # exit codes worth a replacement (besides the transient)
     max_stalled: int = DEFAULT_MAX_STALLED
     restarts_in_job: int = DEFAULT_RESTARTS_IN_JOB
+    exclude_slow_nodes: int = DEFAULT_EXCLUDE_SLOW_NODES  # orchestrator/slow_nodes.py
+    readmit_slow_nodes: int = 0
     code: CodeSource | None = None  # what the jobs run (None: the live workdir, unrecorded)
 
     @classmethod
@@ -145,6 +149,8 @@ class ChainPlan:
         retry_on_exit: str = "",
         max_stalled: int = DEFAULT_MAX_STALLED,
         restarts_in_job: int = DEFAULT_RESTARTS_IN_JOB,
+        exclude_slow_nodes: int = DEFAULT_EXCLUDE_SLOW_NODES,
+        readmit_slow_nodes: int = 0,
         code: str = SNAPSHOT,
         code_limit_mb: float = DEFAULT_LIMIT_MB,
         code_source: CodeSource | None = None,
@@ -167,6 +173,7 @@ class ChainPlan:
         exit_codes = parse_exit_codes(retry_on_exit, retries)
         check_max_stalled(max_stalled)
         check_restarts_in_job(restarts_in_job)
+        check_slow_nodes(exclude_slow_nodes, readmit_slow_nodes)
         chain_id = chain_id or new_chain_id(job_name)
         resolved_run_dir = (run_dir or orch_home() / "runs" / chain_id).expanduser().resolve()
         check_run_dir(resolved_run_dir)
@@ -193,6 +200,8 @@ class ChainPlan:
             retry_on_exit=exit_codes,
             max_stalled=max_stalled,
             restarts_in_job=restarts_in_job,
+            exclude_slow_nodes=exclude_slow_nodes,
+            readmit_slow_nodes=readmit_slow_nodes,
             code=source,
         )
 
@@ -293,9 +302,12 @@ def job_variables(
     return env
 
 
-def replacement_request(manifest: Manifest, index: int, seed: int, after: str | None) -> JobRequest:
+def replacement_request(
+    manifest: Manifest, index: int, seed: int, after: str | None, exclude: str = ""
+) -> JobRequest:
     """Job ``index`` of a submitted chain re-running its recipe: what the chain hook queues
-    for a failed job. It runs the chain's script copy, as every job of the chain does."""
+    for a failed job. It runs the chain's script copy, as every job of the chain does, off
+    the nodes of ``exclude`` (the recipe's own and the slow ones the chain leaves out)."""
     script = Path(manifest.script)
     job_name = script.stem  # ChainPlan.script_path is RUN_DIR/<job name>.sub
     env = job_variables(
@@ -313,6 +325,7 @@ def replacement_request(manifest: Manifest, index: int, seed: int, after: str | 
         after=after,
         workdir=Path(manifest.workdir or manifest.run_dir),
         seed=seed,
+        exclude=exclude,
     )
 
 
@@ -358,6 +371,8 @@ def new_manifest(plan: ChainPlan, backend_name: str) -> Manifest:
         retry_on_exit=list(plan.retry_on_exit),
         max_stalled=plan.max_stalled,
         restarts_in_job=plan.restarts_in_job,
+        exclude_slow_nodes=plan.exclude_slow_nodes,
+        readmit_slow_nodes=plan.readmit_slow_nodes,
         start_step=starting_step(plan.run_dir),
         workdir=str(plan.workdir),
         code_mode=code.mode if code else None,

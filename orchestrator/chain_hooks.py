@@ -74,7 +74,22 @@ from orchestrator.manifest import (
     Manifest,
     chain_lock,
 )
-from orchestrator.slurm.commands import query_jobs, requeue_job, show_job
+from orchestrator.slow_nodes import (
+    NodeDecision,
+    decide,
+    exclude_option,
+    exclusions_for,
+    named_by,
+    usable_nodes,
+)
+from orchestrator.slurm.commands import (
+    node_states,
+    query_jobs,
+    requeue_job,
+    show_job,
+    update_excluded,
+)
+from orchestrator.slurm.directives import parse_sbatch_directives
 from train.checkpoint.location import newest_step
 from train.data.storage import StorageError
 
@@ -274,6 +289,7 @@ class ChainKeeper:
             job.outcome, job.why = ending.outcome, ending.line
             say(f"job {job.index} (id {job.job_id}) {ending.line}")
         self.manifest.save()
+        self.leave_out_slow_nodes([job for job, _ in endings])
         for job, ending in endings:
             if job.then or self.has_ended:
                 continue
@@ -288,6 +304,91 @@ class ChainKeeper:
         if not self.has_ended:
             self.settle()
         self.manifest.save()
+
+    def leave_out_slow_nodes(self, judged: list[JobRecord]) -> None:
+        """Decide on each node the ``judged`` jobs' trainers named slow (orchestrator/
+        slow_nodes.py), record it, and keep the chain's queued jobs off those left out."""
+        if not isinstance(self.backend, SlurmBackend):
+            return
+        decided = self.manifest.slow_nodes
+        for job in judged:
+            for entry in job.slow:
+                node = str(entry.get("node") or "")
+                if not node or node in exclusions_for(decided, job.index + 1):
+                    continue
+                decision = self.decide_on(node, named_by(entry, job.index, str(job.job_id)), job)
+                decided.append(decision)
+                say(decision.line())
+        if judged and any(job.slow for job in judged):
+            self.manifest.save()
+            self.keep_off_slow_nodes()
+
+    def decide_on(self, node: str, why: str, job: JobRecord) -> NodeDecision:
+        """Whether ``node``, named slow by ``job``, leaves the chain: the cap, and enough usable
+        nodes left in the partition of the job (as SLURM still has it, else of a queued one)."""
+        manifest = self.manifest
+        room = self.partition_room(job)
+        if isinstance(room, str):
+            return NodeDecision(node=node, why=why, job=job.index, kept=room)
+        partition, needed, usable = room
+        return decide(
+            node,
+            why=why,
+            job=job.index,
+            decided=manifest.slow_nodes,
+            cap=manifest.exclude_slow_nodes,
+            readmit_after=manifest.readmit_slow_nodes,
+            usable=usable,
+            needed=needed,
+            partition=partition,
+        )
+
+    def partition_room(self, job: JobRecord) -> tuple[str, int, set[str]] | str:
+        """The partition the chain's jobs run in, the nodes each needs, and the partition's
+        usable nodes; or why SLURM did not say."""
+        queued = [o for o in self.manifest.jobs if o.outcome is None and not o.then and o.job_id]
+        try:
+            fields = {}
+            for candidate in [job, *queued]:
+                if fields := show_job(str(candidate.job_id)):
+                    break
+            if not fields:
+                return "SLURM no longer knows the chain's jobs, to size their partition"
+            partition = fields.get("Partition", "")
+            needed = int(fields.get("NumNodes", "1").split("-")[0] or 1)
+            return partition, needed, usable_nodes(node_states(partition))
+        except (SchedulerError, ValueError) as error:
+            return f"could not size the partition ({str(error).splitlines()[0]})"
+
+    def keep_off_slow_nodes(self) -> None:
+        """Set each queued job's --exclude to the recipe's own and the slow nodes it avoids."""
+        decided = self.manifest.slow_nodes
+        for other in self.manifest.jobs:
+            if other.outcome is not None or other.then or other is self.current:
+                continue
+            nodes = exclusions_for(decided, other.index)
+            if not other.job_id or nodes == other.avoids:
+                continue
+            try:
+                update_excluded(str(other.job_id), exclude_option(self.recipe_exclude(), nodes))
+            except SchedulerError as error:
+                say(
+                    f"could not keep job {other.index} (id {other.job_id}) off "
+                    f"{', '.join(nodes) or 'no node'}: {str(error).splitlines()[0]}"
+                )
+                continue
+            other.avoids = nodes
+            self.manifest.save()
+            shown = ", ".join(nodes) if nodes else "no slow node"
+            say(f"job {other.index} (id {other.job_id}) stays off {shown}")
+
+    def recipe_exclude(self) -> str:
+        """The recipe's own ``#SBATCH --exclude``, kept in every exclusion the chain sets."""
+        try:
+            text = Path(self.manifest.script).read_text()
+        except OSError:
+            return ""
+        return parse_sbatch_directives(text).get("exclude", "")
 
     def stop_if_stalled(self) -> None:
         """End the chain once --max-stalled jobs in a row made no progress."""
@@ -371,7 +472,9 @@ class ChainKeeper:
             return
         index, after = replacement_slot(self.manifest, ended_ids)
         seed = replacement_seed(self.manifest, index)
-        request = replacement_request(self.manifest, index, seed, after)
+        avoids = exclusions_for(self.manifest.slow_nodes, index)
+        exclude = exclude_option(self.recipe_exclude(), avoids) if avoids else ""
+        request = replacement_request(self.manifest, index, seed, after, exclude)
         try:
             job_id = self.backend.submit(request)
         except SchedulerError as error:
@@ -392,6 +495,7 @@ class ChainKeeper:
                 submit_time=time.time(),
                 replaces=job.index,
                 reason=ending.detail,
+                avoids=avoids,
             )
         )
         say(

@@ -2,7 +2,8 @@
 submitted. Each failure is one UsageError naming the problem.
 
 ``ChainPlan.create`` (orchestrator.chain) runs the chain's: -n, --dependency, the job name,
---retries, --retry-on-exit, --max-stalled, --restarts-in-job and the run dir;
+--retries, --retry-on-exit, --max-stalled, --restarts-in-job, --exclude-slow-nodes,
+--readmit-slow-nodes and the run dir;
 ``launch.check_jobs`` those of where the jobs go: the programs on PATH, this machine's resources
 for a local backend, --retries against the chosen backend.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS, Backend
 from orchestrator.errors import UsageError
+from orchestrator.slow_nodes import MAX_EXCLUDE_SLOW_NODES
 from orchestrator.slurm.resources import JobResources
 
 MAX_CHAIN_LENGTH = 1000
@@ -87,6 +89,19 @@ def check_restarts_in_job(restarts: int) -> None:
         raise UsageError(
             f"--restarts-in-job {restarts}: give 0 (never restart in place) .. "
             f"{MAX_RESTARTS_IN_JOB}"
+        )
+
+
+def check_slow_nodes(cap: int, readmit_after: int) -> None:
+    """--exclude-slow-nodes and --readmit-slow-nodes (orchestrator/slow_nodes.py)."""
+    if not 0 <= cap <= MAX_EXCLUDE_SLOW_NODES:
+        raise UsageError(
+            f"--exclude-slow-nodes {cap}: give 0 (never exclude a node) .. {MAX_EXCLUDE_SLOW_NODES}"
+        )
+    if not 0 <= readmit_after <= MAX_CHAIN_LENGTH:
+        raise UsageError(
+            f"--readmit-slow-nodes {readmit_after}: give 0 (never take a slow node back) .. "
+            f"{MAX_CHAIN_LENGTH} jobs"
         )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import job_env
+from orchestrator.slow_nodes import NodeDecision
 
 # Jobs in a row that may end without a newer checkpoint before the chain stops as stalled.
 DEFAULT_MAX_STALLED = 2
@@ -113,6 +114,8 @@ class JobRecord:
     replacement_due: str | None = None
     # The ranks its trainer named slow (its end-of-job record's ``slow``): node, rank, ratio.
     slow: list[dict[str, Any]] = field(default_factory=list)
+    # The nodes the chain's hook had it stay off (its --exclude, less the recipe's own).
+    avoids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +152,12 @@ class Manifest:
     # --restarts-in-job: launches of the training again inside one job (orchestrator/in_job.py).
     # A manifest written before it existed had none.
     restarts_in_job: int = 0
+    # --exclude-slow-nodes / --readmit-slow-nodes (orchestrator/slow_nodes.py): a manifest
+    # written before they existed excludes no node.
+    exclude_slow_nodes: int = 0
+    readmit_slow_nodes: int = 0
+    # What the chain made of each node a job's trainer named slow (left out, or kept and why).
+    slow_nodes: list[NodeDecision] = field(default_factory=list)
     start_step: int | None = None  # the run dir's newest complete checkpoint at submission
     workdir: str | None = None  # where the jobs start (sbatch --chdir), for replacements
     code_mode: str | None = None  # snapshot, dir or live (orchestrator/snapshot.py)
@@ -184,7 +193,8 @@ class Manifest:
         jobs += journal_jobs(Path(path).parent / JOURNAL_NAME, {job.job_id for job in jobs})
         then = data.pop("then", None)
         then_record = ThenRecord(**known_fields(ThenRecord, then)) if then else None
-        return cls(**known_fields(cls, data), jobs=jobs, then=then_record)
+        nodes = [NodeDecision(**known_fields(NodeDecision, d)) for d in data.pop("slow_nodes", [])]
+        return cls(**known_fields(cls, data), jobs=jobs, then=then_record, slow_nodes=nodes)
 
     def job_ids(self) -> list[str]:
         return [job.job_id for job in self.jobs if job.job_id]

@@ -44,6 +44,7 @@ class JobRequest:
     seed: int
     function: Callable[..., Any] | None = None
     function_args: tuple[Any, ...] = ()
+    exclude: str = ""  # nodes the job stays off (sbatch --exclude; orchestrator/slow_nodes.py)
 
 
 @dataclass

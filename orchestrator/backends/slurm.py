@@ -145,6 +145,7 @@ class SlurmBackend(SlurmQueue, BatchScriptBackend):
             "--open-mode=append",
             f"--chdir={request.workdir}",
             *dependency_option(request.dependency_kind, after),
+            *([f"--exclude={request.exclude}"] if request.exclude else []),
             f"--export={export_option(request.env)}",
             str(script),
             str(request.seed),

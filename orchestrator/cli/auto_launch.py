@@ -78,6 +78,8 @@ def plan_chain(
         retry_on_exit=args.retry_on_exit,
         max_stalled=args.max_stalled,
         restarts_in_job=args.restarts_in_job,
+        exclude_slow_nodes=args.exclude_slow_nodes,
+        readmit_slow_nodes=args.readmit_slow_nodes,
         code=args.code,
         code_limit_mb=args.code_limit_mb,
         code_source=member.code if member else None,

@@ -10,6 +10,7 @@ from orchestrator import remote
 from orchestrator.backends import registry
 from orchestrator.backends.base import DEPENDENCY_KINDS
 from orchestrator.manifest import DEFAULT_MAX_STALLED, DEFAULT_RESTARTS_IN_JOB
+from orchestrator.slow_nodes import DEFAULT_EXCLUDE_SLOW_NODES
 from orchestrator.snapshot import DEFAULT_LIMIT_MB, SNAPSHOT
 
 
@@ -83,6 +84,23 @@ def auto_launch_parser() -> argparse.ArgumentParser:
         "--retry-on-exit) and the job has a checkpoint interval's time left, up to K times; "
         "the same failure twice, or a job the cluster ended, goes to --retries (slurm backend, "
         "YAML recipes; default %(default)s)",
+    )
+    parser.add_argument(
+        "--exclude-slow-nodes",
+        type=int,
+        default=DEFAULT_EXCLUDE_SLOW_NODES,
+        metavar="N",
+        help="leave a node the trainer named slow (train.straggler) out of the chain's later "
+        "jobs (their --exclude), up to N nodes at once, while its partition keeps enough "
+        "others; 0: never (slurm backend; default %(default)s)",
+    )
+    parser.add_argument(
+        "--readmit-slow-nodes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a node left out as slow may run the chain's jobs again K jobs after the one that "
+        "named it; 0: never (default)",
     )
     parser.add_argument(
         "--code",

@@ -82,6 +82,7 @@ def status_payload(
         row["last_step"], row["last_loss"] = progress.get(job.index, (None, None))
     payload["disk_problem"] = disk_problem(Path(manifest.run_dir))
     payload["slow"] = slow_ranks(manifest)
+    payload["slow_nodes"] = [decision.line() for decision in manifest.slow_nodes]
     payload["validation"] = as_json(results.validation)
     payload["evaluation"] = as_json(results.evaluation)
     return payload
@@ -117,6 +118,8 @@ def job_reason(job: JobRecord, status: JobStatus | None, error: str | None = Non
         parts.append(f"restarted in place {job.in_job_restarts}x")
     for slow in job.slow:
         parts.append(f"slow: node {slow.get('node')}, rank {slow.get('rank')}")
+    if job.avoids:
+        parts.append(f"stays off slow {', '.join(job.avoids)}")
     if status and status.reason:
         parts.append(status.reason)
     return "; ".join(parts)
@@ -139,7 +142,7 @@ def print_status(payload: dict, results: RunResults) -> None:
     if payload["ended"] and payload["status"] != "complete":
         print(f"{payload['status']}: {payload['ended']}")
     print(f"latest: {results.describe()}")
-    for line in payload["slow"]:
+    for line in payload["slow"] + payload["slow_nodes"]:
         print(line)
     per_set = results.per_set()
     if per_set:

@@ -30,6 +30,20 @@ def update_dependency(job_id: str, spec: str) -> None:
     run_slurm(["scontrol", "update", f"JobId={job_id}", f"Dependency={spec}"])
 
 
+def update_excluded(job_id: str, nodes: str) -> None:
+    """Keep queued job ``job_id`` off ``nodes`` (a SLURM hostlist; empty: off none)."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={nodes}"])
+
+
+def node_states(partitions: str) -> dict[str, str]:
+    """Each node of ``partitions`` (comma-separated) and its state, as sinfo's ``%t`` says."""
+    output = run_slurm(
+        ["sinfo", "--noheader", "--Node", f"--partition={partitions}", "--format=%N %t"],
+        timeout_s=QUERY_TIMEOUT_S,
+    )
+    return dict(line.split() for line in output.splitlines() if len(line.split()) == 2)
+
+
 def cancel_jobs(job_ids: list[str]) -> None:
     """``scancel`` the jobs, in the order given (a chain's: last first)."""
     if job_ids:

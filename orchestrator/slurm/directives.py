@@ -22,6 +22,7 @@ SHORT_OPTIONS = {
     "-p": "partition",
     "-q": "qos",
     "-t": "time",
+    "-x": "exclude",
 }
 
 

@@ -216,15 +216,57 @@ def rank_processes(torchrun: int) -> dict[int, psutil.Process]:
 def throttled(process: psutil.Process, stopped_s: float = 0.05, running_s: float = 0.05):
     """Slow ``process`` down from outside, as a throttled GPU or a busy node would: SIGSTOP and
     SIGCONT in turn (``stopped_s`` stopped, ``running_s`` running) until the block ends."""
+    with throttling(lambda: [process], stopped_s, running_s):
+        yield
+
+
+@contextmanager
+def slow_node(node: str, run_dir: Path, stopped_s: float = 0.05, running_s: float = 0.05):
+    """A slow SLURM node of the loopback cluster: every training rank of ``run_dir`` that
+    runs there (its SLURMD_NODENAME), whichever job it belongs to, throttled as ``throttled``
+    throttles one, until the block ends."""
+
+    def ranks_on_node() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(process.info["cmdline"] or [])
+            if f"run_dir={run_dir}" not in cmdline or "-m train" not in cmdline:
+                continue
+            with suppress(psutil.Error):
+                if "torchrun" in cmdline or process.environ().get("SLURMD_NODENAME") != node:
+                    continue
+                found.append(process)
+        return found
+
+    with throttling(ranks_on_node, stopped_s, running_s, rescan_s=1.0):
+        yield
+
+
+@contextmanager
+def throttling(
+    targets, stopped_s: float, running_s: float, rescan_s: float | None = None
+) -> Iterator[None]:
+    """SIGSTOP and SIGCONT in turn the processes ``targets()`` lists (asked again every
+    ``rescan_s``, else once) until the block ends; none is left stopped."""
     done = threading.Event()
+    processes: list[psutil.Process] = []
+
+    def each(action: str) -> None:
+        for process in processes:
+            with suppress(psutil.Error):
+                getattr(process, action)()
 
     def cycle() -> None:
-        with suppress(psutil.Error):
-            while not done.is_set():
-                process.suspend()
-                time.sleep(stopped_s)
-                process.resume()
-                done.wait(running_s)
+        scanned: float | None = None
+        while not done.is_set():
+            due = rescan_s is not None and time.monotonic() - (scanned or 0) >= rescan_s
+            if scanned is None or due:
+                processes[:] = targets()
+                scanned = time.monotonic()
+            each("suspend")
+            time.sleep(stopped_s)
+            each("resume")
+            done.wait(running_s)
 
     thread = threading.Thread(target=cycle, daemon=True)
     thread.start()
@@ -233,5 +275,4 @@ def throttled(process: psutil.Process, stopped_s: float = 0.05, running_s: float
     finally:
         done.set()
         thread.join()
-        with suppress(psutil.Error):
-            process.resume()
+        each("resume")

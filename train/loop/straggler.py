@@ -178,11 +178,11 @@ def interval_figures(compute: Sequence[float], waited: Sequence[float]) -> dict[
     }
 
 
-def place() -> str:
-    """Where this rank runs, as a blame names it: the node (SLURM's name for it, which
-    ``--exclude`` takes; else the host's), and the GPU where there is one."""
+def place() -> tuple[str, int | None]:
+    """Where this rank runs: the node (SLURM's name for it, which ``--exclude`` takes; else
+    the host's), and its GPU where there is one."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return f"{node} GPU {torch.cuda.current_device()}" if torch.cuda.is_initialized() else node
+    return node, torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 class StragglerWatch:
@@ -201,7 +201,7 @@ class StragglerWatch:
         self.clock = CommClock(device)
         self.timed = time_collectives(parts, self.clock) if dist.get_world_size() > 1 else 0
         self.judge = StragglerJudge(settings.ratio, settings.intervals)
-        self.places: list[str] | None = None
+        self.places: list[tuple[str, int | None]] | None = None
         self.since, self.since_step = time.perf_counter(), 0
         # The ranks named this job, for its end-of-job record (the chain's record of them).
         self.named: list[dict[str, Any]] = []
@@ -218,7 +218,7 @@ class StragglerWatch:
         if not self.timed or step - self.since_step < self.every:
             return {}
         if self.places is None:
-            self.places = [""] * dist.get_world_size()
+            self.places = [("", None)] * dist.get_world_size()
             dist.all_gather_object(self.places, place())
         steps = max(step - self.since_step, 1)
         waited = self.clock.take()
@@ -233,7 +233,8 @@ class StragglerWatch:
         record: dict[str, Any] = interval_figures(compute, waits)
         blame = self.judge.observe(compute)
         if blame is not None:
-            where = self.places[blame.rank]
+            node, gpu = self.places[blame.rank]
+            where = node if gpu is None else f"{node} GPU {gpu}"
             say(
                 f"slow: node {where}, rank {blame.rank}, {blame.ratio:.1f}x the other ranks' "
                 f"median compute time a step, {blame.intervals} intervals of {self.every} "
@@ -242,7 +243,6 @@ class StragglerWatch:
             record.update(
                 straggler_rank=blame.rank, straggler_ratio=blame.ratio, straggler_node=where
             )
-            self.named.append(
-                {"node": where, "rank": blame.rank, "ratio": round(blame.ratio, 2), "step": step}
-            )
+            named = {"node": node, "rank": blame.rank, "ratio": round(blame.ratio, 2), "step": step}
+            self.named.append(named if gpu is None else {**named, "gpu": gpu})
         return record
