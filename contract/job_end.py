@@ -9,7 +9,8 @@ be the rank that was lost.
     {"reason": "max_steps" | "signal" | "budget" | "diverged" | "error",
      "step": N, "finished": bool, "saved": bool, "signal": "SIGTERM" | "SIGUSR1" | null,
      "exit_code": N, "error": "data: ... does not exist; make the corpus ..." | null,
-     "slow": [{"node": "n2", "rank": 1, "ratio": 1.84, "step": 40}]}   (only where one was named)
+     "slow": [{"node": "n2", "rank": 1, "ratio": 1.84, "step": 40}],   (only where one was named)
+     "leave_node": "n2"}   (only where the training stopped to leave it for a spare node)
 
 ``saved`` means the state at ``step`` is in a complete checkpoint. ``slow``: the ranks the trainer
 named slow (train/loop/straggler.py), with their nodes. ``error`` is the trainer's own

@@ -26,6 +26,10 @@ STOP_AT = "ORCH_STOP_AT"
 # Set by the batch script when it launches the training again inside the same job (the chain
 # hook's in-job restart): how many times so far. The metrics rows carry it.
 IN_JOB_RESTART = "ORCH_IN_JOB_RESTART"
+# The spare nodes of the job's allocation that the training's step leaves free, set by the batch
+# script of a recipe with ``spare_nodes`` for each launch: a trainer that names a rank slow
+# while one is free saves and stops, and the step is launched again off its node.
+SPARE_NODES = "ORCH_SPARE_NODES"
 # A task of a chained sweep's job arrays (orchestrator/arrays.py): the sweep's task directory,
 # whose ``<task id>`` links lead to the members' run dirs and whose ``arrays.json`` names the
 # links' arrays; the chain hook reads it to free a member stuck behind a task that died.

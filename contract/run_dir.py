@@ -8,6 +8,8 @@
       eval/step_<N>/               what ``python -m train.evaluate`` wrote for that checkpoint
       job_ends/<index>-<id>.json   how each job's training ended (contract.job_end)
       logs/<job name>-<id>.out     each job's log
+      avoid_nodes/<id>             nodes the job's next launches stay off, one a line (a slow
+                                   node swapped for a spare of the allocation: the chain hook)
 
 The trainer writes it, the orchestrator (status, plot, the chain hook) and the evaluation read it.
 """
@@ -33,6 +35,7 @@ CUTS_PREFIX = "cuts/"
 EVAL_DIR = "eval"
 JOB_ENDS_DIR = "job_ends"
 LOGS_DIR = "logs"
+AVOID_NODES_DIR = "avoid_nodes"
 CODE_SNAPSHOT_DIR = "code"  # the work tree as it was at submission, which every job runs
 CODE_DIFF = "code.diff"  # its uncommitted changes against the recorded commit
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -47,6 +50,11 @@ def step_name(step: int) -> str:
 def tmp_step_name(step: int, unique: str) -> str:
     """The directory a save of step ``step`` is written into before its rename: ``TMP_DIR``."""
     return f".tmp-{step_name(step)}-{unique}"
+
+
+def avoid_nodes_path(run_dir: Path | str, job_id: str) -> Path:
+    """The nodes job ``job_id``'s next launches of the training stay off (``AVOID_NODES_DIR``)."""
+    return Path(run_dir) / AVOID_NODES_DIR / job_id
 
 
 def log_pattern(run_dir: Path, job_name: str) -> Path:

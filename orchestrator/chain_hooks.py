@@ -41,6 +41,7 @@ from contract.job_end import (
     outcome_line,
     read_job_end,
 )
+from contract.run_dir import avoid_nodes_path
 from contract.seeds import chain_seeds
 from contract.slurm_states import END_STATES, ENDING_STATES
 from orchestrator import in_job
@@ -170,8 +171,11 @@ class ChainKeeper:
         state = ended_state(fields)
         job, ending = self.judge_one(job, status, state, True)
         preempted = preemption(fields, self.restarts) if ending.outcome != "finished" else None
-        restartable = can_restart and ending.retry and preempted is None
-        if restartable and self.restart_in_place(job, ending, state):
+        restartable = can_restart and preempted is None
+        leaving = self.leaving(job) if restartable else None
+        if leaving is not None and self.swap_in_spare(job, leaving, state):
+            return True
+        if restartable and ending.retry and self.restart_in_place(job, ending.detail, state):
             return True
         if preempted in (REQUEUED, REQUEUE):
             say(
@@ -188,11 +192,29 @@ class ChainKeeper:
             self.release_successors(job)
         return False
 
-    def restart_in_place(self, job: JobRecord, ending: Ending, state: str) -> bool:
-        """Count an in-job restart of ``job`` and put its end record aside (the relaunched
-        training writes its own), or say why there is none (orchestrator/in_job.py)."""
+    def leaving(self, job: JobRecord) -> str | None:
+        """The node the job's training stopped to leave for a spare node of its allocation."""
+        record = read_job_end(self.run_dir, str(job.index), str(job.job_id))
+        return str(record["leave_node"]) if record and record.get("leave_node") else None
+
+    def swap_in_spare(self, job: JobRecord, node: str, state: str) -> bool:
+        """The training saved and stopped to leave slow ``node`` for a spare node of the job's
+        allocation: the chain's later jobs stay off it too, and the training is launched again
+        in place off it (the batch script reads the avoid file) while orchestrator/in_job.py
+        allows; else the chain's next job resumes from that save."""
+        self.leave_out_slow_nodes([job])
+        avoid = avoid_nodes_path(self.run_dir, str(job.job_id))
+        avoided = avoid.read_text().split() if avoid.is_file() else []
+        avoid.parent.mkdir(exist_ok=True)
+        avoid.write_text("".join(f"{name}\n" for name in [*avoided, node]))  # read after we exit
+        return self.restart_in_place(job, f"stopped to leave slow node {node}", state)
+
+    def restart_in_place(self, job: JobRecord, detail: str, state: str) -> bool:
+        """Count an in-job restart of ``job`` (it ended as ``detail`` says) and put its end
+        record aside (the relaunched training writes its own), or say why there is none
+        (orchestrator/in_job.py)."""
         where = f"step {job.step}" if job.step is not None else f"checkpoint {job.checkpoint_step}"
-        failure = f"{ending.detail} ({where})"
+        failure = f"{detail} ({where})"
         why_not = in_job.refusal(
             cluster_state=state,
             used=job.in_job_restarts,
@@ -215,7 +237,7 @@ class ChainKeeper:
         self.manifest.save()
         resume = job.checkpoint_step if job.checkpoint_step is not None else "none: from scratch"
         say(
-            f"job {job.index} (id {job.job_id}) {ending.detail}: restarting the training in "
+            f"job {job.index} (id {job.job_id}) {detail}: restarting the training in "
             f"place ({job.in_job_restarts} of {self.manifest.restarts_in_job}), from the newest "
             f"checkpoint (step {resume})"
         )
@@ -314,7 +336,8 @@ class ChainKeeper:
         for job in judged:
             for entry in job.slow:
                 node = str(entry.get("node") or "")
-                if not node or node in exclusions_for(decided, job.index + 1):
+                seen = any(d.node == node and d.job == job.index for d in decided)
+                if not node or seen or node in exclusions_for(decided, job.index + 1):
                     continue
                 decision = self.decide_on(node, named_by(entry, job.index, str(job.job_id)), job)
                 decided.append(decision)

@@ -103,6 +103,9 @@ def judge(
     if state in CUT_SHORT_STATES:
         saved = f" after saving step {step}" if record is not None and record.get("saved") else ""
         return Ending("failed", f"cut short by the cluster ({state}){saved}", retry=True)
+    if record is not None and record.get("saved") and record.get("leave_node"):
+        node = record["leave_node"]
+        return Ending("stopped", f"training stopped after saving step {step} to leave {node}")
     if record is not None and record.get("saved"):
         signalled = record["reason"] == "signal"
         why = record.get("signal") or ("a signal" if signalled else "its budget")

@@ -15,6 +15,10 @@ the cluster ended the job (its node lost, its time up, preempted), the job's res
 (``--restarts-in-job``), the same failure comes back at the same place (a deterministic fault
 is not restarted forever), or the job has less time left than a checkpoint interval (a restart
 would be cut off before it saved anything).
+
+A training that saved and stopped to leave a slow node for a spare node of its allocation (a
+recipe's ``spare_nodes``; orchestrator/slow_nodes.py) is restarted in place by the same rules,
+off that node.
 """
 
 from __future__ import annotations

@@ -134,10 +134,10 @@ def check_programs(programs: Sequence[str]) -> None:
 
 def check_local_resources(resources: JobResources) -> None:
     """The local backends emulate one node with this machine's GPUs."""
-    if resources.nodes > 1:
+    if resources.allocated > 1:
         raise UsageError(
-            f"the recipe asks for {resources.nodes} nodes; the local backend runs one node: use "
-            "the slurm backend (`orchestrator cluster up` starts a loopback cluster)"
+            f"the recipe asks for {resources.allocated} nodes; the local backend runs one node: "
+            "use the slurm backend (`orchestrator cluster up` starts a loopback cluster)"
         )
     if resources.gpus_per_node > 0 and not Path("/dev/nvidia0").exists():
         raise UsageError("the recipe asks for GPUs and this machine has none")

@@ -12,7 +12,11 @@ The fields (any other key is an error):
 ``template``        ``single`` (default): one process on one node, started by the batch shell
                     itself (through ``srun`` only when a container is set); ``distributed``: an
                     ``srun`` step across ``nodes`` nodes, started by ``launcher``.
-``nodes``           nodes to allocate (default 1; ``single`` needs 1).
+``nodes``           nodes the training runs on (default 1; ``single`` needs 1).
+``spare_nodes``     ``distributed`` only: nodes allocated besides (default 0). The training's
+                    step runs on ``nodes`` of them; when the trainer names a rank slow
+                    (``train.straggler``) while a spare is free, it saves and stops, and the
+                    chain hook launches it again in the same job off that node (docs/faults.md).
 ``tasks_per_node``  processes (ranks) per node (default 1; ``single`` needs 1). For GPU training
                     set it to ``gpus_per_node``: one rank per GPU.
 ``gpus_per_node``   GPUs per node, rendered as ``--gres=gpu:N`` (default 0: none asked).
@@ -184,6 +188,7 @@ class RecipeSettings(BaseModel):
 
     template: Literal["single", "distributed"] = "single"
     nodes: int = Field(1, ge=1)
+    spare_nodes: int = Field(0, ge=0)
     tasks_per_node: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0)
     gpu: Literal[GPU_KEYS] | None = Field(None, description="a GPU model the planner knows")
@@ -233,6 +238,10 @@ class RecipeSettings(BaseModel):
                 key = "nodes" if self.nodes != 1 else "tasks_per_node"
                 raise FieldProblem(
                     key, "template single runs one process on one node; use distributed"
+                )
+            if self.spare_nodes:
+                raise FieldProblem(
+                    "spare_nodes", "only template distributed runs its step on part of the nodes"
                 )
             if "launcher" in self.model_fields_set:
                 raise FieldProblem("launcher", "only template distributed has a launcher")

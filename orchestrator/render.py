@@ -18,7 +18,8 @@ import shlex
 import jinja2
 
 from contract.job_end import EXIT_CHAIN_ENDED, EXIT_RESTART_IN_JOB, EXITED_PREFIX, RESTART_FLAG
-from contract.job_env import IN_JOB_RESTART, PORT_BASE, PORT_SPAN, STOP_AT
+from contract.job_env import IN_JOB_RESTART, PORT_BASE, PORT_SPAN, SPARE_NODES, STOP_AT
+from contract.run_dir import AVOID_NODES_DIR
 from orchestrator.errors import UsageError
 from orchestrator.recipe import CONTRACT_VARIABLES, Recipe
 from orchestrator.resources import packaged_templates
@@ -61,6 +62,8 @@ CONTRACT = {
     "restart_flag": RESTART_FLAG,
     "exited_prefix": EXITED_PREFIX,
     "stop_at_env": STOP_AT,
+    "spare_nodes_env": SPARE_NODES,
+    "avoid_nodes_dir": AVOID_NODES_DIR,
     "launch_settle_s": LAUNCH_SETTLE_S,
 }
 

@@ -54,7 +54,10 @@ class NodeDecision:
     def line(self) -> str:
         """How ``orchestrator status`` lists it."""
         if not self.excluded:
-            return f"slow node {self.node} kept in: {self.kept} (named by {self.why})"
+            return (
+                f"slow node {self.node} kept in the chain's later jobs: {self.kept} "
+                f"(named by {self.why})"
+            )
         until = "" if self.readmit_at is None else f" until job {self.readmit_at}"
         return f"slow node {self.node} excluded from job {self.job + 1} on{until} ({self.why})"
 

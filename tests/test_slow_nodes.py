@@ -1,7 +1,8 @@
 """A slow node left out of a chain's next jobs (orchestrator/slow_nodes.py, applied by the chain
-hook): the decisions on numbers, the settings' bad values, then a chain on a 3-node loopback
-cluster whose one node is slow (every rank SLURM runs there throttled from outside): its trainer
-names the rank on it, the hook keeps the next job off it, and that job trains faster."""
+hook): the decisions on numbers, the settings' bad values, then chains on a 3-node loopback
+cluster whose one node is slow (every rank SLURM runs there throttled from outside): the trainer
+names the rank on it, and either the hook keeps the next job off it, or, where the job holds a
+spare node, the training moves off it within the job; either way it then trains faster."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from contract.run_dir import avoid_nodes_path
 from orchestrator.cluster.record import CONF_NAME
+from orchestrator.errors import UsageError
 from orchestrator.manifest import MANIFEST_NAME, Manifest
+from orchestrator.recipe import load_recipe
 from orchestrator.slow_nodes import (
     NodeDecision,
     decide,
@@ -22,16 +26,27 @@ from orchestrator.slow_nodes import (
     exclusions_for,
     usable_nodes,
 )
-from tests.harness.chains import launch_json, wait_chain_quietly
+from orchestrator.slurm.partitions import Partition, check_partition
+from orchestrator.slurm.resources import JobResources
+from tests.harness.chains import tiny_training_chain, wait_chain_quietly
 from tests.harness.cluster import cluster_cli
 from tests.harness.process import REPO, run_tool
-from tests.harness.training import metrics_or_empty, slow_node, wait_until
+from tests.harness.training import metrics_or_empty, ranks_of, slow_node, wait_until
 
 EVERY = 10  # steps per straggler interval (production's default: 20)
 # From the first throttled step to the blame: up to 4 intervals (the one under way, then 3
 # whole ones) of ~0.5-s throttled steps, with room for a machine loaded by other tests.
 NAMED_WITHIN_S = 90
 FAST_STEPS = 2 * EVERY  # steps the next job trains before it is stopped
+TWO_NODES = "recipes/train_tiny_2node.yaml"
+RUN = (
+    "wandb.mode=disabled",
+    "train.max_steps=1000",
+    "train.log_every=1",
+    f"train.straggler.every={EVERY}",
+    "checkpoint.interval=1000",
+    "optim.warmup_steps=2",
+)
 
 
 def deciding(node: str, decided: list[NodeDecision], **given) -> NodeDecision:
@@ -97,6 +112,20 @@ def test_bad_slow_node_settings_are_one_line_and_exit_2(flag, value, message, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_spare_nodes_are_allocated_and_only_a_distributed_recipe_has_them(tmp_path):
+    """The allocation holds the spares (a partition too small for them refuses the job); a
+    single-process recipe has no step to run on part of its nodes."""
+    single = tmp_path / "single.yaml"
+    single.write_text("spare_nodes: 1\ncommand: [python, -m, train]\n")
+    with pytest.raises(UsageError, match="spare_nodes: only template distributed"):
+        load_recipe(single)
+    resources = JobResources(nodes=2, spare_nodes=1)
+    assert resources.allocated == 3
+    partition = Partition("debug", True, "up", 2, 4, 0, None)
+    with pytest.raises(UsageError, match="3 nodes asked; partition 'debug' has 2"):
+        check_partition(resources, [partition])
+
+
 @pytest.fixture(scope="module")
 def three_nodes(tmp_path_factory: pytest.TempPathFactory, slurm_cluster) -> Iterator[Path]:
     """A 3-node cluster (2 CPUs each: a 2-node job and a spare) beside the session's (whose
@@ -124,12 +153,26 @@ def job_nodes(job_id: str) -> list[str]:
     return names.stdout.split()
 
 
-def job_rows(run_dir: Path, index: int) -> list[dict]:
+def job_rows(run_dir: Path, index: int, launch: int | None = None) -> list[dict]:
+    """Job ``index``'s step rows (of its ``launch``-th in-job restart only, where given)."""
     return [
         row
         for row in metrics_or_empty(run_dir)
-        if row.get("job_index") == index and "step_time_s" in row
+        if row.get("job_index") == index
+        and "step_time_s" in row
+        and (launch is None or row.get("in_job_restart", 0) == launch)
     ]
+
+
+def step_ratio(slow: list[dict], fast: list[dict], blamed: int) -> float:
+    """Median step time on the slow node (its last intervals up to the blame) over the fast
+    one's (past its first steps)."""
+    throttled = [row["step_time_s"] for row in slow if blamed - EVERY < row["step"] <= blamed]
+    return statistics.median(throttled) / statistics.median(r["step_time_s"] for r in fast[3:])
+
+
+def blamed_step(run_dir: Path) -> int:
+    return next(row["step"] for row in metrics_or_empty(run_dir) if "straggler_rank" in row)
 
 
 def stop_job(job_id: str) -> None:
@@ -147,23 +190,8 @@ def test_the_chain_leaves_a_slow_node_out_of_its_next_job(
     for it), job 1 runs on the other two and trains faster; status lists the node."""
     monkeypatch.setenv("SLURM_CONF", str(three_nodes))
     run_dir = tmp_path / "run"
-    summary = launch_json(
-        "-n2",
-        "--exclude-slow-nodes",
-        "1",
-        "--run-dir",
-        str(run_dir),
-        "recipes/train_tiny_2node.yaml",
-        "--",
-        f"data.corpus={corpus}",
-        "data.max_duration=8",
-        "wandb.mode=disabled",
-        "train.max_steps=1000",
-        "train.log_every=1",
-        f"train.straggler.every={EVERY}",
-        "checkpoint.interval=1000",
-        "optim.warmup_steps=2",
-        cwd=REPO,
+    summary = tiny_training_chain(
+        run_dir, corpus, 2, 0, *RUN, launch_args=("--exclude-slow-nodes", "1"), recipe=TWO_NODES
     )
     first, second = (job["job_id"] for job in summary["jobs"])
     wait_until(lambda: job_rows(run_dir, 0), 240, "job 0's first step")
@@ -185,9 +213,50 @@ def test_the_chain_leaves_a_slow_node_out_of_its_next_job(
     assert manifest.jobs[1].avoids == [slow] and manifest.jobs[0].slow[0]["node"] == slow
     shown = run_tool("orchestrator", "status", summary["chain_id"])
     assert f"slow node {slow} excluded from job 1 on (rank" in shown.stdout, shown.stdout
-    blamed = next(row["step"] for row in metrics_or_empty(run_dir) if "straggler_rank" in row)
-    throttled = [row["step_time_s"] for row in job_rows(run_dir, 0) if row["step"] > blamed - EVERY]
-    fast = [row["step_time_s"] for row in job_rows(run_dir, 1)[3:]]
-    ratio = statistics.median(throttled) / statistics.median(fast)
+    ratio = step_ratio(job_rows(run_dir, 0), job_rows(run_dir, 1), blamed_step(run_dir))
     print(f"named after {named_s:.1f} s; step time slow-node job / next job: {ratio:.2f}x")
-    assert ratio > 1.1, (throttled, fast)
+    assert ratio > 1.1
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_job_with_a_spare_node_moves_off_a_slow_one_in_place(
+    three_nodes, tmp_path, corpus, monkeypatch
+):
+    """A recipe with ``spare_nodes: 1`` holds all 3 nodes and trains on 2; one of those is
+    slow: the trainer names its rank, saves and stops; the hook launches the training again in
+    the same job off that node (the spare takes its place), and the relaunch trains faster."""
+    monkeypatch.setenv("SLURM_CONF", str(three_nodes))
+    recipe = tmp_path / "train_tiny_spare.yaml"
+    recipe.write_text((REPO / TWO_NODES).read_text() + "spare_nodes: 1\n")
+    run_dir = tmp_path / "run"
+    summary = tiny_training_chain(run_dir, corpus, 1, 0, *RUN, recipe=str(recipe))
+    (job_id,) = (job["job_id"] for job in summary["jobs"])
+    wait_until(lambda: job_rows(run_dir, 0), 240, "the first step")
+    assert len(job_nodes(job_id)) == 3
+    first_nodes = set(ranks_of(run_dir).values())
+    slow = sorted(first_nodes)[-1]
+    log = run_dir / "logs" / f"train_tiny_spare-{job_id}.out"
+    with slow_node(slow, run_dir):
+        wait_until(lambda: "restarting the training in place" in log.read_text(), 180, "swap")
+        wait_until(lambda: len(job_rows(run_dir, 0, launch=1)) >= FAST_STEPS, 240, "relaunch")
+        moved_to = set(ranks_of(run_dir).values())
+        stop_job(job_id)
+        final = wait_chain_quietly(run_dir, summary["chain_id"], timeout=180)
+    assert len(first_nodes) == 2 and slow not in moved_to and len(moved_to) == 2, moved_to
+    assert final["jobs"][0]["state"] == "COMPLETED", final
+    text = log.read_text()
+    assert f"stopped to leave slow node {slow}: restarting the training in place (1 of 2)" in text
+    assert f"[orch] the step stays off {slow}" in text
+    assert avoid_nodes_path(run_dir, job_id).read_text() == f"{slow}\n"
+    manifest = Manifest.load(run_dir / MANIFEST_NAME)
+    assert manifest.jobs[0].in_job_restarts == 1 and manifest.slow_nodes[0].node == slow
+    blamed = blamed_step(run_dir)
+    ratio = step_ratio(job_rows(run_dir, 0, 0), job_rows(run_dir, 0, 1), blamed)
+    named = next(row for row in job_rows(run_dir, 0, 0) if row["step"] == blamed)
+    moved_s = job_rows(run_dir, 0, 1)[0]["time"] - named["time"]
+    print(
+        f"from the blame to the first step off the node: {moved_s:.1f} s; step time on the "
+        f"slow node / after the move in place: {ratio:.2f}x"
+    )
+    assert ratio > 1.1

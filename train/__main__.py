@@ -63,6 +63,8 @@ def record_job_end(
     )
     if trainer is not None and trainer.stragglers.named:
         record["slow"] = trainer.stragglers.named  # the ranks named slow (train.straggler)
+    if trainer is not None and trainer.stragglers.leaving and code == 0:
+        record["leave_node"] = trainer.stragglers.leaving  # stopped to move off it in place
     write_job_end(cfg.run_dir, record, replace)
 
 

@@ -415,7 +415,7 @@ class Trainer:
                 ranks = self.stragglers.interval(step)
             metrics.log(step, {**record, **counts, **ranks})
         self.finalize_save(wait=False)
-        return self.stop.reason(synced.stop_flag)
+        return self.stop.reason(synced.stop_flag) or self.stragglers.leave_reason()
 
     def step_budget_spent(self, steps_done: int) -> str | None:
         per_run = self.cfg.train.max_steps_per_run

@@ -84,9 +84,9 @@ def check_partition(resources: JobResources, partitions: list[Partition]) -> Par
             file=sys.stderr,
             flush=True,
         )
-    if resources.nodes > partition.nodes:
+    if resources.allocated > partition.nodes:
         raise UsageError(
-            f"{resources.nodes} nodes asked; partition {partition.name!r} has {partition.nodes}"
+            f"{resources.allocated} nodes asked; partition {partition.name!r} has {partition.nodes}"
         )
     cpus = resources.tasks_per_node * resources.cpus_per_task
     if cpus > partition.cpus_per_node:

@@ -39,13 +39,19 @@ class JobResources:
     ``#SBATCH`` lines of a .sub, or from submitit's executor parameters. Creating one checks the
     time limit and the signal, whichever backend the job will go to."""
 
-    nodes: int = 1
+    nodes: int = 1  # the training's
     tasks_per_node: int = 1
     cpus_per_task: int = 1
     gpus_per_node: int = 0
     time: str | None = None  # SLURM's format (30, 02:00:00, 1-00:00)
     partition: str | None = None
     gpu: str | None = None  # the GPU model a YAML recipe names (a key of contract.gpus)
+    spare_nodes: int = 0  # allocated besides (a YAML recipe's spare_nodes)
+
+    @property
+    def allocated(self) -> int:
+        """The nodes the job asks SLURM for: the training's and the spares."""
+        return self.nodes + self.spare_nodes
 
     def __post_init__(self) -> None:
         if self.time:
@@ -75,6 +81,7 @@ class JobResources:
             time=settings.time,
             partition=settings.partition,
             gpu=settings.gpu,
+            spare_nodes=settings.spare_nodes,
         )
 
     @classmethod

@@ -220,6 +220,20 @@ def throttled(process: psutil.Process, stopped_s: float = 0.05, running_s: float
         yield
 
 
+def ranks_of(run_dir: Path) -> dict[psutil.Process, str]:
+    """The training ranks of ``run_dir`` running now on the loopback cluster (not torchrun),
+    each with the node SLURM runs it on (its SLURMD_NODENAME)."""
+    found = {}
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if f"run_dir={run_dir}" not in cmdline or "-m train" not in cmdline:
+            continue
+        with suppress(psutil.Error):
+            if "torchrun" not in cmdline and (node := process.environ().get("SLURMD_NODENAME")):
+                found[process] = node
+    return found
+
+
 @contextmanager
 def slow_node(node: str, run_dir: Path, stopped_s: float = 0.05, running_s: float = 0.05):
     """A slow SLURM node of the loopback cluster: every training rank of ``run_dir`` that
@@ -227,16 +241,7 @@ def slow_node(node: str, run_dir: Path, stopped_s: float = 0.05, running_s: floa
     throttles one, until the block ends."""
 
     def ranks_on_node() -> list[psutil.Process]:
-        found = []
-        for process in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(process.info["cmdline"] or [])
-            if f"run_dir={run_dir}" not in cmdline or "-m train" not in cmdline:
-                continue
-            with suppress(psutil.Error):
-                if "torchrun" in cmdline or process.environ().get("SLURMD_NODENAME") != node:
-                    continue
-                found.append(process)
-        return found
+        return [rank for rank, where in ranks_of(run_dir).items() if where == node]
 
     with throttling(ranks_on_node, stopped_s, running_s, rescan_s=1.0):
         yield

@@ -14,7 +14,9 @@ their time counts as compute on every rank alike.
 
 ``StragglerJudge`` names a rank that was the slowest in each of ``intervals`` intervals (of
 ``every`` steps) in a row, its compute time over them ``ratio`` times the other ranks' median
-(``train.straggler``).
+(``train.straggler``). Where the job's allocation holds a free spare node (a recipe's
+``spare_nodes``: the batch script's ORCH_SPARE_NODES), the trainer then saves and stops, and the
+chain hook launches it again in the same job off the named rank's node (orchestrator/slow_nodes.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 
+from contract.job_env import SPARE_NODES
 from train.config import StragglerConfig
 from train.parallel.distributed import say
 
@@ -205,6 +208,9 @@ class StragglerWatch:
         self.since, self.since_step = time.perf_counter(), 0
         # The ranks named this job, for its end-of-job record (the chain's record of them).
         self.named: list[dict[str, Any]] = []
+        # A spare node free in the allocation: the first node named is left for it.
+        self.spare = int(os.environ.get(SPARE_NODES) or 0)
+        self.leaving: str | None = None  # the node this launch stops to leave
 
     def resume(self, step: int) -> None:
         """Intervals count from now, after ``step`` (a job's start, a save, a validation)."""
@@ -225,9 +231,9 @@ class StragglerWatch:
         wall = time.perf_counter() - self.since
         mine = torch.tensor([(wall - waited) / steps, waited / steps], dtype=torch.float64)
         mine = mine.to(self.device)
-        everyone = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(everyone, mine)
-        figures = everyone.view(-1, 2).tolist()
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)  # (all_gather_into_tensor warns of its deprecation)
+        figures = torch.stack(everyone).tolist()
         compute, waits = [row[0] for row in figures], [row[1] for row in figures]
         self.since, self.since_step = time.perf_counter(), step
         record: dict[str, Any] = interval_figures(compute, waits)
@@ -245,4 +251,13 @@ class StragglerWatch:
             )
             named = {"node": node, "rank": blame.rank, "ratio": round(blame.ratio, 2), "step": step}
             self.named.append(named if gpu is None else {**named, "gpu": gpu})
+            if self.spare > 0 and self.leaving is None:
+                self.leaving = node
+                say(f"stopping after a save to leave node {node} for the job's spare node")
         return record
+
+    def leave_reason(self) -> str | None:
+        """Why this launch stops (at the step it named a rank on a node to leave), else None."""
+        if self.leaving is None:
+            return None
+        return f"leaving slow node {self.leaving} for a spare node of the job"
