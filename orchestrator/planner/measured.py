@@ -5,7 +5,11 @@ way a user asks the planner about it: ``plan`` holds the arguments of ``orchestr
 (model, sequence, global batch, GPUs) and ``layout`` the layout that ran, so that pricing a row
 is running the planner on exactly what was measured. ``scope`` is ``priced`` for the rows the
 planner can express and ``out: <why>`` for the others (float8 linears, async TP), which stay in
-the table, listed with their reason, instead of being dropped. ``bench/gpu_check.py`` writes
+the table, listed with their reason, instead of being dropped. ``sweep`` names the rows of one
+model on one cluster at one GPU count measured at several layouts, whose ranking the planner
+must get right (orchestrator/planner/ranking.py); ``split`` says whether the step-time
+constants were fitted to the row (``fit``, the default) or it is held out of every fit and only
+reported (``held_out``). ``bench/gpu_check.py`` writes
 its measured rows in the same columns, so our own GPU runs join the published ones.
 """
 
@@ -28,8 +32,12 @@ COLUMNS = (
     "tokens_per_s_per_gpu",
     "peak_memory_gib",  # as published (empty: not published)
     "scope",  # priced, or "out: <why the planner cannot express it>"
+    "sweep",  # the layouts of one model, cluster and GPU count compared (empty: none)
+    "split",  # fit (empty: fit) or held_out
 )
+OPTIONAL_COLUMNS = ("sweep", "split")  # a table written before they existed has neither
 PRICED = "priced"
+FIT, HELD_OUT = "fit", "held_out"
 SPEED_BOUND = 0.20  # predicted tokens/s per GPU within 20% of the measurement
 MEMORY_BOUND = 0.15  # predicted peak memory within 15% where it was published
 LAYOUT_KEYS = (*DEGREES, "microbatches", "ac")
@@ -45,10 +53,16 @@ class Measurement:
     tokens_per_s_per_gpu: float
     peak_memory_gib: float | None
     scope: str
+    sweep: str = ""
+    split: str = FIT
 
     @property
     def priced(self) -> bool:
         return self.scope == PRICED
+
+    @property
+    def held_out(self) -> bool:
+        return self.split == HELD_OUT
 
     @property
     def plan_args(self) -> list[str]:
@@ -80,16 +94,22 @@ def row_of(record: dict[str, str]) -> Measurement:
         tokens_per_s_per_gpu=float(record["tokens_per_s_per_gpu"]),
         peak_memory_gib=float(memory) if memory else None,
         scope=record["scope"],
+        sweep=(record.get("sweep") or "").strip(),
+        split=(record.get("split") or "").strip() or FIT,
     )
 
 
 def load(path: Path = TABLE) -> list[Measurement]:
     with path.open(newline="") as f:
         reader = csv.DictReader(row for row in f if not row.startswith("#"))
-        missing = set(COLUMNS) - set(reader.fieldnames or ())
+        missing = set(COLUMNS) - set(reader.fieldnames or ()) - set(OPTIONAL_COLUMNS)
         if missing:
             raise ValueError(f"{path}: missing columns {', '.join(sorted(missing))}")
-        return [row_of(record) for record in reader]
+        rows = [row_of(record) for record in reader]
+    for row in rows:
+        if row.split not in (FIT, HELD_OUT):
+            raise ValueError(f"{path}: split {row.split!r} of {row.source!r}: give fit or held_out")
+    return rows
 
 
 def append(path: Path, rows: list[dict]) -> None:
