@@ -330,27 +330,28 @@ class ChainKeeper:
     def leave_out_slow_nodes(self, judged: list[JobRecord]) -> None:
         """Decide on each node the ``judged`` jobs' trainers named slow (orchestrator/
         slow_nodes.py), record it, and keep the chain's queued jobs off those left out."""
-        if not isinstance(self.backend, SlurmBackend):
+        named = [(job, entry) for job in judged for entry in job.slow if entry.get("node")]
+        if not named or not isinstance(self.backend, SlurmBackend):
             return
         decided = self.manifest.slow_nodes
-        for job in judged:
-            for entry in job.slow:
-                node = str(entry.get("node") or "")
-                seen = any(d.node == node and d.job == job.index for d in decided)
-                if not node or seen or node in exclusions_for(decided, job.index + 1):
-                    continue
-                decision = self.decide_on(node, named_by(entry, job.index, str(job.job_id)), job)
-                decided.append(decision)
-                say(decision.line())
-        if judged and any(job.slow for job in judged):
-            self.manifest.save()
-            self.keep_off_slow_nodes()
+        room: tuple[str, int, set[str]] | str | None = None  # asked of SLURM once, if needed
+        for job, entry in named:
+            node = str(entry["node"])
+            seen = any(d.node == node and d.job == job.index for d in decided)
+            if seen or node in exclusions_for(decided, job.index + 1):
+                continue
+            room = self.partition_room(job) if room is None else room
+            decision = self.decide_on(node, named_by(entry, job.index, str(job.job_id)), job, room)
+            decided.append(decision)
+            say(decision.line())
+        self.manifest.save()
+        self.keep_off_slow_nodes()
 
-    def decide_on(self, node: str, why: str, job: JobRecord) -> NodeDecision:
+    def decide_on(
+        self, node: str, why: str, job: JobRecord, room: tuple[str, int, set[str]] | str
+    ) -> NodeDecision:
         """Whether ``node``, named slow by ``job``, leaves the chain: the cap, and enough usable
-        nodes left in the partition of the job (as SLURM still has it, else of a queued one)."""
-        manifest = self.manifest
-        room = self.partition_room(job)
+        nodes left in the partition (``room``: ``partition_room``'s answer)."""
         if isinstance(room, str):
             return NodeDecision(node=node, why=why, job=job.index, kept=room)
         partition, needed, usable = room
@@ -358,9 +359,9 @@ class ChainKeeper:
             node,
             why=why,
             job=job.index,
-            decided=manifest.slow_nodes,
-            cap=manifest.exclude_slow_nodes,
-            readmit_after=manifest.readmit_slow_nodes,
+            decided=self.manifest.slow_nodes,
+            cap=self.manifest.exclude_slow_nodes,
+            readmit_after=self.manifest.readmit_slow_nodes,
             usable=usable,
             needed=needed,
             partition=partition,
@@ -385,7 +386,8 @@ class ChainKeeper:
 
     def keep_off_slow_nodes(self) -> None:
         """Set each queued job's --exclude to the recipe's own and the slow nodes it avoids."""
-        decided = self.manifest.slow_nodes
+        decided, own = self.manifest.slow_nodes, self.recipe_exclude()
+        changed = False
         for other in self.manifest.jobs:
             if other.outcome is not None or other.then or other is self.current:
                 continue
@@ -393,17 +395,18 @@ class ChainKeeper:
             if not other.job_id or nodes == other.avoids:
                 continue
             try:
-                update_excluded(str(other.job_id), exclude_option(self.recipe_exclude(), nodes))
+                update_excluded(str(other.job_id), exclude_option(own, nodes))
             except SchedulerError as error:
                 say(
                     f"could not keep job {other.index} (id {other.job_id}) off "
                     f"{', '.join(nodes) or 'no node'}: {str(error).splitlines()[0]}"
                 )
                 continue
-            other.avoids = nodes
-            self.manifest.save()
+            other.avoids, changed = nodes, True
             shown = ", ".join(nodes) if nodes else "no slow node"
             say(f"job {other.index} (id {other.job_id}) stays off {shown}")
+        if changed:
+            self.manifest.save()
 
     def recipe_exclude(self) -> str:
         """The recipe's own ``#SBATCH --exclude``, kept in every exclusion the chain sets."""

@@ -19,13 +19,12 @@ from typing import Any
 # still leaves almost all of a partition; more and the blame itself is the likelier fault.
 DEFAULT_EXCLUDE_SLOW_NODES = 2
 MAX_EXCLUDE_SLOW_NODES = 1000
-# sinfo's node states (``%t``, its suffix flags stripped) in which a node can run a job.
+# sinfo's node states (``%t``) in which a node can run a job. A state with a flag appended
+# (``*`` not responding, ``~`` powered off, ``#`` powering up, ``%`` powering down, ``!``
+# pending power down, ``$`` maintenance) is not one of them.
 USABLE_STATES = frozenset(
     {"idle", "alloc", "allocated", "mix", "mixed", "comp", "completing", "resv", "reserved"}
 )
-# A suffix of sinfo's ``%t`` that makes any state unusable: ``*`` not responding, ``~`` powered
-# off, ``#`` powering up, ``%`` powering down, ``!`` pending power down, ``$`` maintenance.
-UNUSABLE_FLAGS = "*~#%!$"
 
 
 @dataclass
@@ -73,11 +72,7 @@ def named_by(entry: dict[str, Any], job_index: int, job_id: str) -> str:
 
 def usable_nodes(states: dict[str, str]) -> set[str]:
     """The nodes of ``states`` (node -> sinfo's ``%t``) that can run a job now."""
-    return {
-        node
-        for node, state in states.items()
-        if not state.endswith(tuple(UNUSABLE_FLAGS)) and state in USABLE_STATES
-    }
+    return {node for node, state in states.items() if state in USABLE_STATES}
 
 
 def decide(
@@ -119,4 +114,4 @@ def exclusions_for(decided: list[NodeDecision], index: int) -> list[str]:
 
 def exclude_option(user: str, nodes: list[str]) -> str:
     """The job's ``--exclude`` value: the recipe's own (a SLURM hostlist) and the chain's."""
-    return ",".join([part for part in (user,) if part] + nodes)
+    return ",".join(([user] if user else []) + nodes)
