@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 
 from contract.gpus import gpu_preset
-from orchestrator.planner.cli import price_row
 from orchestrator.planner.cluster import Cluster
+from orchestrator.planner.costs import matmul_share
+from orchestrator.planner.fit import price_row
 from orchestrator.planner.measured import (
     MEMORY_BOUND,
     PRICED,
@@ -25,7 +26,7 @@ from orchestrator.planner.measured import (
 from orchestrator.planner.ranking import mean_ranks, spearman, sweep_figures
 from orchestrator.planner.request import Layout, PlanRequest
 from orchestrator.planner.search import plan, price
-from orchestrator.planner.speed import attention_share, matmul_share
+from orchestrator.planner.speed import attention_share
 from tests.harness.process import run_tool
 from train.models.presets import get_preset
 from train.parallel.dims import AC_MODES
@@ -116,8 +117,9 @@ def test_the_measured_table_prints_and_passes_as_a_user_runs_it():
 
 def test_the_held_out_sweeps_are_published_layout_comparisons():
     """Held out of every fit: KempnerForge's H200 runs (FSDP against TP, TP + PP across nodes)
-    and BigScience's BLOOM-176B topology search (PP and microbatch size on 384 A100s), each
-    sweep several layouts of one model at one GPU count."""
+    and the final round of BigScience's BLOOM-176B topology search (PP and microbatch size on
+    384 A100s, models of other shapes than the fitted round's), each sweep several layouts of
+    one model at one GPU count."""
     held = [row for row in PRICED_ROWS if row.held_out]
     by_sweep: dict[str, list] = {}
     for row in held:
@@ -160,6 +162,8 @@ def test_a_split_that_is_neither_fit_nor_held_out_is_refused(tmp_path):
         (["--layout", "fsdp=8"], "'fsdp=8' is not one of"),
         (["--layout", "dp_shard=8 ac=sometimes"], "ac=sometimes is not one of"),
         (["--llm-only"], "--llm-only prices text-only sequences: give --seq-len"),
+        (["--layers", "2", "--layout", "dp_shard=2 pp=4 microbatches=4"], "is more pipeline"),
+        (["--layout", "dp_shard=8 microbatches=3"], "8 data-parallel ranks x 3 microbatches"),
     ],
 )
 def test_bad_layouts_and_flags_are_one_line_and_exit_2(args, message):

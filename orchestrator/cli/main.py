@@ -184,7 +184,8 @@ def orchestrator_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--name", help="workspace name (default: the spec's)")
     dashboard.add_argument("--spec", type=Path, help="dashboard spec (default: the shipped one)")
     dashboard.set_defaults(handler=cmd_dashboard)
-    from orchestrator.planner.cli import add_plan_parser, cmd_plan
+    from orchestrator.planner.arguments import add_plan_parser
+    from orchestrator.planner.cli import cmd_plan
 
     add_plan_parser(commands)
     commands.choices["plan"].set_defaults(handler=cmd_plan)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator.planner.cluster import Cluster
+from orchestrator.planner.costs import FITTED, StepConstants
 from train.models.shape import SALMConfig
 from train.parallel.dims import AC_MODES, DEFAULT_LOSS_CHUNK, Degrees, ParallelDims
 
@@ -33,6 +34,7 @@ class PlanRequest:
     # torchtitan (the published measurements) and our trainer before 2026-11-29 held them.
     loss_chunk: int = DEFAULT_LOSS_CHUNK
     llm_only: bool = False  # the LLM alone: no encoder or projector (text-only training)
+    constants: StepConstants = FITTED  # the step-time constants fitted to measured steps
 
     @property
     def frames(self) -> int:
@@ -87,6 +89,7 @@ class Estimate:
     penalty: int  # flowchart rules broken (0 for the flowchart's own answer)
     reason: str = ""  # why it does not fit
     times: dict[str, float] = field(default_factory=dict)
+    cross_node_bytes: float = 0.0  # what a GPU sends across nodes per step (speed.cross_node_bytes)
 
 
 @dataclass

@@ -17,7 +17,8 @@ Ranking follows the estimated step time. Among the layouts within ``NEAR_TIE`` o
 the flowchart of the parallelism guide decides, so that a simpler layout wins what the model
 cannot tell apart: data parallelism alone (FSDP2, HSDP across nodes) when it fits; else TP
 inside the node first; PP across nodes once TP fills a node; CP for long sequences
-(``LONG_SEQUENCE`` decoder positions or more).
+(``LONG_SEQUENCE`` decoder positions or more); then the fewest bytes across nodes (the network
+is the part of a cluster that varies most from the model's figures), then speed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from orchestrator.planner.activations import (
 )
 from orchestrator.planner.cluster import GIB
 from orchestrator.planner.request import Estimate, Layout, PlanRequest, PlanResult
-from orchestrator.planner.speed import step_time
+from orchestrator.planner.speed import Part, cross_node_bytes, step_time
 from orchestrator.planner.state import (
     GroupedInventory,
     checkpoint_bytes,
@@ -160,23 +161,40 @@ def comm_buffer_bytes(
     return 2 * block * e + block * 4
 
 
+def pipeline_parts(cfg: SALMConfig, plan: PipelinePlan | None, pp: int) -> tuple[Part, ...]:
+    """Each pipeline rank's part: its LLM blocks, whether it has the encoder, whether the head."""
+    if plan is None:
+        return ((cfg.n_layers, True, True),)
+    parts = []
+    for rank in range(pp):
+        stages = plan.local_stages(rank)
+        blocks = sum(plan.split[stage] for stage in stages)
+        parts.append((blocks, 0 in stages, plan.num_stages - 1 in stages))
+    return tuple(parts)
+
+
 def rank_parts(
     cfg: SALMConfig, plan: PipelinePlan | None, layout: ActivationLayout, cache: dict
-) -> list[tuple[tuple[int, bool, bool], float]]:
-    """Per pipeline rank: its part (LLM blocks, whether it has the encoder, whether the head)
-    and the microbatches it holds in flight; once per pipeline plan."""
+) -> list[tuple[Part, float]]:
+    """Per pipeline rank: its part and the microbatches it holds in flight; once per pipeline
+    plan."""
     if plan is None:
-        return [((cfg.n_layers, True, True), 1.0)]
+        return [(pipeline_parts(cfg, plan, 1)[0], 1.0)]
     key = ("parts", plan)
     if key not in cache:
-        parts = []
-        for rank in range(layout.pp):
-            stages = plan.local_stages(rank)
-            blocks = sum(plan.split[stage] for stage in stages)
-            part = (blocks, 0 in stages, plan.num_stages - 1 in stages)
-            parts.append((part, in_flight(layout, rank)))
-        cache[key] = parts
+        parts = pipeline_parts(cfg, plan, layout.pp)
+        cache[key] = [(part, in_flight(layout, rank)) for rank, part in enumerate(parts)]
     return cache[key]
+
+
+def timing_inputs(request: PlanRequest, layout: Layout) -> tuple[int, bool, tuple[Part, ...]]:
+    """What ``step_time`` reads beyond the request and the layout (the parameter count, whether
+    FSDP runs, each pipeline rank's part), for pricing one layout's time again and again."""
+    counts = priced_inventory(request)[1]
+    plan = pipeline_for(counts, layout, {})
+    bf16 = request.mixed_precision and request.on_gpu
+    fsdp = uses_fsdp(layout.dims(request.cluster.gpus), request.strategy, bf16)
+    return counts[3], fsdp, pipeline_parts(request.model, plan, layout.pp)
 
 
 def estimate(
@@ -242,7 +260,7 @@ def estimate(
     memory["total"] = subtotal + memory["allowance"]
     worst = memory
     fits = worst["total"] <= cluster.memory_bytes
-    times = step_time(request, layout, counts[3], fsdp)
+    times = step_time(request, layout, counts[3], fsdp, tuple(part for part, _ in parts))
     flops = request.global_batch * _sequence_flops(cfg, request.frames, request.tokens)
     mfu = flops / (times["step"] * gpus * cluster.gpu.peak_bf16_flops)
     reason = ""
@@ -251,7 +269,8 @@ def estimate(
             f"needs {worst['total'] / GIB:.1f} GiB per GPU, more than "
             f"{cluster.memory_bytes / GIB:.0f} GiB"
         )
-    return Estimate(layout, worst, fits, times["step"], mfu, "", 0, reason, times)
+    across = cross_node_bytes(request, layout, counts[3])
+    return Estimate(layout, worst, fits, times["step"], mfu, "", 0, reason, times, across)
 
 
 @cache
@@ -404,7 +423,9 @@ def plan(request: PlanRequest) -> PlanResult:
         if not e.fits:
             return (True, False, 0, e.memory["total"])
         near = e.step_time_s <= fastest * (1 + NEAR_TIE)
-        return (False, not near, e.penalty if near else 0, e.step_time_s)
+        if not near:
+            return (False, True, 0, 0.0, e.step_time_s)
+        return (False, False, e.penalty, e.cross_node_bytes, e.step_time_s)
 
     estimates.sort(key=order)
     for result in estimates:

@@ -20,19 +20,34 @@ Per GPU and step (docs/planner.md, "Step-time model", gives the figures and thei
   compute, so only what exceeds it counts, plus the first all-gather of a step, which nothing
   hides; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the critical
   path; collectives reach ``BUS_SHARE`` of the link's bandwidth;
-- **pipeline bubble**: (pp - 1) / (microbatches x stages per rank) of the compute.
+- **pipeline**: the busiest rank's work (its blocks, the head on the last stage, the encoder
+  on the first) sets the pace; the bubble adds (pp - 1) / (microbatches x stages per rank) of
+  it, and each microbatch's activations and gradients cross between stages on the critical
+  path (``costs.pipeline_transfers``);
+- **microbatches**: a small microbatch reaches less of its kernels' speed
+  (``costs.microbatch_efficiency``).
 
 A whole step reaches less than the sum of its kernels run alone (allocator, synchronization,
-kernels too small to fill the GPU): ``STEP_EFFICIENCY``, fitted to the measured steps in
-``measurements.csv`` (published and our own), divides the GPU's work.
+kernels too small to fill the GPU): ``StepConstants.step_efficiency`` divides the GPU's work.
+It and the microbatch's fixed cost are fitted to the measured steps of ``measurements.csv``
+held in the fit (``planner.fit``); the request carries them (``PlanRequest.constants``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
 
 from orchestrator.planner.activations import Microbatch
+from orchestrator.planner.costs import (
+    bubble,
+    matmul_share,
+    microbatch_efficiency,
+    overlapped_seconds,
+    pipeline_transfers,
+    transfer_seconds,
+)
 from train.flops import ENCODER_MACS, llm_weights_per_position, loss_recompute_flops
 from train.models.shape import SALMConfig, audio_positions, encoder_frames, llm_head_dim
 from train.parallel.dims import SELECTIVE_OP, sequence_multiple
@@ -40,16 +55,6 @@ from train.parallel.dims import SELECTIVE_OP, sequence_multiple
 if TYPE_CHECKING:
     from orchestrator.planner.request import Layout, PlanRequest
 
-# bench/bench_kernels.py, H100 80GB HBM3 (SXM, 700 W), torch 2.11, 2026-11-26: bf16 matmuls of
-# 2,048-16,384 rows reach 52-58% of the datasheet peak at width 1,024, 65-70% at 2,048, 71-80%
-# at 4,096 and 70-84% at 8,192; share = MATMUL_SHARE * w / (w + MATMUL_HALF_WIDTH).
-MATMUL_SHARE = 0.80
-MATMUL_HALF_WIDTH = 350
-# Causal flash attention forward + backward, head width 128: 24% of peak at 1,024 positions,
-# 36% at 2,048, 46% at 4,096, 53% at 8,192; share = ATTENTION_SHARE * P / (P + half).
-ATTENTION_SHARE = 0.60
-ATTENTION_HALF_LENGTH = 1200
-ATTENTION_BACKWARD = 2.5  # flash backward: five matmuls against the forward's two
 HBM_SHARE = 0.90  # a device-to-device copy: 3.0 of the datasheet's 3.35 TB/s
 LOSS_BYTES_PER_LOGIT = 57  # fp32 cross-entropy forward + backward: 2.42 us/token at 128,256
 # Memory-bound passes over a block's activations per position in forward, in (model width,
@@ -66,12 +71,13 @@ HOST_BLOCK_S = {"eager": 3.5e-3, "compiled": 0.4e-3}
 # Python while the GPU waits on it (the recomputed kernels are short), per block and microbatch:
 # measured as the eager step's growth over no checkpointing, less the GPU's recomputation.
 HOST_CHECKPOINT_S = {"selective": 4.1e-3, SELECTIVE_OP: 4.1e-3, "full": 4.6e-3}
-STEP_EFFICIENCY = 0.78  # measured steps against the sum of their kernels (measurements.csv)
 BUS_SHARE = 0.80  # NCCL bus bandwidth against the link's one-way figure
-
-
-def matmul_share(width: float) -> float:
-    return MATMUL_SHARE * width / (width + MATMUL_HALF_WIDTH)
+# Causal flash attention forward + backward, head width 128: 24% of peak at 1,024 positions,
+# 36% at 2,048, 46% at 4,096, 53% at 8,192; share = ATTENTION_SHARE * P / (P + half).
+ATTENTION_SHARE = 0.60
+ATTENTION_HALF_LENGTH = 1200
+ATTENTION_BACKWARD = 2.5  # flash backward: five matmuls against the forward's two
+Part = tuple[int, bool, bool]  # a pipeline rank's LLM blocks, whether the encoder, the head
 
 
 def attention_share(positions: float) -> float:
@@ -102,53 +108,62 @@ def _passes_bytes(passes: tuple[int, int], width: int, ffn: int) -> float:
     return 2.0 * (passes[0] * width + passes[1] * ffn)
 
 
-def gpu_work(request: PlanRequest, layout: Layout) -> dict[str, float]:
-    """Seconds of each kind of GPU work on the busiest rank in one step, before overlap."""
+def gpu_work(request: PlanRequest, layout: Layout, part: Part) -> dict[str, float]:
+    """Seconds of each kind of GPU work in one step on a rank holding ``part`` (its LLM blocks,
+    whether the encoder, whether the head), before overlap."""
     cfg, gpu = request.model, request.cluster.gpu
     peak, hbm = gpu.peak_bf16_flops, gpu.hbm_gbps * 1e9 * HBM_SHARE
+    blocks, has_encoder, has_head = part
     mode = "compiled" if request.compiled else "eager"
     sequences = request.global_batch / layout.dp  # per data-parallel rank and step
     positions = decoder_positions(cfg, request.frames, request.tokens, layout.tp, layout.cp)
     local = positions / layout.cp  # positions of one sequence on this rank
-    split = layout.tp * layout.pp
     full = layout.ac == "full"
     # Recomputed matmul work, as a share of forward + backward: full redoes the forward (1/3),
     # torchtitan's per-op policy every second matmul of it (1/6).
     recompute_fwd = {"full": 1.0 / 3, SELECTIVE_OP: 1.0 / 6}.get(layout.ac, 0.0)
     # LLM blocks and head; the loss computes the head's logits again in its backward
     # (train/models/head_loss.py): one more forward matmul of the head, whatever the AC mode.
-    llm_flops = 6.0 * _llm_weights(cfg) * sequences * local / split
-    chunked = request.loss_chunk > 0
-    head_recompute = loss_recompute_flops(cfg, sequences * local) / split if chunked else 0.0
+    head_weights = cfg.d_model * cfg.vocab_size
+    block_weights = (_llm_weights(cfg) - head_weights) / max(1, cfg.n_layers)
+    weights = blocks * block_weights + (head_weights if has_head else 0)
+    llm_flops = 6.0 * weights * sequences * local / layout.tp
+    chunked = request.loss_chunk > 0 and has_head
+    head_recompute = loss_recompute_flops(cfg, sequences * local) / layout.tp if chunked else 0.0
     matmul_flops = llm_flops * (1 + recompute_fwd) + head_recompute
     work = {"matmul": matmul_flops / (peak * matmul_share(cfg.d_model / layout.tp))}
     heads_width = cfg.n_heads * llm_head_dim(cfg) / layout.tp
     causal = 2.0 * positions * positions / 2 * heads_width / layout.cp  # forward, per sequence
     passes = ATTENTION_BACKWARD + 1 + (1 if full else 0)
-    attention = cfg.n_layers / layout.pp * sequences * 2 * causal * passes
+    attention = blocks * sequences * 2 * causal * passes
     work["attention"] = attention / (peak * attention_share(positions))
     elementwise = _passes_bytes(ELEMENTWISE_PASSES[mode], cfg.d_model, cfg.ffn_hidden)
     elementwise *= 1 + BACKWARD_PASSES + (1 if layout.ac != "none" else 0)
     tokens = sequences * local / layout.tp  # sequence parallel: a TP rank's share
-    work["elementwise"] = cfg.n_layers / layout.pp * tokens * elementwise / hbm
-    work["loss"] = sequences * local * cfg.vocab_size * LOSS_BYTES_PER_LOGIT / (hbm * layout.pp)
+    work["elementwise"] = blocks * tokens * elementwise / hbm
+    loss_bytes = sequences * local * cfg.vocab_size * LOSS_BYTES_PER_LOGIT
+    work["loss"] = loss_bytes / hbm if has_head else 0.0
     # Audio encoder and projector: whole on every TP and CP rank, on the first stage.
-    if request.frames and cfg.enc_layers:
-        enc_flops = sequences * _encoder_train_flops(cfg, request.frames) / layout.pp
+    work["encoder"] = 0.0
+    if request.frames and cfg.enc_layers and has_encoder:
+        enc_flops = sequences * _encoder_train_flops(cfg, request.frames)
         work["encoder"] = enc_flops * (1 + recompute_fwd) / (peak * matmul_share(cfg.enc_dim))
         frames = encoder_frames(cfg, request.frames)
         enc_bytes = _passes_bytes(ELEMENTWISE_PASSES[mode], cfg.enc_dim, cfg.enc_ffn_hidden)
         enc_bytes *= 1 + BACKWARD_PASSES + (1 if layout.ac != "none" else 0)
-        work["encoder"] += cfg.enc_layers * sequences * frames * enc_bytes / (hbm * layout.pp)
-    return work
+        work["encoder"] += cfg.enc_layers * sequences * frames * enc_bytes / hbm
+    # Small microbatches reach less of their kernels' speed (costs.microbatch_efficiency).
+    share = microbatch_efficiency(layout.microbatch * local, request.constants)
+    return {kind: seconds / share for kind, seconds in work.items()}
 
 
-def host_time(request: PlanRequest, layout: Layout) -> tuple[float, float]:
-    """(Seconds the host spends issuing one step's blocks, of which the GPU waits for eager
-    checkpointing's share whatever its own work)."""
+def host_time(request: PlanRequest, layout: Layout, part: Part) -> tuple[float, float]:
+    """(Seconds the host spends issuing one step's blocks on a rank holding ``part``, of which
+    the GPU waits for eager checkpointing's share whatever its own work)."""
     cfg = request.model
-    blocks = cfg.n_layers + (cfg.enc_layers if request.frames else 0)
-    blocks *= layout.microbatches / layout.pp
+    llm_blocks, has_encoder, _ = part
+    blocks = llm_blocks + (cfg.enc_layers if request.frames and has_encoder else 0)
+    blocks *= layout.microbatches
     issue = blocks * HOST_BLOCK_S["compiled" if request.compiled else "eager"]
     checkpointing = 0.0 if request.compiled else blocks * HOST_CHECKPOINT_S.get(layout.ac, 0.0)
     return issue, checkpointing
@@ -172,62 +187,106 @@ def _bandwidth(request: PlanRequest, span: int) -> float:
     return link * BUS_SHARE
 
 
-def communication(
-    request: PlanRequest, layout: Layout, total_params: int
-) -> tuple[float, float, float]:
-    """(FSDP/HSDP traffic that compute can hide, the step's first all-gather, which it cannot,
-    collectives on the critical path), in seconds."""
-    cfg = request.model
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of a step's communication on a GPU: the bytes it moves, over how many
+    consecutive ranks (beyond a node's GPUs: the network), whether compute hides it (FSDP's and
+    HSDP's), and its point-to-point messages (each with a fixed cost)."""
+
+    kind: str
+    nbytes: float
+    span: int
+    hidden: bool
+    messages: int = 0
+
+
+def traffic(request: PlanRequest, layout: Layout, total_params: int) -> list[Traffic]:
+    """Every kind of communication of one step on the busiest GPU."""
+    cfg, cluster = request.model, request.cluster
     e = request.element_bytes
     m = layout.microbatches
     params = total_params / (layout.tp * layout.pp)
     shards = layout.dp_shard * layout.cp
-    overlapped = first = 0.0
+    items = []
     if shards > 1:
         span = shards * layout.tp
         gathers = 2 * m if layout.pp == 1 else 1
-        moved = (shards - 1) / shards * params * (gathers * e + 4)
-        overlapped += moved / _bandwidth(request, span)
-        first = (
-            (shards - 1) / shards * params * e / max(1, cfg.n_layers) / _bandwidth(request, span)
-        )
+        share = (shards - 1) / shards * params
+        items.append(Traffic("fsdp", share * (gathers * e + 4), span, hidden=True))
+        # The step's first all-gather (one block's parameters): nothing runs before it.
+        items.append(Traffic("first gather", share * e / max(1, cfg.n_layers), span, False))
     if layout.dp_replicate > 1:
         r = layout.dp_replicate
         moved = 2 * (r - 1) / r * params / shards * 4
-        overlapped += moved / _bandwidth(request, request.cluster.gpus // layout.pp)
+        items.append(Traffic("hsdp", moved, cluster.gpus // layout.pp, hidden=True))
     positions = decoder_positions(cfg, request.frames, request.tokens, layout.tp, layout.cp)
     activation = layout.microbatch * positions * cfg.d_model * e
     blocks = m * cfg.n_layers / layout.pp
-    exposed = 0.0
     if layout.tp > 1:
         per_block = 8 * (layout.tp - 1) / layout.tp * activation / layout.cp
-        exposed += blocks * per_block / _bandwidth(request, layout.tp)
+        items.append(Traffic("tp", blocks * per_block, layout.tp, hidden=False))
     if layout.cp > 1:
         kv = cfg.n_kv_heads * llm_head_dim(cfg)
         per_block = 4 * (layout.cp - 1) / layout.cp * activation * kv / cfg.d_model / layout.tp
-        exposed += blocks * per_block / _bandwidth(request, layout.cp * layout.tp)
+        items.append(Traffic("cp", blocks * per_block, layout.cp * layout.tp, hidden=False))
     if layout.ep > 1:
         tokens = activation / layout.cp / layout.tp * cfg.top_k
         per_layer = 4 * (layout.ep - 1) / layout.ep * tokens
-        exposed += blocks * per_layer / _bandwidth(request, layout.ep)
+        items.append(Traffic("ep", blocks * per_layer, layout.ep, hidden=False))
     if layout.pp > 1:
-        hop = 2 * activation / layout.cp / layout.tp
-        exposed += m * (layout.pp - 1) * hop / (request.cluster.network_bytes_per_s * BUS_SHARE)
-    return overlapped, first, exposed
+        hop = activation / layout.cp / layout.tp
+        # Neighbouring stages' ranks are a stage apart: across nodes once a stage fills one.
+        span = 2 * cluster.gpus // layout.pp
+        transfers = pipeline_transfers(layout.pp, m, layout.stages_per_rank)
+        items.append(Traffic("pp", transfers * hop, span, hidden=False, messages=transfers))
+    return items
+
+
+def seconds_of(request: PlanRequest, item: Traffic) -> float:
+    return transfer_seconds(item.nbytes, _bandwidth(request, item.span), item.messages)
+
+
+def cross_node_bytes(request: PlanRequest, layout: Layout, total_params: int) -> float:
+    """Bytes a GPU sends across nodes in one step: what the ranking weighs among near ties."""
+    per_node = request.cluster.per_node
+    return sum(t.nbytes for t in traffic(request, layout, total_params) if t.span > per_node)
+
+
+def communication(request: PlanRequest, layout: Layout, total_params: int) -> tuple[float, float]:
+    """(FSDP/HSDP traffic that compute can hide, communication on the critical path), in
+    seconds."""
+    hidden = exposed = 0.0
+    for item in traffic(request, layout, total_params):
+        if item.hidden:
+            hidden += seconds_of(request, item)
+        else:
+            exposed += seconds_of(request, item)
+    return hidden, exposed
 
 
 def step_time(
-    request: PlanRequest, layout: Layout, total_params: int, fsdp: bool
+    request: PlanRequest,
+    layout: Layout,
+    total_params: int,
+    fsdp: bool,
+    parts: tuple[Part, ...] = (),
 ) -> dict[str, float]:
-    """The step's seconds, and its parts: ``compute`` (GPU work or host time, whichever is
-    longer, with the pipeline bubble), ``exposed_comm``, and each kind of GPU work."""
-    work = gpu_work(request, layout)
-    work["parameters"] = parameter_work(request, layout, total_params, fsdp)
-    gpu = sum(work.values()) / STEP_EFFICIENCY
-    issue, checkpointing = host_time(request, layout)
-    compute = max(gpu, issue) + checkpointing
-    if layout.pp > 1:
-        compute *= 1 + (layout.pp - 1) / (layout.microbatches * max(1, layout.stages_per_rank))
-    overlapped, first, exposed = communication(request, layout, total_params)
-    comm = max(0.0, overlapped - compute) + first + exposed
+    """The step's seconds, and its parts: ``compute`` (the busiest pipeline rank's GPU work or
+    host time, whichever is longer, with the pipeline bubble), ``exposed_comm``, and each kind
+    of GPU work. ``parts``: each pipeline rank's (LLM blocks, encoder, head); empty: one rank
+    holds the whole model."""
+    parts = parts or ((request.model.n_layers, True, True),)
+    busiest: tuple[float, dict[str, float]] = (-1.0, {})
+    for part in set(parts):
+        work = gpu_work(request, layout, part)
+        work["parameters"] = parameter_work(request, layout, total_params, fsdp)
+        gpu = sum(work.values()) / request.constants.step_efficiency
+        issue, checkpointing = host_time(request, layout, part)
+        compute = max(gpu, issue) + checkpointing
+        if compute > busiest[0]:
+            busiest = (compute, work)
+    compute, work = busiest
+    compute *= 1 + bubble(layout.pp, layout.microbatches, layout.stages_per_rank)
+    hidden, exposed = communication(request, layout, total_params)
+    comm = overlapped_seconds(compute, hidden, request.constants) - compute + exposed
     return {"step": compute + comm, "compute": compute, "exposed_comm": comm, **work}
