@@ -27,6 +27,13 @@ CHECKPOINT_LOCATION_FILE = "checkpoint_location"
 MARKER = "COMPLETE"  # written last into a checkpoint: one without it is not complete
 STATE_FILE = "state.json"  # a checkpoint's step, data position and layout
 METRICS_FILE = "metrics.jsonl"
+# The metrics.jsonl record each job (and each restart inside it) writes at its first step: what
+# ran (the resolved config, the world, ranks per node, the GPU), so that `orchestrator plan
+# --calibrate RUN_DIR` can price the layout its measured steps came from.
+RUN_RECORD = "run"
+# metrics.jsonl rows that are records of a job, not its history: each job's state memory (the
+# planner's measured bytes) and its run record. W&B sees neither.
+RECORD_KEYS = ("memory", RUN_RECORD)
 # metrics.jsonl keys with a name after them: the validation loss of each of several validation
 # sets (``val_loss/<set>``, beside the pooled ``val_loss``) and the cuts drawn from each
 # training source (``cuts/<source>``, summed over ranks since the previous row).

@@ -34,6 +34,7 @@ from contract.run_dir import (
     CHECKPOINTS_DIR,
     EVAL_DIR,
     METRICS_FILE,
+    RECORD_KEYS,
     STEP_DIR,
     VAL_LOSS_PREFIX,
     not_writable,
@@ -67,7 +68,7 @@ def chain_rows(manifest: Manifest) -> list[dict[str, Any]]:
 
 
 def is_training_row(row: dict[str, Any]) -> bool:
-    return "loss" in row or not ("val_loss" in row or "memory" in row)
+    return "loss" in row or not ("val_loss" in row or any(key in row for key in RECORD_KEYS))
 
 
 def is_number(value: Any) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.run_dir import METRICS_FILE
+from contract.run_dir import METRICS_FILE, RECORD_KEYS
 from tests.harness.process import REPO
 from tests.harness.wandb_runs import base_env, of_type, wandb_records
 from train.metrics import (
@@ -106,9 +106,10 @@ def run_job(
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The history rows (each job's ``memory`` row, which W&B never sees, left out)."""
+    """The history rows (each job's ``memory`` and ``run`` rows, which W&B never sees, left
+    out)."""
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
-    return [row for row in rows if "memory" not in row]
+    return [row for row in rows if not any(key in row for key in RECORD_KEYS)]
 
 
 @dataclass(frozen=True)

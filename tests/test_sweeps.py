@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from contract.job_end import EXIT_CONFIG
+from contract.run_dir import RECORD_KEYS
 from tests.harness.chains import wait_chain
 from tests.harness.cluster import queue_ids, wait_gone
 from tests.harness.process import REPO, run_tool
@@ -59,9 +60,9 @@ def multirun(
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's training and validation rows (each job's ``memory`` row left out)."""
+    """metrics.jsonl's training and validation rows (each job's records left out)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row for row in rows if "memory" not in row]
+    return [row for row in rows if not any(key in row for key in RECORD_KEYS)]
 
 
 def sweep_id(stdout: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 from contract.gpus import GPU_KEYS, gpu_preset
 from orchestrator.errors import UsageError
@@ -128,6 +129,16 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help='price this layout only, e.g. "dp_shard=4 tp=2 microbatches=1 ac=selective" '
         "(degrees left out are 1; microbatch size: what the global batch leaves)",
+    )
+    choices.add_argument(
+        "--calibrate",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="correct the step-time constants for your cluster with your own measured steps: "
+        "a chain's run dir (its jobs' metrics.jsonl) or a table in measurements.csv's columns "
+        "(bench/gpu_check.sh writes one); repeatable",
     )
     output = parser.add_argument_group("output")
     output.add_argument("--top", type=int, default=5, help="feasible layouts shown (default 5)")

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from orchestrator.errors import UsageError
 from orchestrator.planner.arguments import layout_from, request_from
 from orchestrator.planner.cluster import GIB
 from orchestrator.planner.costs import HELD_OUT_ERROR
-from orchestrator.planner.fit import Prediction, price_row
+from orchestrator.planner.fit import Prediction, calibrate, price_row
 from orchestrator.planner.measured import (
     MEMORY_BOUND,
     SPEED_BOUND,
     load,
 )
+from orchestrator.planner.past_runs import calibration_rows
 from orchestrator.planner.ranking import sweep_figures
 from orchestrator.planner.request import Estimate, PlanRequest, PlanResult
 from orchestrator.planner.search import plan, price
@@ -63,6 +66,7 @@ def result_json(result: PlanResult, shown: list[Estimate], elapsed: float) -> di
         "yaml": recipe_lines(request) if best else None,
         "seconds": elapsed,
         "runner_up_slower": spread(result),
+        "constants": asdict(request.constants),
         "model_error": HELD_OUT_ERROR,
     }
 
@@ -167,6 +171,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.measured is not None:
         return print_measured(Path(args.measured))
     request = request_from(args)
+    calibration = None
+    if args.calibrate:
+        rows, skipped = calibration_rows(args.calibrate)
+        for line in skipped:
+            print(line, file=sys.stderr)
+        calibration = calibrate(rows)
+        request = replace(request, constants=calibration.constants)
+        if not args.json:
+            print(calibration.line())
     if args.layout:
         try:
             result = price(request, layout_from(args.layout, request))

@@ -122,22 +122,56 @@ GRID = {
 }
 
 
-def fit(rows: list[PricedRow], start: StepConstants = FITTED) -> StepConstants:
+def fit(
+    rows: list[PricedRow], start: StepConstants = FITTED, names: tuple[str, ...] = tuple(GRID)
+) -> StepConstants:
     """The constants on ``GRID`` that minimise ``rms_log_error`` over ``rows``, by coordinate
-    descent from ``start`` (each constant in turn at its best value, until none moves)."""
+    descent from ``start`` (each of ``names`` in turn at its best value, until none moves; the
+    others stay at ``start``'s)."""
     if not rows:
         raise ValueError("no measured rows to fit the step-time constants to")
     best, loss = start, rms_log_error(rows, start)
     moved = True
     while moved:
         moved = False
-        for name, values in GRID.items():
-            for value in values:
+        for name in names:
+            for value in GRID[name]:
                 candidate = replace(best, **{name: value})
                 candidate_loss = rms_log_error(rows, candidate)
                 if candidate_loss < loss - 1e-12:
                     best, loss, moved = candidate, candidate_loss, True
     return best
+
+
+# Fewer measured steps than this calibrate the step efficiency alone: one or two rows cannot tell
+# a microbatch's cost from the collectives' overlap.
+ROWS_FOR_EVERY_CONSTANT = 3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The constants a user's own measured steps give, and their error before and after."""
+
+    constants: StepConstants
+    rows: int
+    error_before: float  # RMS of log(predicted / measured) under FITTED
+    error_after: float
+
+    def line(self) -> str:
+        before, after = math.expm1(self.error_before), math.expm1(self.error_after)
+        return (
+            f"calibrated on {self.rows} measured run(s) of yours: {self.constants.line()} "
+            f"(published fit: {FITTED.line()}); their error {before:.1%} -> {after:.1%} RMS "
+            "on tokens/s"
+        )
+
+
+def calibrate(rows: list[PricedRow], start: StepConstants = FITTED) -> Calibration:
+    """The constants fitted to a user's measured steps, from the published fit: every constant
+    from ``ROWS_FOR_EVERY_CONSTANT`` rows, the step efficiency alone from fewer."""
+    names = tuple(GRID) if len(rows) >= ROWS_FOR_EVERY_CONSTANT else ("step_efficiency",)
+    fitted = fit(rows, start, names)
+    return Calibration(fitted, len(rows), rms_log_error(rows, start), rms_log_error(rows, fitted))
 
 
 def fit_rows(rows: list[Measurement]) -> list[PricedRow]:

@@ -20,6 +20,7 @@ import psutil
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from contract.run_dir import RECORD_KEYS as JOB_RECORD_KEYS
 from tests.harness.process import REPO, run_python
 
 if TYPE_CHECKING:
@@ -116,9 +117,9 @@ def run_ranks(
     return completed
 
 
-# metrics.jsonl's rows that are records, not history: each job's memory row, and the row of a
-# job that restarted the data epoch on a changed data layout (train/data/layout.py).
-RECORD_KEYS = ("memory", "data_layout_change")
+# metrics.jsonl's rows that are records, not history: each job's memory and run rows, and the
+# row of a job that restarted the data epoch on a changed data layout (train/data/layout.py).
+RECORD_KEYS = (*JOB_RECORD_KEYS, "data_layout_change")
 
 
 def metrics(run_dir: Path) -> list[dict]:

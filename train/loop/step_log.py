@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
+from contract.gpus import gpu_of_device
+from contract.run_dir import RUN_RECORD
 from train.config import TrainConfig
 from train.flops import PEAK_FLOPS_ENV, peak_flops
 from train.loop.step_tallies import Synced
 from train.memory import STATE_KINDS
-from train.metrics import MetricsLogger
+from train.metrics import MetricsLogger, scrub_secrets
 from train.models.compiled import graph_counts, recompiles
 from train.parallel.distributed import say
 
@@ -82,6 +85,22 @@ class StepLog:
             record["recompiles"] = recompiles(graph_counts())
         since.update(time=now, step=step, positions=0.0, flops=0.0)
         return record
+
+
+def log_run(metrics: MetricsLogger, step: int, cfg: TrainConfig, device: torch.device) -> None:
+    """What this job runs, for the planner (contract.run_dir.RUN_RECORD): the resolved config
+    (secrets scrubbed, as W&B gets it), the world, ranks per node and the GPU (None on a CPU
+    or a GPU the table does not know). Rank 0 writes it; not collective."""
+    world = dist.get_world_size()
+    gpu = gpu_of_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    config = scrub_secrets(asdict(cfg), os.environ.get("WANDB_API_KEY"))
+    run = {
+        "config": config,
+        "world": world,
+        "tasks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        "gpu": None if gpu is None else gpu.key,
+    }
+    metrics.write(step, {RUN_RECORD: run})
 
 
 def log_state_memory(
