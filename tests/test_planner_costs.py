@@ -25,7 +25,7 @@ from orchestrator.planner.costs import (
     transfer_seconds,
 )
 from orchestrator.planner.fit import fit, fit_rows, prepare, sweep_error
-from orchestrator.planner.measured import load
+from orchestrator.planner.measured import TABLE, load
 from orchestrator.planner.ranking import sweep_figures
 from orchestrator.planner.request import Layout, PlanRequest
 from orchestrator.planner.search import plan, price, timing_inputs
@@ -152,6 +152,7 @@ def test_among_near_ties_fewer_bytes_cross_the_network():
 
 
 def test_plan_says_how_sure_it_is_torch_free_and_fast():
+    """The spread line; pricing one layout, and calibrating to a table, import no torch."""
     done = run_tool("orchestrator", "plan", *ONE_B, "--gpus", "16")
     assert done.returncode == 0, done.stderr
     assert "spread: the runner-up is predicted +" in done.stdout
@@ -163,6 +164,9 @@ def test_plan_says_how_sure_it_is_torch_free_and_fast():
         f"args = orchestrator_parser().parse_args(['plan', *{ONE_B!r}, '--gpus', '16', "
         "'--layout', 'dp_shard=8 pp=2 microbatches=64'])\n"
         "start = time.perf_counter(); cmd_plan(args); took = time.perf_counter() - start\n"
+        f"args = orchestrator_parser().parse_args(['plan', *{ONE_B!r}, '--gpus', '16', "
+        f"'--top', '1', '--calibrate', {str(TABLE)!r}])\n"
+        "cmd_plan(args)\n"
         "print('torch' in sys.modules, took)\n"
     )
     out = (
