@@ -22,6 +22,7 @@ from orchestrator.planner.costs import (
     microbatch_efficiency,
     overlapped_seconds,
     pipeline_transfers,
+    ring_latency,
     transfer_seconds,
 )
 from orchestrator.planner.fit import fit, fit_rows, prepare, sweep_error
@@ -68,7 +69,20 @@ def test_pipeline_transfers_and_their_cost():
     assert pipeline_transfers(1, 8) == 0
     assert pipeline_transfers(4, 8) == 2 * (8 + 3)
     assert transfer_seconds(4e9, 40e9) == pytest.approx(0.1)
-    assert transfer_seconds(4e9, 40e9, messages=10) == pytest.approx(0.1 + 10 * P2P_LATENCY_S)
+    assert transfer_seconds(4e9, 40e9, 10 * P2P_LATENCY_S) == pytest.approx(
+        0.1 + 10 * P2P_LATENCY_S
+    )
+
+
+def test_a_ring_collective_s_latency_is_nccls():
+    """NCCL's tuning model (ring, Simple): 8.4 us, then 3.4 us per step over NVLink and 9.6 us
+    per step between nodes; n - 1 steps for an all-gather, twice that for an all-reduce."""
+    assert ring_latency(1, 1) == 0.0
+    assert ring_latency(8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert ring_latency(16, 2) == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 9.6e-6)
+    assert ring_latency(16, 2, all_reduce=True) == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 2 * 9.6e-6)
+    # Data parallelism across more nodes pays more per collective.
+    assert ring_latency(64, 8) < ring_latency(128, 16) < ring_latency(512, 64)
 
 
 def test_small_microbatches_reach_less_of_their_kernels_speed():

@@ -16,10 +16,11 @@ Per GPU and step (docs/planner.md, "Step-time model", gives the figures and thei
   ``selective`` its memory-bound work;
 - **host time**: eager launches every op from Python (more under selective checkpointing, whose
   dispatch mode sees each op twice); the step takes the longer of the GPU's work and the host's;
-- **communication**: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) overlap the
-  compute, so only what exceeds it counts, plus the first all-gather of a step, which nothing
-  hides; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the critical
-  path; collectives reach ``BUS_SHARE`` of the link's bandwidth;
+- **communication**: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) run beside
+  the compute and combine with it (``costs.overlapped_seconds``), plus the first all-gather of a
+  step, which nothing hides; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the critical
+  path; collectives reach ``BUS_SHARE`` of the link's bandwidth after each call's fixed
+  latency (``costs.ring_latency``, NCCL's model: more ranks and nodes, more steps);
 - **pipeline**: the busiest rank's work (its blocks, the head on the last stage, the encoder
   on the first) sets the pace; the bubble adds (pp - 1) / (microbatches x stages per rank) of
   it, and each microbatch's activations and gradients cross between stages on the critical
@@ -41,11 +42,13 @@ from typing import TYPE_CHECKING
 
 from orchestrator.planner.activations import Microbatch
 from orchestrator.planner.costs import (
+    P2P_LATENCY_S,
     bubble,
     matmul_share,
     microbatch_efficiency,
     overlapped_seconds,
     pipeline_transfers,
+    ring_latency,
     transfer_seconds,
 )
 from train.flops import ENCODER_MACS, llm_weights_per_position, loss_recompute_flops
@@ -191,13 +194,13 @@ def _bandwidth(request: PlanRequest, span: int) -> float:
 class Traffic:
     """One kind of a step's communication on a GPU: the bytes it moves, over how many
     consecutive ranks (beyond a node's GPUs: the network), whether compute hides it (FSDP's and
-    HSDP's), and its point-to-point messages (each with a fixed cost)."""
+    HSDP's), and the fixed latency of its calls."""
 
     kind: str
     nbytes: float
     span: int
     hidden: bool
-    messages: int = 0
+    fixed_s: float = 0.0
 
 
 def traffic(request: PlanRequest, layout: Layout, total_params: int) -> list[Traffic]:
@@ -207,43 +210,59 @@ def traffic(request: PlanRequest, layout: Layout, total_params: int) -> list[Tra
     m = layout.microbatches
     params = total_params / (layout.tp * layout.pp)
     shards = layout.dp_shard * layout.cp
+    local_blocks = cfg.n_layers / layout.pp  # FSDP wraps each block: a collective per block
+
+    def nodes(span: int) -> int:
+        return -(-span // cluster.per_node)
+
     items = []
     if shards > 1:
         span = shards * layout.tp
         gathers = 2 * m if layout.pp == 1 else 1
         share = (shards - 1) / shards * params
-        items.append(Traffic("fsdp", share * (gathers * e + 4), span, hidden=True))
+        calls = local_blocks * (gathers + 1)  # the all-gathers and one reduce-scatter
+        fixed = calls * ring_latency(shards, nodes(span))
+        items.append(Traffic("fsdp", share * (gathers * e + 4), span, True, fixed))
         # The step's first all-gather (one block's parameters): nothing runs before it.
-        items.append(Traffic("first gather", share * e / max(1, cfg.n_layers), span, False))
+        first = share * e / max(1, cfg.n_layers)
+        items.append(Traffic("first gather", first, span, False, ring_latency(shards, 1)))
     if layout.dp_replicate > 1:
         r = layout.dp_replicate
         moved = 2 * (r - 1) / r * params / shards * 4
-        items.append(Traffic("hsdp", moved, cluster.gpus // layout.pp, hidden=True))
+        span = cluster.gpus // layout.pp
+        fixed = local_blocks * ring_latency(r, nodes(span), all_reduce=True)
+        items.append(Traffic("hsdp", moved, span, True, fixed))
     positions = decoder_positions(cfg, request.frames, request.tokens, layout.tp, layout.cp)
     activation = layout.microbatch * positions * cfg.d_model * e
-    blocks = m * cfg.n_layers / layout.pp
+    blocks = m * local_blocks
     if layout.tp > 1:
+        # Sequence parallel: an all-gather and a reduce-scatter around attention and around the
+        # FFN, forward and backward.
         per_block = 8 * (layout.tp - 1) / layout.tp * activation / layout.cp
-        items.append(Traffic("tp", blocks * per_block, layout.tp, hidden=False))
+        fixed = 8 * blocks * ring_latency(layout.tp, nodes(layout.tp))
+        items.append(Traffic("tp", blocks * per_block, layout.tp, False, fixed))
     if layout.cp > 1:
         kv = cfg.n_kv_heads * llm_head_dim(cfg)
         per_block = 4 * (layout.cp - 1) / layout.cp * activation * kv / cfg.d_model / layout.tp
-        items.append(Traffic("cp", blocks * per_block, layout.cp * layout.tp, hidden=False))
+        span = layout.cp * layout.tp
+        fixed = 2 * blocks * ring_latency(layout.cp, nodes(span))
+        items.append(Traffic("cp", blocks * per_block, span, False, fixed))
     if layout.ep > 1:
         tokens = activation / layout.cp / layout.tp * cfg.top_k
         per_layer = 4 * (layout.ep - 1) / layout.ep * tokens
-        items.append(Traffic("ep", blocks * per_layer, layout.ep, hidden=False))
+        fixed = 4 * blocks * ring_latency(layout.ep, nodes(layout.ep))
+        items.append(Traffic("ep", blocks * per_layer, layout.ep, False, fixed))
     if layout.pp > 1:
         hop = activation / layout.cp / layout.tp
         # Neighbouring stages' ranks are a stage apart: across nodes once a stage fills one.
         span = 2 * cluster.gpus // layout.pp
         transfers = pipeline_transfers(layout.pp, m, layout.stages_per_rank)
-        items.append(Traffic("pp", transfers * hop, span, hidden=False, messages=transfers))
+        items.append(Traffic("pp", transfers * hop, span, False, transfers * P2P_LATENCY_S))
     return items
 
 
 def seconds_of(request: PlanRequest, item: Traffic) -> float:
-    return transfer_seconds(item.nbytes, _bandwidth(request, item.span), item.messages)
+    return transfer_seconds(item.nbytes, _bandwidth(request, item.span), item.fixed_s)
 
 
 def cross_node_bytes(request: PlanRequest, layout: Layout, total_params: int) -> float:
