@@ -15,7 +15,7 @@ import pytest
 from contract.gpus import gpu_preset
 from orchestrator.planner.cluster import Cluster
 from orchestrator.planner.costs import matmul_share
-from orchestrator.planner.fit import price_row
+from orchestrator.planner.fit import prepare, price_row
 from orchestrator.planner.measured import (
     MEMORY_BOUND,
     PRICED,
@@ -72,7 +72,8 @@ def test_rows_out_of_scope_still_describe_a_configuration(row):
     models what they need (their plan arguments and layout parse)."""
     fields = parse_layout(row.layout)
     assert fields["ac"] in AC_MODES
-    assert "--gpus" in row.plan_args and "--model" in row.plan_args
+    priced = prepare(row)  # the plan arguments are orchestrator plan's, the layout runs on them
+    priced.layout.dims(priced.request.cluster.gpus).validate(priced.request.model)
 
 
 def test_the_best_layout_for_llama_8b_on_8_h100s_is_at_least_as_fast_as_fsdp_8():

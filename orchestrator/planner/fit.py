@@ -119,6 +119,7 @@ GRID = {
     "step_efficiency": [round(0.60 + 0.005 * i, 3) for i in range(71)],
     "microbatch_half_tokens": [25.0 * i for i in range(81)],
     "overlap_exponent": [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 20.0, 50.0],
+    "pipeline_imbalance": [0.0, 0.25, 0.5, 0.75, 1.0],
 }
 
 

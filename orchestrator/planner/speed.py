@@ -18,19 +18,20 @@ Per GPU and step (docs/planner.md, "Step-time model", gives the figures and thei
   dispatch mode sees each op twice); the step takes the longer of the GPU's work and the host's;
 - **communication**: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) run beside
   the compute and combine with it (``costs.overlapped_seconds``), plus the first all-gather of a
-  step, which nothing hides; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit on the critical
-  path; collectives reach ``BUS_SHARE`` of the link's bandwidth after each call's fixed
-  latency (``costs.ring_latency``, NCCL's model: more ranks and nodes, more steps);
-- **pipeline**: the busiest rank's work (its blocks, the head on the last stage, the encoder
-  on the first) sets the pace; the bubble adds (pp - 1) / (microbatches x stages per rank) of
-  it, and each microbatch's activations and gradients cross between stages on the critical
-  path (``costs.pipeline_transfers``);
+  step, which nothing hides; TP's and CP's collectives, EP's all-to-alls and pipeline sends sit
+  on the critical path; collectives reach ``BUS_SHARE`` of the link's bandwidth after each
+  call's fixed latency (``costs.ring_latency``, NCCL's model: more ranks and nodes, more steps);
+- **pipeline**: the ranks' work (their blocks, the head on the last stage, the encoder on the
+  first) sets the pace: their mean and a fitted share of the busiest one's excess
+  (``costs.pipeline_pace``); the bubble adds (pp - 1) / (microbatches x stages per rank) of it,
+  and each microbatch's activations and gradients cross between stages on the critical path
+  (``costs.pipeline_transfers``);
 - **microbatches**: a small microbatch reaches less of its kernels' speed
   (``costs.microbatch_efficiency``).
 
 A whole step reaches less than the sum of its kernels run alone (allocator, synchronization,
 kernels too small to fill the GPU): ``StepConstants.step_efficiency`` divides the GPU's work.
-It and the microbatch's fixed cost are fitted to the measured steps of ``measurements.csv``
+It and the other ``StepConstants`` are fitted to the measured steps of ``measurements.csv``
 held in the fit (``planner.fit``); the request carries them (``PlanRequest.constants``).
 """
 
@@ -47,6 +48,7 @@ from orchestrator.planner.costs import (
     matmul_share,
     microbatch_efficiency,
     overlapped_seconds,
+    pipeline_pace,
     pipeline_transfers,
     ring_latency,
     transfer_seconds,
@@ -295,16 +297,16 @@ def step_time(
     of GPU work. ``parts``: each pipeline rank's (LLM blocks, encoder, head); empty: one rank
     holds the whole model."""
     parts = parts or ((request.model.n_layers, True, True),)
-    busiest: tuple[float, dict[str, float]] = (-1.0, {})
+    paces: dict[Part, tuple[float, dict[str, float]]] = {}
     for part in set(parts):
         work = gpu_work(request, layout, part)
         work["parameters"] = parameter_work(request, layout, total_params, fsdp)
         gpu = sum(work.values()) / request.constants.step_efficiency
         issue, checkpointing = host_time(request, layout, part)
-        compute = max(gpu, issue) + checkpointing
-        if compute > busiest[0]:
-            busiest = (compute, work)
-    compute, work = busiest
+        paces[part] = (max(gpu, issue) + checkpointing, work)
+    busiest, work = max(paces.values(), key=lambda pace: pace[0])
+    mean = sum(paces[part][0] for part in parts) / len(parts)
+    compute = pipeline_pace(mean, busiest, request.constants)
     compute *= 1 + bubble(layout.pp, layout.microbatches, layout.stages_per_rank)
     hidden, exposed = communication(request, layout, total_params)
     comm = overlapped_seconds(compute, hidden, request.constants) - compute + exposed
