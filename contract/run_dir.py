@@ -7,6 +7,7 @@
       metrics.jsonl                one JSON row per logged step, appended across jobs
       eval/step_<N>/               what ``python -m train.evaluate`` wrote for that checkpoint
       job_ends/<index>-<id>.json   how each job's training ended (contract.job_end)
+      job_starts/<index>-<id>.json what each job ran (its config, world, GPU): the planner's
       logs/<job name>-<id>.out     each job's log
       avoid_nodes/<id>             nodes the job's next launches stay off, one a line (a slow
                                    node swapped for a spare of the allocation: the chain hook)
@@ -27,13 +28,9 @@ CHECKPOINT_LOCATION_FILE = "checkpoint_location"
 MARKER = "COMPLETE"  # written last into a checkpoint: one without it is not complete
 STATE_FILE = "state.json"  # a checkpoint's step, data position and layout
 METRICS_FILE = "metrics.jsonl"
-# The metrics.jsonl record each job (and each restart inside it) writes at its first step: what
-# ran (the resolved config, the world, ranks per node, the GPU), so that `orchestrator plan
-# --calibrate RUN_DIR` can price the layout its measured steps came from.
-RUN_RECORD = "run"
 # metrics.jsonl rows that are records of a job, not its history: each job's state memory (the
-# planner's measured bytes) and its run record. W&B sees neither.
-RECORD_KEYS = ("memory", RUN_RECORD)
+# planner's measured bytes). W&B never sees them.
+RECORD_KEYS = ("memory",)
 # metrics.jsonl keys with a name after them: the validation loss of each of several validation
 # sets (``val_loss/<set>``, beside the pooled ``val_loss``) and the cuts drawn from each
 # training source (``cuts/<source>``, summed over ranks since the previous row).
@@ -41,6 +38,10 @@ VAL_LOSS_PREFIX = "val_loss/"
 CUTS_PREFIX = "cuts/"
 EVAL_DIR = "eval"
 JOB_ENDS_DIR = "job_ends"
+# What each job ran, written at its first step (the resolved config, the world, ranks per node,
+# the GPU), so that `orchestrator plan --calibrate RUN_DIR` can price the layout its logged
+# steps came from: job_starts/<index>-<id>.json ("local" for the id outside a job).
+JOB_STARTS_DIR = "job_starts"
 LOGS_DIR = "logs"
 AVOID_NODES_DIR = "avoid_nodes"
 CODE_SNAPSHOT_DIR = "code"  # the work tree as it was at submission, which every job runs
@@ -57,6 +58,10 @@ def step_name(step: int) -> str:
 def tmp_step_name(step: int, unique: str) -> str:
     """The directory a save of step ``step`` is written into before its rename: ``TMP_DIR``."""
     return f".tmp-{step_name(step)}-{unique}"
+
+
+def job_start_path(run_dir: Path | str, job_index: str, job_id: str | None) -> Path:
+    return Path(run_dir) / JOB_STARTS_DIR / f"{job_index}-{job_id or 'local'}.json"
 
 
 def avoid_nodes_path(run_dir: Path | str, job_id: str) -> Path:

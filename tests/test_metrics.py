@@ -106,8 +106,7 @@ def run_job(
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The history rows (each job's ``memory`` and ``run`` rows, which W&B never sees, left
-    out)."""
+    """The history rows (each job's ``memory`` row, which W&B never sees, left out)."""
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     return [row for row in rows if not any(key in row for key in RECORD_KEYS)]
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from contract.run_dir import METRICS_FILE, RUN_RECORD
+from contract.run_dir import JOB_STARTS_DIR, METRICS_FILE
 from orchestrator.planner.costs import FITTED
 from orchestrator.planner.fit import calibrate, prepare
 from orchestrator.planner.measured import TABLE, load
-from orchestrator.planner.past_runs import row_of, segments
+from orchestrator.planner.past_runs import job_segments, row_of
 from tests.harness.process import run_tool
 from tests.harness.training import train
 
@@ -87,27 +87,26 @@ def test_a_path_with_nothing_to_calibrate_to_is_one_line_and_exit_2(tmp_path, pa
 
 
 def test_a_chains_jobs_record_what_ran_and_are_priced_as_it_ran(tmp_path, tiny_corpus):
-    """The trainer writes each job's run record; read back, the config composes again and is
-    priced on the layout that ran. A CPU run is left out of a calibration, with why (the
-    step-time model prices GPUs); with the GPU it names, the same job is a row."""
+    """The trainer writes what each job ran; read back, the config composes again and is priced
+    on the layout that ran. A CPU run is left out of a calibration, with why (the step-time
+    model prices GPUs); with the GPU it names, the same job is a row."""
     run_dir = tmp_path / "run"
     train(run_dir, tiny_corpus, "train.max_steps=4", "train.log_every=1", "parallel.dp_shard=2",
           nproc=2)  # fmt: skip
-    found = segments(run_dir / METRICS_FILE)
-    assert len(found) == 1
-    run = found[0].run
+    assert [p.name for p in (run_dir / JOB_STARTS_DIR).iterdir()] == ["0-local.json"]
+    [job] = job_segments(run_dir)
+    run = job.run
     assert (run["world"], run["tasks_per_node"], run["gpu"]) == (2, 2, None)
-    assert len(found[0].speeds) == 4
+    logged = [r["tokens_per_s"] for r in map(json.loads, (run_dir / METRICS_FILE).open())
+              if "tokens_per_s" in r]  # fmt: skip
+    assert len(logged) == 4 and job.speeds == logged[1:]
     done = run_tool("orchestrator", "plan", "--model", "tiny", "--gpus", "2", "--calibrate",
                     str(run_dir))  # fmt: skip
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "no measured GPU step to calibrate to" in done.stderr
     assert "left out: it ran on CPUs" in done.stderr
     run["gpu"] = "h100"  # what a GPU job records: the rest is this job's own record
-    row = row_of(found[0], str(run_dir))
+    row = row_of(job, str(run_dir))
     assert row.layout.dp_shard == 2 and row.request.cluster.gpus == 2
     assert row.request.global_batch == 2 * row.layout.microbatches
-    logged = [r["tokens_per_s"] for r in map(json.loads, (run_dir / METRICS_FILE).open())
-              if "tokens_per_s" in r]  # fmt: skip
     assert row.row.tokens_per_s_per_gpu == pytest.approx(statistics.median(logged[1:]) / 2)
-    assert RUN_RECORD in json.loads((run_dir / METRICS_FILE).read_text().splitlines()[1])

@@ -35,8 +35,10 @@ from tests.harness.training import metrics_or_empty, ranks_of, slow_node, wait_u
 
 EVERY = 10  # steps per straggler interval (production's default: 20)
 # From the first throttled step to the blame: up to 4 intervals (the one under way, then 3
-# whole ones) of ~0.5-s throttled steps, with room for a machine loaded by other tests.
-NAMED_WITHIN_S = 90
+# whole ones) of ~0.5-s throttled steps alone (named in 5-6 s). Under the full suite the other
+# worker's load blurs the 2x throttle to ~1.5x, at the judge's threshold, and three intervals in
+# a row above it came after ~90 s once (step 370 of a clean run of 9900d61): room for that.
+NAMED_WITHIN_S = 240
 FAST_STEPS = 2 * EVERY  # steps the next job trains before it is stopped
 TWO_NODES = "recipes/train_tiny_2node.yaml"
 RUN = (

@@ -48,7 +48,7 @@ from train.loop.faults import InjectedFaults
 from train.loop.garbage import Collector
 from train.loop.host_syncs import HostSyncGuard
 from train.loop.step import WholeModelRunner
-from train.loop.step_log import StepLog, log_run, log_state_memory
+from train.loop.step_log import StepLog, log_state_memory, write_job_start
 from train.loop.step_tallies import COUNTS, StepTallies, Synced, global_counts
 from train.loop.stop import StopRequest
 from train.loop.straggler import StragglerWatch
@@ -363,7 +363,7 @@ class Trainer:
             self.collector.after_step(step)
             if step == first_step + 1:
                 log_state_memory(metrics, step, self.rank, self.state_memory)
-                log_run(metrics, step, cfg, self.device)
+                write_job_start(self.run_dir, cfg, self.device)
             why = self.sync(step, lr, metrics) or self.step_budget_spent(step - first_step)
             if why is not None and not last:
                 return f"stopping at step {step}: {why}"

@@ -1,12 +1,13 @@
 """A user's own measured steps, as rows the planner's constants can be calibrated to
-(``orchestrator plan --calibrate PATH``): a chain's run dir, whose metrics.jsonl holds each
-job's ``run`` record (what ran: the trainer writes it at the job's first step) and its logged
-tokens/s, or a table in measurements.csv's columns (what ``bash bench/gpu_check.sh`` writes).
+(``orchestrator plan --calibrate PATH``): a chain's run dir, whose job_starts/ holds what each
+job ran (the trainer writes it at the job's first step) and whose metrics.jsonl holds the
+tokens/s it logged, or a table in measurements.csv's columns (what ``bash bench/gpu_check.sh``
+writes).
 
-A job's measured speed is the median of its logged tokens/s after its first logged line (which
-holds compilation and the first batches), per GPU; it is priced as the plan check prices a
-training config (``plan_check.request_and_layout``: ``data.max_duration`` of audio per rank
-and microbatch).
+A job's measured speed is the median of its logged tokens/s, each launch's first logged line
+left out (it holds compilation and the first batches), per GPU; it is priced as the plan check
+prices a training config (``plan_check.request_and_layout``: ``data.max_duration`` of audio
+per rank and microbatch).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.gpus import gpu_preset
-from contract.run_dir import METRICS_FILE, RUN_RECORD
+from contract.run_dir import JOB_STARTS_DIR, METRICS_FILE
 from orchestrator.errors import UsageError
 from orchestrator.planner.cluster import GIB
 from orchestrator.planner.fit import PricedRow, prepare
@@ -28,30 +29,45 @@ from orchestrator.planner.search import timing_inputs
 
 @dataclass
 class Segment:
-    """One job's (or in-job restart's) steps: what ran and the tokens/s it logged."""
+    """One job: what ran, and the tokens/s it logged after each launch's first line."""
 
     run: dict
     job: str
     speeds: list[float] = field(default_factory=list)
 
 
-def segments(metrics: Path) -> list[Segment]:
-    """The run records of a metrics.jsonl, each with the tokens/s its job logged after it."""
-    found: list[Segment] = []
-    current: dict[tuple, Segment] = {}
+def logged_speeds(metrics: Path) -> dict[tuple, list[float]]:
+    """The tokens/s a metrics.jsonl logged, by job (index, id), each launch's first line (a
+    job's, and an in-job restart's) left out."""
+    launches: dict[tuple, list[float]] = {}
     with metrics.open(encoding="utf-8") as f:
         for line in f:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line a killed job left half-written
-            key = (record.get("job_index"), record.get("slurm_job_id"))
-            if RUN_RECORD in record:
-                job = f"job {record.get('job_index')} (id {record.get('slurm_job_id')})"
-                current[key] = Segment(record[RUN_RECORD], job)
-                found.append(current[key])
-            elif isinstance(record.get("tokens_per_s"), int | float) and key in current:
-                current[key].speeds.append(float(record["tokens_per_s"]))
+            if isinstance(record.get("tokens_per_s"), int | float):
+                key = (record.get("job_index"), record.get("slurm_job_id"))
+                launch = (*key, record.get("in_job_restart"))
+                launches.setdefault(launch, []).append(float(record["tokens_per_s"]))
+    speeds: dict[tuple, list[float]] = {}
+    for (index, job_id, _), logged in launches.items():
+        speeds.setdefault((index, job_id), []).extend(logged[1:])
+    return speeds
+
+
+def job_segments(run_dir: Path) -> list[Segment]:
+    """Each job of a run dir that recorded what it ran, with the speeds it logged."""
+    speeds = logged_speeds(run_dir / METRICS_FILE)
+    found = []
+    for path in sorted((run_dir / JOB_STARTS_DIR).glob("*.json")):
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        key = (run.get("job_index"), run.get("slurm_job_id"))
+        job = f"job {key[0]} (id {key[1] or 'local'})"
+        found.append(Segment(run, job, speeds.get(key, [])))
     return found
 
 
@@ -68,8 +84,8 @@ def row_of(segment: Segment, source: str) -> PricedRow:
         raise ValueError(
             "it ran on CPUs (or a GPU the planner's table lacks): the step-time model prices GPUs"
         )
-    if len(segment.speeds) < 2:
-        raise ValueError("it logged fewer than two lines of tokens/s (the first holds warm-up)")
+    if not segment.speeds:
+        raise ValueError("it logged no tokens/s after its first line (which holds warm-up)")
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), run["config"]))
     except OmegaConfBaseException as error:
@@ -78,7 +94,7 @@ def row_of(segment: Segment, source: str) -> PricedRow:
     gpu = gpu_preset(run["gpu"])
     capacity = Capacity(gpu.memory_gib * GIB, gpu.key, gpu)
     request, layout = request_and_layout(cfg, max(1, world // per_node), per_node, capacity)
-    measured = statistics.median(segment.speeds[1:]) / world
+    measured = statistics.median(segment.speeds) / world
     row = Measurement(
         source=f"{source} {segment.job}",
         date="",
@@ -94,11 +110,16 @@ def row_of(segment: Segment, source: str) -> PricedRow:
 
 def run_dir_rows(run_dir: Path) -> tuple[list[PricedRow], list[str]]:
     """A run dir's jobs as rows, and a line for each job left out and why."""
-    metrics = run_dir / METRICS_FILE
-    if not metrics.is_file():
+    if not (run_dir / METRICS_FILE).is_file():
         raise UsageError(f"--calibrate {run_dir}: no {METRICS_FILE}: not a chain's run dir")
     rows, skipped = [], []
-    for segment in segments(metrics):
+    segments = job_segments(run_dir)
+    if not segments:
+        skipped.append(
+            f"{run_dir}: no {JOB_STARTS_DIR}/: its jobs ran before the trainer recorded "
+            "what each ran"
+        )
+    for segment in segments:
         try:
             rows.append(row_of(segment, str(run_dir)))
         except ValueError as error:

@@ -117,8 +117,8 @@ def run_ranks(
     return completed
 
 
-# metrics.jsonl's rows that are records, not history: each job's memory and run rows, and the
-# row of a job that restarted the data epoch on a changed data layout (train/data/layout.py).
+# metrics.jsonl's rows that are records, not history: each job's memory row, and the row of a
+# job that restarted the data epoch on a changed data layout (train/data/layout.py).
 RECORD_KEYS = (*JOB_RECORD_KEYS, "data_layout_change")
 
 

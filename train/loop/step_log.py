@@ -8,15 +8,18 @@ the sync steps between.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from contract import job_env
 from contract.gpus import gpu_of_device
-from contract.run_dir import RUN_RECORD
+from contract.run_dir import job_start_path
 from train.config import TrainConfig
 from train.flops import PEAK_FLOPS_ENV, peak_flops
 from train.loop.step_tallies import Synced
@@ -87,20 +90,29 @@ class StepLog:
         return record
 
 
-def log_run(metrics: MetricsLogger, step: int, cfg: TrainConfig, device: torch.device) -> None:
-    """What this job runs, for the planner (contract.run_dir.RUN_RECORD): the resolved config
-    (secrets scrubbed, as W&B gets it), the world, ranks per node and the GPU (None on a CPU
-    or a GPU the table does not know). Rank 0 writes it; not collective."""
+def write_job_start(run_dir: Path, cfg: TrainConfig, device: torch.device) -> None:
+    """What this job runs, for the planner (contract.run_dir.job_start_path): the resolved config
+    (secrets scrubbed, as W&B gets it), the world, ranks per node and the GPU (None on a CPU or a
+    GPU the table does not know), with the job's index and id as metrics.jsonl's rows carry
+    them. Rank 0 writes it (replacing an in-job restart's earlier one); not collective."""
+    if dist.get_rank() != 0:
+        return
     world = dist.get_world_size()
     gpu = gpu_of_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    config = scrub_secrets(asdict(cfg), os.environ.get("WANDB_API_KEY"))
-    run = {
-        "config": config,
+    index, job_id = int(os.environ.get(job_env.JOB_INDEX, "0")), job_env.job_id(os.environ)
+    record = {
+        "job_index": index,
+        "slurm_job_id": job_id,
+        "config": scrub_secrets(asdict(cfg), os.environ.get("WANDB_API_KEY")),
         "world": world,
         "tasks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
         "gpu": None if gpu is None else gpu.key,
     }
-    metrics.write(step, {RUN_RECORD: run})
+    path = job_start_path(run_dir, str(index), job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, default=str) + "\n")
+    tmp.replace(path)
 
 
 def log_state_memory(
