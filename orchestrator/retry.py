@@ -26,6 +26,9 @@ TRANSIENT_MARKERS = (
     "Slurm temporarily unable to accept job",
     "Resource temporarily unavailable",
     "Connection refused",
+    # A controller that drops the connection while it starts or restarts (seen: sinfo's
+    # slurm_load_partitions during `orchestrator cluster up`).
+    "Connection reset by peer",
 )
 # The subset that proves a submission was not accepted: the only errors a submission retries.
 REJECTED_MARKERS = (

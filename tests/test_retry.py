@@ -10,6 +10,7 @@ from orchestrator.retry import (
     PATIENCE_ENV,
     REJECTED_MARKERS,
     TRANSIENT_MARKERS,
+    is_transient,
     patience_s,
     with_retries,
 )
@@ -150,3 +151,11 @@ def test_the_patience_comes_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(PATIENCE_ENV, "soon")
     with pytest.raises(Exception, match=f"{PATIENCE_ENV}='soon': give a number of seconds"):
         patience_s()
+
+
+def test_a_connection_the_controller_resets_is_transient_for_queries_only() -> None:
+    """A controller starting or restarting drops connections (sinfo during `cluster up`): a
+    query tries again; a submission does not, since it may have been accepted."""
+    message = "sinfo failed: slurm_load_partitions: Connection reset by peer"
+    assert is_transient(message)
+    assert not is_transient(message, REJECTED_MARKERS)
