@@ -81,11 +81,8 @@ def prepare(row: Measurement) -> PricedRow:
 def price_row(row: Measurement, constants: StepConstants = FITTED) -> Prediction:
     """The planner's figures for a measured configuration: its plan arguments and layout."""
     priced = prepare(row)
-    request = replace(priced.request, constants=constants)
-    result = price(request, priced.layout)
-    item = result.estimates[0]
-    tokens_per_s = request.global_batch * priced.positions / item.step_time_s
-    return Prediction(row, tokens_per_s / request.cluster.gpus, item.memory["total"] / GIB, item)
+    item = price(replace(priced.request, constants=constants), priced.layout).estimates[0]
+    return Prediction(row, priced.tokens_per_s(constants), item.memory["total"] / GIB, item)
 
 
 def rms_log_error(rows: list[PricedRow], constants: StepConstants) -> float:
@@ -182,11 +179,12 @@ def fit_rows(rows: list[Measurement]) -> list[PricedRow]:
 
 def main() -> None:
     rows = load()
-    fitted = fit(fit_rows(rows))
-    print(f"fitted on {len(fit_rows(rows))} rows: {fitted.line()}")
+    fitting = fit_rows(rows)
+    held_out = [prepare(row) for row in rows if row.priced and row.held_out]
+    fitted = fit(fitting)
+    print(f"fitted on {len(fitting)} rows: {fitted.line()}")
     print(f"costs.FITTED:           {FITTED.line()}")
-    for label, held in (("fit", False), ("held out", True)):
-        part = [prepare(row) for row in rows if row.priced and row.held_out == held]
+    for label, part in (("fit", fitting), ("held out", held_out)):
         if part:
             error = rms_log_error(part, fitted)
             within = math.expm1(sweep_error(part, fitted))

@@ -36,7 +36,7 @@ from orchestrator.planner.activations import (
 )
 from orchestrator.planner.cluster import GIB
 from orchestrator.planner.request import Estimate, Layout, PlanRequest, PlanResult
-from orchestrator.planner.speed import Part, cross_node_bytes, step_time
+from orchestrator.planner.speed import Part, cross_node_bytes, step_time, traffic
 from orchestrator.planner.state import (
     GroupedInventory,
     checkpoint_bytes,
@@ -260,7 +260,8 @@ def estimate(
     memory["total"] = subtotal + memory["allowance"]
     worst = memory
     fits = worst["total"] <= cluster.memory_bytes
-    times = step_time(request, layout, counts[3], fsdp, tuple(part for part, _ in parts))
+    items = traffic(request, layout, counts[3])
+    times = step_time(request, layout, counts[3], fsdp, tuple(part for part, _ in parts), items)
     flops = request.global_batch * _sequence_flops(cfg, request.frames, request.tokens)
     mfu = flops / (times["step"] * gpus * cluster.gpu.peak_bf16_flops)
     reason = ""
@@ -269,7 +270,7 @@ def estimate(
             f"needs {worst['total'] / GIB:.1f} GiB per GPU, more than "
             f"{cluster.memory_bytes / GIB:.0f} GiB"
         )
-    across = cross_node_bytes(request, layout, counts[3])
+    across = cross_node_bytes(items, cluster.per_node)
     return Estimate(layout, worst, fits, times["step"], mfu, "", 0, reason, times, across)
 
 

@@ -267,17 +267,16 @@ def seconds_of(request: PlanRequest, item: Traffic) -> float:
     return transfer_seconds(item.nbytes, _bandwidth(request, item.span), item.fixed_s)
 
 
-def cross_node_bytes(request: PlanRequest, layout: Layout, total_params: int) -> float:
+def cross_node_bytes(items: list[Traffic], per_node: int) -> float:
     """Bytes a GPU sends across nodes in one step: what the ranking weighs among near ties."""
-    per_node = request.cluster.per_node
-    return sum(t.nbytes for t in traffic(request, layout, total_params) if t.span > per_node)
+    return sum(t.nbytes for t in items if t.span > per_node)
 
 
-def communication(request: PlanRequest, layout: Layout, total_params: int) -> tuple[float, float]:
+def communication(request: PlanRequest, items: list[Traffic]) -> tuple[float, float]:
     """(FSDP/HSDP traffic that compute can hide, communication on the critical path), in
     seconds."""
     hidden = exposed = 0.0
-    for item in traffic(request, layout, total_params):
+    for item in items:
         if item.hidden:
             hidden += seconds_of(request, item)
         else:
@@ -291,11 +290,13 @@ def step_time(
     total_params: int,
     fsdp: bool,
     parts: tuple[Part, ...] = (),
+    items: list[Traffic] | None = None,
 ) -> dict[str, float]:
-    """The step's seconds, and its parts: ``compute`` (the busiest pipeline rank's GPU work or
-    host time, whichever is longer, with the pipeline bubble), ``exposed_comm``, and each kind
-    of GPU work. ``parts``: each pipeline rank's (LLM blocks, encoder, head); empty: one rank
-    holds the whole model."""
+    """The step's seconds, and its parts: ``compute`` (each rank's GPU work or host time,
+    whichever is longer, at the pipeline's pace, with its bubble), ``exposed_comm``, and the
+    busiest rank's kinds of GPU work. ``parts``: each pipeline rank's (LLM blocks, encoder,
+    head); empty: one rank holds the whole model. ``items``: the step's ``traffic``, when the
+    caller has it."""
     parts = parts or ((request.model.n_layers, True, True),)
     paces: dict[Part, tuple[float, dict[str, float]]] = {}
     for part in set(parts):
@@ -308,6 +309,8 @@ def step_time(
     mean = sum(paces[part][0] for part in parts) / len(parts)
     compute = pipeline_pace(mean, busiest, request.constants)
     compute *= 1 + bubble(layout.pp, layout.microbatches, layout.stages_per_rank)
-    hidden, exposed = communication(request, layout, total_params)
+    if items is None:
+        items = traffic(request, layout, total_params)
+    hidden, exposed = communication(request, items)
     comm = overlapped_seconds(compute, hidden, request.constants) - compute + exposed
     return {"step": compute + comm, "compute": compute, "exposed_comm": comm, **work}
