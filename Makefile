@@ -111,10 +111,11 @@ librispeech: setup setup-system
 mix: corpus-asr librispeech
 	mkdir -p data/mix && cp recipes/mix/*.yaml data/mix/
 
-# Spoken conversations about corpus-asr's utterances and text-only sums, with the source files of
-# recipes/conf/conversations_whisper.yaml (recipes/make_conversations.py), in data/conversations.
+# Spoken conversations about corpus-asr's utterances, text-only sums and capitals, with the source files of
+# recipes/conf/conversations_whisper.yaml and salm_speech_chat.yaml (recipes/make_conversations.py),
+# in data/conversations.
 conversations: corpus-asr
-	$(PY) recipes/make_conversations.py --corpus $(CORPUS)_asr --out data/conversations
+	$(PY) -m recipes.make_conversations --corpus $(CORPUS)_asr --out data/conversations
 
 # A small random-init Hugging Face decoder (Qwen2-shaped) with a byte-level tokenizer and ChatML,
 # for recipes/train_asr_hf.yaml (model.pretrained_llm=data/hf/qwen2_asr). One made by an older

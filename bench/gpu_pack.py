@@ -57,12 +57,13 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 CONFIGS = ("config.json", "preprocessor_config.json")
 
 
-def download_wheels(out: Path) -> None:
+def download_wheels(out: Path, extra: tuple[str, ...] = ()) -> None:
+    """``WHEELS`` and ``extra`` at this environment's versions, for the GPU image's Python."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     command += ["--python-version", "3.12", "--implementation", "cp", "-d", str(out), "-q"]
     command += [f"--platform={platform}" for platform in PLATFORMS]
-    command += [f"{name}=={version(name)}" for name in WHEELS]
+    command += [f"{name}=={version(name)}" for name in (*WHEELS, *extra)]
     subprocess.run(command, check=True)
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out)]
     subprocess.run([*build, *(f"{name}=={version(name)}" for name in BUILT)], check=True)

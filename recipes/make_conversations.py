@@ -1,18 +1,26 @@
 """Spoken conversations and text instructions from the ASR corpus (`make corpus-asr`), for a
 speech LLM trained as NeMo's SALM is: speech, conversations about it and text, mixed
-(recipes/conf/conversations_whisper.yaml; docs/training.md, "Conversations and text").
+(recipes/conf/conversations_whisper.yaml, recipes/conf/salm_speech_chat.yaml; docs/training.md,
+"Conversations and text").
 
-    python recipes/make_conversations.py --corpus data/corpus_asr --out data/conversations
+    python -m recipes.make_conversations --corpus data/corpus_asr --out data/conversations
 
 For each utterance of a split, a conversation in NeMo's ``multimodal_conversation`` JSON lines:
 the user asks a question about the audio (its first word, its last word, or how many words it
 has) and the assistant answers, a function of what is said; in the train split a second question
 follows as a text turn. Text instructions are sums of two numbers below 50 ("What is 12 plus
-7?" -> "19"), as ``text_pairs`` files. The source files name their data relative to themselves:
+7?" -> "19"), as ``text_pairs`` files. For a pretrained LLM (SmolLM2-135M-Instruct), whose
+arithmetic is weak, the text task is one it already answers: capitals ("What is the capital of
+France? Answer with one word." -> "The capital of France is Paris.", the sentence the base model
+itself replies with), half of ``CAPITALS`` to train on and validate with, the other half held out
+for the test. The source
+files name their data relative to themselves:
 
 - ``input_cfg.yaml``: ASR 0.6, conversations 0.25, sums 0.15 (train splits);
 - ``eval_sets.yaml`` (validation in the loop) and ``test_sets.yaml`` (``train.evaluate``): each
-  split's ASR, conversations and sums as sets of their own.
+  split's ASR, conversations and sums as sets of their own;
+- ``speech_chat_*.yaml``: the same with capitals instead of sums (``SPEECH_CHAT``), and
+  ``speech_chat_no_text_input_cfg.yaml`` without text, the run that shows what the text keeps.
 """
 
 from __future__ import annotations
@@ -32,6 +40,29 @@ QUESTIONS = {
 }
 SUMS = {"train": 3000, "dev": 200, "test": 400}
 WEIGHTS = {"asr": 0.6, "spoken": 0.25, "sums": 0.15}
+# Well-known capitals: SmolLM2-135M-Instruct replies with CAPITAL_ANSWER exactly (after the basic
+# normalizer) for 38 of these 48 (fp32, greedy; docs/performance.md). Even positions train and
+# validate, odd ones are the held-out test.
+CAPITALS = (
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+    ("Japan", "Tokyo"), ("Russia", "Moscow"), ("Egypt", "Cairo"), ("England", "London"),
+    ("China", "Beijing"), ("Greece", "Athens"), ("Canada", "Ottawa"), ("Austria", "Vienna"),
+    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Norway", "Oslo"), ("Poland", "Warsaw"),
+    ("Sweden", "Stockholm"), ("Denmark", "Copenhagen"), ("Finland", "Helsinki"),
+    ("Hungary", "Budapest"), ("Belgium", "Brussels"), ("Cuba", "Havana"), ("Peru", "Lima"),
+    ("Kenya", "Nairobi"), ("Thailand", "Bangkok"), ("Iran", "Tehran"), ("Iraq", "Baghdad"),
+    ("Argentina", "Buenos Aires"), ("Mexico", "Mexico City"), ("India", "New Delhi"),
+    ("Chile", "Santiago"), ("Colombia", "Bogota"), ("Turkey", "Ankara"), ("Ukraine", "Kyiv"),
+    ("Romania", "Bucharest"), ("Scotland", "Edinburgh"), ("Wales", "Cardiff"),
+    ("Lebanon", "Beirut"), ("Syria", "Damascus"), ("Afghanistan", "Kabul"),
+    ("Vietnam", "Hanoi"), ("Indonesia", "Jakarta"), ("Philippines", "Manila"),
+    ("Ethiopia", "Addis Ababa"), ("Venezuela", "Caracas"), ("Iceland", "Reykjavik"),
+    ("Netherlands", "Amsterdam"), ("Switzerland", "Bern"),
+)  # fmt: skip
+CAPITAL_QUESTION = "What is the capital of {country}? Answer with one word."
+CAPITAL_ANSWER = "The capital of {country} is {city}."
+# The speech chat's mixture (recipes/conf/salm_speech_chat.yaml), and the same without its text.
+SPEECH_CHAT = {"asr": 0.6, "spoken": 0.25, "capitals": 0.15}
 
 
 def conversation(cut, audio: str, index: int, follow_up: bool) -> dict:
@@ -72,6 +103,34 @@ def write_split(corpus: Path, out: Path, split: str, seed: int) -> None:
         "".join(f"What is {a} plus {b}?\n" for a, b in pairs)
     )
     (out / f"sums_{split}.tgt.txt").write_text("".join(f"{a + b}\n" for a, b in pairs))
+    capitals = capital_pairs(split)
+    (out / f"capitals_{split}.src.txt").write_text("".join(f"{q}\n" for q, _ in capitals))
+    (out / f"capitals_{split}.tgt.txt").write_text("".join(f"{a}\n" for _, a in capitals))
+
+
+def capital_pairs(split: str) -> list[tuple[str, str]]:
+    """(question, answer) of each capital of ``split``: the held-out half for test, else the
+    training half."""
+    chosen = CAPITALS[1::2] if split == "test" else CAPITALS[::2]
+    return [
+        (CAPITAL_QUESTION.format(country=c), CAPITAL_ANSWER.format(country=c, city=city))
+        for c, city in chosen
+    ]
+
+
+def mixture(asr: str, split: str, weights: dict[str, float] | None) -> str:
+    """The source lines of the speech chat's sets of ``split``, weighted when ``weights``."""
+    entries = {
+        "asr": f"cuts: {asr}/cuts_{split}.jsonl.gz",
+        "spoken": f"conversations: conversations_{split}.jsonl",
+        "capitals": f"text_pairs: [capitals_{split}.src.txt, capitals_{split}.tgt.txt]",
+    }
+    names = list(weights) if weights else list(entries)
+    return "".join(
+        f"- {{name: {name}, {entries[name]}"
+        + (f", weight: {weights[name]}}}\n" if weights else "}\n")
+        for name in names
+    )
 
 
 def source_files(corpus: Path, out: Path) -> None:
@@ -90,6 +149,15 @@ def source_files(corpus: Path, out: Path) -> None:
             f"- {{name: spoken, conversations: conversations_{split}.jsonl}}\n"
             f"- {{name: sums, text_pairs: [sums_{split}.src.txt, sums_{split}.tgt.txt]}}\n"
         )
+    header = "# ASR, spoken conversations and capitals (recipes/make_conversations.py)\n"
+    (out / "speech_chat_input_cfg.yaml").write_text(header + mixture(asr, "train", SPEECH_CHAT))
+    speech_only = {k: v for k, v in SPEECH_CHAT.items() if k != "capitals"}
+    (out / "speech_chat_no_text_input_cfg.yaml").write_text(
+        "# The speech chat's mixture without its text (recipes/make_conversations.py)\n"
+        + mixture(asr, "train", speech_only)
+    )
+    (out / "speech_chat_eval_sets.yaml").write_text(mixture(asr, "dev", None))
+    (out / "speech_chat_test_sets.yaml").write_text(mixture(asr, "test", None))
 
 
 def main() -> None:
@@ -104,7 +172,7 @@ def main() -> None:
     for split in SUMS:
         write_split(args.corpus, args.out, split, args.seed)
     source_files(args.corpus, args.out)
-    print(f"wrote conversations, sums and source files to {args.out}")
+    print(f"wrote conversations, sums, capitals and source files to {args.out}")
 
 
 if __name__ == "__main__":

@@ -373,19 +373,34 @@ def test_conversations_decode_after_the_conversation_so_far(mixture):
 
 def test_the_learning_runs_data_reads_as_its_recipe_names_it(corpus, tmp_path):
     """recipes/make_conversations.py on a corpus: its source files (paths relative to
-    themselves) read and check with every cut usable, the spoken answers are functions of
-    what is said, and the train split's conversations carry a second question."""
+    themselves) read and check with every cut usable, the speech chat's with its capitals (and
+    without them), the spoken answers are functions of what is said, and the train split's
+    conversations carry a second question."""
     out = tmp_path / "conversations"
     done = run_script(
         REPO / "recipes/make_conversations.py", "--corpus", str(corpus), "--out", str(out)
     )
     assert done.returncode == 0, done.stderr
-    for name in ("input_cfg.yaml", "eval_sets.yaml", "test_sets.yaml"):
+    chat = ["asr", "spoken", "capitals"]
+    for name, names in (
+        *((name, ["asr", "spoken", "sums"]) for name in ("input_cfg", "eval_sets", "test_sets")),
+        *((f"speech_chat_{name}", chat) for name in ("input_cfg", "eval_sets", "test_sets")),
+        ("speech_chat_no_text_input_cfg", ["asr", "spoken"]),
+    ):
         said = []
         checks = check_sources(
-            read_sources(out / name, name), 30.0, AudioLimits(16000), said.append
+            read_sources(out / f"{name}.yaml", name), 30.0, AudioLimits(16000), said.append
         )
-        assert said == [] and [c.source.name for c in checks] == ["asr", "spoken", "sums"]
+        assert said == [] and [c.source.name for c in checks] == names, name
+    # The capitals held out for the test are asked nowhere in training.
+    questions = {
+        split: set((out / f"capitals_{split}.src.txt").read_text().splitlines())
+        for split in ("train", "dev", "test")
+    }
+    assert len(questions["test"]) == 24 and questions["dev"] == questions["train"]
+    assert not questions["test"] & questions["train"]
+    answers = (out / "capitals_test.tgt.txt").read_text().splitlines()
+    assert answers[0] == "The capital of Germany is Berlin."
     spoken = [
         json.loads(line) for line in (out / "conversations_dev.jsonl").read_text().splitlines()
     ]

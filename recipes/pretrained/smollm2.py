@@ -67,7 +67,7 @@ def chat_ids(tokenizer, question: str) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_reply(model, tokenizer, question: str, max_new_tokens: int = 24) -> str:
-    ids = chat_ids(tokenizer, question)
+    ids = chat_ids(tokenizer, question).to(model.device)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
