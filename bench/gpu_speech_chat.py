@@ -1,7 +1,7 @@
 """The real speech LLM learns on one GPU and keeps what it knew: one table.
 
     python -m bench.speech_chat_pack                 # here: .gpu/speech_chat.parts/ (see there)
-    bash bench/gpu_speech_chat.sh [--minutes 2]      # there, in the call that carries the last part
+    bash bench/gpu_speech_chat.sh [--minutes 3]      # there, in the call that carries the last part
     bash bench/gpu_speech_chat.sh --cpu --data D     # reduced, on the CPU (what CI runs)
 
 On the GPU, bench/gpu_speech_chat.sh checks the carried parts against their ``SHA256SUMS``,
@@ -16,8 +16,12 @@ model), widens Whisper tiny.en's encoder back to fp32, then runs:
   ``--minutes`` of training, then ``train.evaluate`` on the held-out test sets;
 - ``no_text``: the same without the capitals, the run that shows what the text keeps;
 - ``baseline``: recipes/conf/asr_whisper.yaml (the same frozen encoder under a byte-level
-  decoder trained from scratch) for as many ASR cuts as ``chat`` drew (its steps estimated from
-  the cuts' mean duration; the table shows both counts).
+  decoder trained from scratch), saved every 50 steps: its first checkpoint to have drawn as many
+  ASR cuts as ``chat`` did is the one evaluated (the table shows both counts).
+
+The three trainings run side by side on the one GPU (each a small model on small batches), the
+base model's answers meanwhile, then the three evaluations side by side: about ``--minutes`` plus
+start-up, compilation and decoding (not yet timed on a GPU), within one device call.
 
 It prints one markdown table against Whisper tiny.en's own zero-shot WER on the same audio
 (``anchor.json``, measured when packing) and the issue's targets, and writes
@@ -29,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.gpu_flows import evaluate, metrics, run
@@ -62,7 +66,8 @@ def settings(cpu: bool, minutes: float) -> dict:
             "device": "cpu",
             "limits": ["train.max_steps=2", "train.log_every=1"],
             "train": ["data.max_duration=4", "data.num_workers=0", "eval.interval=0"],
-            "max_duration": 4.0,
+            "chat": [],  # the save at max_steps
+            "baseline": ["checkpoint.interval=1", "checkpoint.keep=100"],
             "evaluate": ["max_new_tokens=24", "batch_size=4"],
         }
     return {
@@ -73,10 +78,10 @@ def settings(cpu: bool, minutes: float) -> dict:
             "data.num_workers=4",
             "eval.interval=0",
             "train.log_every=50",
-            "checkpoint.interval=100000",
             "compile=true",
         ],
-        "max_duration": 60.0,
+        "chat": ["checkpoint.interval=100000"],  # the save at the time budget's end
+        "baseline": ["checkpoint.interval=50", "checkpoint.keep=1000"],
         "evaluate": ["max_new_tokens=48", "batch_size=32"],
     }
 
@@ -144,57 +149,69 @@ def device_env(s: dict) -> dict:
     return {"CUDA_VISIBLE_DEVICES": ""} if s["device"] == "cpu" else {}
 
 
-def scores(s: dict, out: Path, name: str, test_sets: Path) -> dict:
+def scores(s: dict, out: Path, name: str, test_sets: Path, *overrides: str) -> dict:
     """``train.evaluate`` of ``out/name`` on ``test_sets``: each set's WER and share right."""
     summary = evaluate(out / name, out / f"{name}_eval.log", s["device"], f"sets={test_sets}",
-                       *s["evaluate"])["summary"]  # fmt: skip
+                       *s["evaluate"], *overrides)["summary"]  # fmt: skip
     sets = summary.get("sets", {"asr": summary})
     return {set_name: {"wer": f["wer"], "right": 1 - f["ser"]} for set_name, f in sets.items()}
 
 
-def mean_duration(cuts: Path) -> float:
-    from lhotse import CutSet
-
-    durations = [cut.duration for cut in CutSet.from_file(cuts)]
-    return sum(durations) / len(durations)
-
-
-def baseline_steps(s: dict, asr_cuts: int, data: Path) -> int:
-    """Steps of ``max_duration`` seconds that draw about ``asr_cuts`` of the corpus's cuts."""
-    per_step = s["max_duration"] / mean_duration(data / "corpus" / "cuts_train.jsonl.gz")
-    return max(1, math.ceil(asr_cuts / per_step))
-
-
 def run_parts(s: dict, parts: list[str], data: Path, whisper: Path, llm: Path, out: Path) -> dict:
+    """The chosen parts: the trainings side by side (one GPU holds all three: each is a small
+    model on small batches), the base model's answers meanwhile, then the evaluations."""
     chats = data / "conversations"
     pretrained = [f"model.pretrained_encoder={whisper}", f"model.pretrained_llm={llm}"]
+    chat_sets = f"eval.sets={chats / 'speech_chat_eval_sets.yaml'}"
+    runs = {
+        "chat": ["salm_speech_chat", *pretrained, chat_sets, *s["chat"],
+                 f"data.input_cfg={chats / 'speech_chat_input_cfg.yaml'}"],
+        "no_text": ["salm_speech_chat", *pretrained, chat_sets, *s["chat"],
+                    f"data.input_cfg={chats / 'speech_chat_no_text_input_cfg.yaml'}"],
+        # Saved as often as it logs, so that the checkpoint at the chat's ASR cuts is there.
+        "baseline": ["asr_whisper", f"model.pretrained_encoder={whisper}",
+                     f"data.input_cfg={chats / 'asr_input_cfg.yaml'}",
+                     f"eval.sets={chats / 'asr_eval_sets.yaml'}", *s["baseline"]],
+    }  # fmt: skip
+    runs = {part: args for part, args in runs.items() if part in parts}
     results: dict = {}
-    if "base" in parts:
-        say("the base LLM on the held-out capitals")
-        results["base"] = base_rate(llm, text_pairs(chats, "capitals_test"), s["device"])
-    for part, input_cfg in (("chat", "speech_chat_input_cfg"),
-                            ("no_text", "speech_chat_no_text_input_cfg")):  # fmt: skip
-        if part in parts:
-            say(f"training {part}")
-            results[part] = train(
-                s, out, part, "salm_speech_chat", *pretrained,
-                f"data.input_cfg={chats / input_cfg}.yaml",
-                f"eval.sets={chats / 'speech_chat_eval_sets.yaml'}",
-            )  # fmt: skip
-            results[part]["test"] = scores(s, out, part, chats / "speech_chat_test_sets.yaml")
-    if "baseline" in parts:
-        asr_cuts = results.get("chat", {}).get("asr_cuts")
-        steps = ["train.max_steps=2"] if s["device"] == "cpu" or not asr_cuts else [
-            f"train.max_steps={baseline_steps(s, asr_cuts, data)}", "train.max_time_per_run=0"
-        ]  # fmt: skip
-        say(f"training the baseline ({steps[0]})")
-        results["baseline"] = train(
-            s, out, "baseline", "asr_whisper", f"model.pretrained_encoder={whisper}",
-            f"data.input_cfg={chats / 'asr_input_cfg.yaml'}",
-            f"eval.sets={chats / 'asr_eval_sets.yaml'}", *steps,
-        )  # fmt: skip
-        results["baseline"]["test"] = scores(s, out, "baseline", chats / "asr_test_sets.yaml")
+    with ThreadPoolExecutor(max(1, len(runs))) as pool:
+        say(f"training {', '.join(runs) or 'nothing'}")
+        trained = {part: pool.submit(train, s, out, part, *args) for part, args in runs.items()}
+        if "base" in parts:
+            say("the base LLM on the held-out capitals")
+            results["base"] = base_rate(llm, text_pairs(chats, "capitals_test"), s["device"])
+        results.update({part: future.result() for part, future in trained.items()})
+    if "baseline" in results:
+        target = results.get("chat", {}).get("asr_cuts")
+        results["baseline"].update(at_cuts(out / "baseline", target))
+    test_sets = {"chat": "speech_chat_test_sets", "no_text": "speech_chat_test_sets",
+                 "baseline": "asr_test_sets"}  # fmt: skip
+    with ThreadPoolExecutor(max(1, len(runs))) as pool:
+        say(f"evaluating {', '.join(runs) or 'nothing'}")
+        tested = {}
+        for part in runs:
+            at = [f"step={results[part]['steps']}"] if part == "baseline" else []
+            sets = chats / f"{test_sets[part]}.yaml"
+            tested[part] = pool.submit(scores, s, out, part, sets, *at)
+        for part, future in tested.items():
+            results[part]["test"] = future.result()
     return results
+
+
+def at_cuts(run_dir: Path, target: int | None) -> dict:
+    """The first of ``run_dir``'s checkpoints to have drawn ``target`` ASR cuts (the last, when
+    none has, or when there is no target): its step and the cuts drawn up to it."""
+    drawn, total = {}, 0
+    for row in metrics(run_dir):
+        if "loss" in row:
+            total += row.get(f"{CUTS_PREFIX}asr", 0)
+            drawn[row["step"]] = total
+    saved = sorted(
+        int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*")
+    )
+    chosen = next((step for step in saved if target and drawn.get(step, 0) >= target), saved[-1])
+    return {"steps": chosen, "asr_cuts": drawn.get(chosen, total)}
 
 
 def percent(value: float | None) -> str:
@@ -261,7 +278,7 @@ def anchor_of(path: Path) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="every part reduced, on the CPU")
-    parser.add_argument("--minutes", type=float, default=2.0, help="training minutes a run")
+    parser.add_argument("--minutes", type=float, default=3.0, help="training minutes a run")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"of {','.join(PARTS)}")
     parser.add_argument("--pack", type=Path, help="the unpacked pack (gpu_speech_chat.sh's)")
     parser.add_argument("--data", type=Path, help="--cpu: a made data folder (make_data)")

@@ -3,7 +3,7 @@
 # call that carries the last of .gpu/speech_chat.parts/ (python -m bench.speech_chat_pack): the
 # parts are checked against their SHA256SUMS, unpacked once into $SPEECH_CHAT_WORK, the pack's
 # wheels installed, then every part of the run.
-#   bash bench/gpu_speech_chat.sh [--minutes 2] [--parts base,chat,no_text,baseline]
+#   bash bench/gpu_speech_chat.sh [--minutes 3] [--parts base,chat,no_text,baseline]
 #   bash bench/gpu_speech_chat.sh --cpu --data DIR      # reduced, on the CPU (what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."

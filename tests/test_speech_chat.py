@@ -32,8 +32,8 @@ def run_script(*args: str, env: dict | None = None, timeout: float = 900):
     )
 
 
-# Whisper's anchor, the base LLM's capitals and three trainings of 2 steps with their
-# evaluations: 2.3 min alone on this 2-core machine.
+# Whisper's anchor, the base LLM's capitals, three trainings of 2 steps side by side and their
+# evaluations: 1.4 min alone on this 2-core machine.
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_speech_chat_runs_every_part_on_the_cpu(corpus, tmp_path):
@@ -57,8 +57,12 @@ def test_the_speech_chat_runs_every_part_on_the_cpu(corpus, tmp_path):
     base = results["base"]
     assert base["answers"] == 24 and base["right"] > 0.5
     assert base["replies"][0]["reply"].strip() == "The capital of Germany is Berlin."
-    for part in ("chat", "no_text", "baseline"):
-        assert results[part]["steps"] == 2 and results[part]["asr_cuts"] > 0, part
+    for part in ("chat", "no_text"):
+        assert results[part]["steps"] == 2, part
+    # The baseline is evaluated at its first checkpoint to have drawn the chat's ASR cuts.
+    baseline, chat_cuts = results["baseline"], results["chat"]["asr_cuts"]
+    assert baseline["steps"] in (1, 2) and baseline["asr_cuts"] > 0
+    assert baseline["asr_cuts"] >= chat_cuts or baseline["steps"] == 2
     assert set(results["chat"]["test"]) == {"asr", "spoken", "capitals"}
     assert set(results["no_text"]["test"]) == {"asr", "spoken", "capitals"}
     assert set(results["baseline"]["test"]) == {"asr"}
