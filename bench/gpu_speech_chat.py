@@ -299,11 +299,17 @@ def main() -> int:
         data, anchor_wer = args.data, anchor_of(args.out / "anchor.json")
     else:
         data, whisper, llm, anchor_wer = prepare_gpu(args.pack)
-    runs = args.out / "speech_chat_runs"
+    # On the GPU the run folders (checkpoints) stay on the machine; their logs come back in OUT.
+    runs = args.out / "speech_chat_runs" if args.cpu else args.pack.parent / "runs"
     if runs.exists():
         shutil.rmtree(runs)
     runs.mkdir(parents=True)
-    results = run_parts(s, parts, data, whisper, llm, runs)
+    try:
+        results = run_parts(s, parts, data, whisper, llm, runs)
+    finally:
+        if not args.cpu:
+            for log in runs.glob("*.log"):
+                shutil.copy2(log, args.out / log.name)
     lines = table(results, anchor_wer)
     print("\n".join(lines))
     device = "cpu" if args.cpu else gpu_name()

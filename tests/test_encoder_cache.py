@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from contract.run_dir import METRICS_FILE
 from recipes.pretrained import WHISPER
+from tests.harness.conversations import conversation_mixture
 from tests.harness.models import final_model, pretrained_model
 from tests.harness.process import run_module
 from train.config import (
@@ -190,6 +192,30 @@ def test_a_chain_with_the_cache_resumes_bitwise_and_trains_as_without_it(corpus,
     assert result.returncode == 0, result.stderr[-3000:]
     assert "encoder cache" not in result.stderr
     assert losses(uncached) == pytest.approx(losses(alone), rel=1e-4)
+
+
+def test_ranks_whose_batches_hold_no_audio_reduce_as_the_others_do(corpus, tmp_path):
+    """Speech, conversations and text mixed at FSDP2 over 2 ranks with the frozen encoder's
+    outputs kept: a step where one rank's batch is text alone still gives the projector a
+    (zero) gradient there, so both ranks reduce-scatter it; without, that rank skipped the
+    reduction and the other's waited on a mismatched collective (gloo: "Received data size
+    doesn't match expected size", the real speech chat's second step). Losses as uncached."""
+    mixture, sets = conversation_mixture(corpus, tmp_path / "data")
+    # Mostly text, so that in most steps one rank's batch holds no audio while the other's does.
+    sources = yaml.safe_load(mixture.read_text())
+    for source in sources:
+        source["weight"] = {"asr": 0.1, "spoken": 0.05, "text": 0.85}[source["name"]]
+    mixture.write_text(yaml.safe_dump(sources))
+    common = (FROZEN_ENCODER, f"data.input_cfg={mixture}", f"eval.sets={sets}", "train.max_steps=8")
+    common += ("eval.interval=0", "seed=4")
+    cached, uncached = tmp_path / "cached", tmp_path / "uncached"
+    result = run(cached, corpus, *common, CACHE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    drawn = [json.loads(line) for line in (cached / METRICS_FILE).read_text().splitlines()]
+    assert sum(row.get("cuts/text", 0) for row in drawn) > 0
+    result = run(uncached, corpus, *common)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(cached) == pytest.approx(losses(uncached), rel=1e-4)
 
 
 def test_the_trainer_refuses_a_cache_of_an_encoder_that_trains(corpus, tmp_path) -> None:

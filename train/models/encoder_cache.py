@@ -28,6 +28,7 @@ import hashlib
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
@@ -78,7 +79,11 @@ class EncoderCache:
         self, keys: EncoderKeys, features: torch.Tensor, feature_lens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder's (B, T', d) frames of a batch, zero past each example's length, and
-        their lengths: kept frames where the cache has them, the others encoded one by one."""
+        their lengths: kept frames where the cache has them, the others encoded one by one.
+        T' is what the encoder gives the batch's T feature frames, as if it had run: a batch
+        of text alone still has frames (zeros), so the projector after it stays in the step's
+        graph and gets a gradient on every rank; a rank without one would skip its FSDP
+        reduce-scatter and mismatch the others' collectives."""
         outputs = []
         for index, (digest, length) in enumerate(zip(keys.digests, keys.lengths, strict=True)):
             frames = self.frames.get(digest)
@@ -96,7 +101,9 @@ class EncoderCache:
                 self.hits += 1
             outputs.append(frames)
         lens = encoder_frames(self.cfg, torch.tensor(keys.lengths, device=features.device))
-        return pad_sequence(outputs, batch_first=True), lens
+        frames = pad_sequence(outputs, batch_first=True)
+        width = encoder_frames(self.cfg, features.shape[1])
+        return F.pad(frames, (0, 0, 0, width - frames.shape[1])), lens
 
     def keep(self, digest: bytes, frames: torch.Tensor) -> None:
         size = frames.numel() * frames.element_size()

@@ -133,8 +133,6 @@ def splice(audio: torch.Tensor, text: torch.Tensor, layout: SequenceLayout) -> t
     position takes its segment's frame where ``layout`` has audio, its token's embedding where
     it has text, zeros elsewhere."""
     B, K, A, d = audio.shape
-    if A == 0:  # no example has audio (a frozen encoder's kept frames)
-        audio, A = audio.new_zeros((B, K, 1, d)), 1
     frames = audio.reshape(B, K * A, d)
     frame_index = layout.audio_segment * A + layout.audio_frame.clamp(0, A - 1)
     from_audio = frames.gather(1, frame_index[..., None].expand(-1, -1, d))
