@@ -47,6 +47,7 @@ from bench.launcher import torchrun
 from bench.speech_chat_pack import GGUF, anchor
 from contract.run_dir import CUTS_PREFIX
 from recipes.pretrained import DEFAULT_OUT, SMOLLM2
+from train.checkpoint.location import completed, newest_step
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("base", "chat", "no_text", "baseline")
@@ -137,7 +138,7 @@ def train(s: dict, out: Path, name: str, config: str, *overrides: str) -> dict:
     rows = [row for row in metrics(run_dir) if "loss" in row]
     return {
         "run_dir": str(run_dir),
-        "steps": rows[-1]["step"],
+        "steps": newest_step(run_dir),  # the time budget's save, past the last logged step
         "asr_cuts": cuts_drawn(run_dir, "asr"),
         "seconds": time.perf_counter() - started,
         "first_loss": rows[0]["loss"],
@@ -207,9 +208,7 @@ def at_cuts(run_dir: Path, target: int | None) -> dict:
         if "loss" in row:
             total += row.get(f"{CUTS_PREFIX}asr", 0)
             drawn[row["step"]] = total
-    saved = sorted(
-        int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*")
-    )
+    saved = list(completed(run_dir))
     chosen = next((step for step in saved if target and drawn.get(step, 0) >= target), saved[-1])
     return {"steps": chosen, "asr_cuts": drawn.get(chosen, total)}
 

