@@ -29,12 +29,18 @@ TRANSIENT_MARKERS = (
     # A controller that drops the connection while it starts or restarts (seen: sinfo's
     # slurm_load_partitions during `orchestrator cluster up`).
     "Connection reset by peer",
+    "Transport endpoint is not connected",
 )
 # The subset that proves a submission was not accepted: the only errors a submission retries.
+# ENOTCONN ("Transport endpoint is not connected") is what SLURM's slurm_send_timeout sets when
+# the controller's socket is gone while the request is still being sent, never after its last
+# byte: a request the controller did not receive whole (seen: sbatch during a controller
+# restart, "Batch job submission failed: Transport endpoint is not connected").
 REJECTED_MARKERS = (
     "Unable to contact slurm controller",
     "Slurm temporarily unable to accept job",
     "Connection refused",
+    "Transport endpoint is not connected",
 )
 ATTEMPTS = 5  # for callers that want a few quick tries, not the patience below
 FIRST_DELAY_S = 0.5  # then doubled, up to MAX_DELAY_S: 0.5, 1, 2, 4, 8, 10, 10 ... s

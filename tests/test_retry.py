@@ -159,3 +159,11 @@ def test_a_connection_the_controller_resets_is_transient_for_queries_only() -> N
     message = "sinfo failed: slurm_load_partitions: Connection reset by peer"
     assert is_transient(message)
     assert not is_transient(message, REJECTED_MARKERS)
+
+
+def test_a_request_the_controller_did_not_receive_whole_is_retried_even_as_a_submission() -> None:
+    """SLURM sets ENOTCONN only while a request is still being sent: sbatch's submission was not
+    accepted, so it is tried again (a chain submitted through a controller restart)."""
+    message = "sbatch: error: Batch job submission failed: Transport endpoint is not connected"
+    assert is_transient(message)
+    assert is_transient(message, REJECTED_MARKERS)
