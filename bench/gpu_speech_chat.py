@@ -124,8 +124,14 @@ def base_rate(llm: Path, pairs: list[tuple[str, str]], device: str) -> dict:
     return {"right": 1 - counts.ser, "answers": len(pairs), "replies": replies}
 
 
-def cuts_drawn(run_dir: Path, source: str) -> int:
-    return int(sum(row.get(f"{CUTS_PREFIX}{source}", 0) for row in metrics(run_dir)))
+def asr_cuts_by_step(run_dir: Path) -> dict[int, int]:
+    """The ASR cuts ``run_dir`` drew up to each logged step."""
+    drawn, total = {}, 0
+    for row in metrics(run_dir):
+        if "loss" in row:
+            total += row.get(f"{CUTS_PREFIX}asr", 0)
+            drawn[row["step"]] = total
+    return drawn
 
 
 def train(s: dict, out: Path, name: str, config: str, *overrides: str) -> dict:
@@ -139,7 +145,7 @@ def train(s: dict, out: Path, name: str, config: str, *overrides: str) -> dict:
     return {
         "run_dir": str(run_dir),
         "steps": newest_step(run_dir),  # the time budget's save, past the last logged step
-        "asr_cuts": cuts_drawn(run_dir, "asr"),
+        "asr_cuts": max(asr_cuts_by_step(run_dir).values()),
         "seconds": time.perf_counter() - started,
         "first_loss": rows[0]["loss"],
         "last_loss": rows[-1]["loss"],
@@ -203,14 +209,10 @@ def run_parts(s: dict, parts: list[str], data: Path, whisper: Path, llm: Path, o
 def at_cuts(run_dir: Path, target: int | None) -> dict:
     """The first of ``run_dir``'s checkpoints to have drawn ``target`` ASR cuts (the last, when
     none has, or when there is no target): its step and the cuts drawn up to it."""
-    drawn, total = {}, 0
-    for row in metrics(run_dir):
-        if "loss" in row:
-            total += row.get(f"{CUTS_PREFIX}asr", 0)
-            drawn[row["step"]] = total
+    drawn = asr_cuts_by_step(run_dir)
     saved = list(completed(run_dir))
     chosen = next((step for step in saved if target and drawn.get(step, 0) >= target), saved[-1])
-    return {"steps": chosen, "asr_cuts": drawn.get(chosen, total)}
+    return {"steps": chosen, "asr_cuts": drawn.get(chosen, max(drawn.values()))}
 
 
 def percent(value: float | None) -> str:

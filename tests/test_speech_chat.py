@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tarfile
 
 import pytest
@@ -16,20 +15,10 @@ from bench.speech_chat_pack import SPLITS, SUMS, make_data, split_tar
 from contract.run_dir import CUTS_PREFIX
 from recipes.pretrained import SMOLLM2, WHISPER
 from tests.harness.models import pretrained_model
-from tests.harness.process import REPO
+from tests.harness.process import REPO, run_bash
 from train.data.loader import load_cuts
 
 SCRIPT = REPO / "bench/gpu_speech_chat.sh"
-
-
-def run_script(*args: str, env: dict | None = None, timeout: float = 900):
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
 
 
 # Whisper's anchor, the base LLM's capitals, three trainings of 2 steps side by side and their
@@ -48,7 +37,7 @@ def test_the_speech_chat_runs_every_part_on_the_cpu(corpus, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     args = ["--cpu", "--data", str(data), "--out", str(out), "--pretrained", str(pretrained)]
-    done = run_script(*args)
+    done = run_bash(SCRIPT, *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     record = json.loads((out / "gpu_speech_chat.json").read_text())
     results = record["results"]
@@ -105,14 +94,14 @@ def test_the_carried_parts_are_checked_before_anything_is_unpacked(tmp_path):
     work = tmp_path / "work"
     env = {"SPEECH_CHAT_PARTS": str(parts_dir), "SPEECH_CHAT_WORK": str(work)}
     (parts_dir / "part-01").rename(tmp_path / "part-01")
-    done = run_script(env=env, timeout=60)
+    done = run_bash(SCRIPT, env=env, timeout=60)
     assert done.returncode == 2 and "part-01 is missing: carry each part" in done.stderr
     assert not work.exists()
     corrupted = bytearray((tmp_path / "part-01").read_bytes())
     corrupted[1000] ^= 1
     (parts_dir / "part-01").write_bytes(corrupted)
-    done = run_script(env=env, timeout=60)
+    done = run_bash(SCRIPT, env=env, timeout=60)
     assert done.returncode == 2 and "is not the one packed (sha256)" in done.stderr
     assert not work.exists()
-    done = run_script(env={**env, "SPEECH_CHAT_PARTS": str(tmp_path / "none")}, timeout=60)
+    done = run_bash(SCRIPT, env={**env, "SPEECH_CHAT_PARTS": str(tmp_path / "none")}, timeout=60)
     assert done.returncode == 2 and "run python -m bench.speech_chat_pack" in done.stderr

@@ -228,6 +228,19 @@ def run_script(
     return run_python([str(script), *args], 1, env, timeout=timeout)
 
 
+def run_bash(
+    script: Path, *args: str, env: dict | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """``bash SCRIPT ARGS``, as a user runs the repo's shell scripts (the GPU scripts)."""
+    return subprocess.run(
+        ["bash", str(script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+
+
 def run_module(
     module: str, *args: str, nproc: int = 1, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
