@@ -23,7 +23,8 @@ as the byte tokenizer renders it (the presets' codec). Per step:
 - **encoder padding**: the frames the encoder runs on as the batch pads them
   (``train.data.loader.pad_segments``: examples x most segments x longest segment) that hold no
   audio; **without empty segments**: the same once the segments without audio are left out, as
-  the training step encodes them (``train.models.packing.audio_rows``).
+  the training step encodes them (``train.models.packing.audio_rows``), still padded to the
+  longest (the step then packs them: ``train.models.frame_packing``, which this leaves out).
 
 Printed per data set and rank count: the mean and worst busiest/mean over the steps, and the
 padding share over all batches of all ranks.

@@ -49,16 +49,16 @@ from train.eval.decode import greedy_decode
 from train.loop.step import host_seq_len
 from train.models.batch import Batch
 from train.models.build import build_model
+from train.models.frame_packing import MIN_FEATURE_FRAMES, encoder_plan
 from train.models.packing import (
     IGNORE_INDEX,
-    audio_rows,
     batch_layout,
     segments,
     sequence_layout,
 )
-from train.models.pipeline import PipelinePart, microbatch_rows, pad_examples
+from train.models.pipeline import PipelinePart, microbatch_plans, pad_examples
 from train.models.presets import get_preset
-from train.models.shape import audio_positions
+from train.models.shape import audio_positions, encoder_frames
 from train.parallel.layout import model_of
 
 ANSWERS = ("Hello, ask away.", "ninety nine bright cats", "cats", "call two")
@@ -415,22 +415,21 @@ def test_the_learning_runs_data_reads_as_its_recipe_names_it(corpus, tmp_path):
     assert sum(len(json.loads(line)["conversations"]) == 5 for line in train) > len(train) // 2
 
 
-def step_of(model, batch: Batch, rows) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The loss sum of ``batch`` and every parameter's gradient, with ``rows`` encoded."""
+def step_of(model, batch: Batch, plan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss sum of ``batch`` and every parameter's gradient, encoded as ``plan`` says."""
     model.zero_grad()
-    out = model(batch, audio_rows=rows)
+    out = model(batch, encoder_plan=plan)
     out.nll_sum.backward()
     return out.nll_sum.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 @pytest.mark.parametrize("encoder", ["own", "whisper"])
-def test_only_segments_that_hold_audio_are_encoded_and_the_step_is_the_same(
-    mixture, tmp_path, encoder
-):
+def test_only_audio_is_encoded_packed_and_the_step_is_the_same(mixture, tmp_path, encoder):
     """A batch mixing one-segment speech, two-segment conversations and text alone pads each
-    example to the batch's most segments: the encoder runs on the segments that hold audio (at
-    least one row, for a text-only batch), and the loss and every gradient are those of the
-    padded encoder within fp32 rounding (the own encoder; Whisper's, in 30-s windows)."""
+    example to the batch's most segments and each segment to the longest: the encoder runs on
+    the segments that hold audio (at least one row, for a text-only batch), packed, its blocks
+    on their real frames alone, and the loss and every gradient are those of the padded
+    encoder within fp32 rounding (the own encoder; Whisper's, in 30-s windows)."""
     checks = check_sources(
         read_sources(mixture[0], "data.input_cfg"), MIXTURE_BUDGET, AudioLimits(16000), print
     )
@@ -447,16 +446,22 @@ def test_only_segments_that_hold_audio_are_encoded_and_the_step_is_the_same(
         directory = save_tiny_encoder("whisper", tmp_path / "whisper")
         cfg = model_of(ModelConfig(pretrained_encoder=str(directory)))
     model = build_model(cfg, torch.device("cpu"), init_seed=7)
-    encoded_rows = []
+    encoded_rows, block_frames = [], []
     model.encoder.register_forward_pre_hook(lambda _m, args: encoded_rows.append(len(args[0])))
+    model.encoder.layers[0].register_forward_pre_hook(
+        lambda _m, args: block_frames.append(args[0].shape[:2])
+    )
     for loaded_batch in (mixed, text_only):
         batch = Batch.of(loaded_batch)
-        rows = audio_rows(batch.feature_lens)
-        assert rows is not None
+        plan = encoder_plan(model.cfg, model.encoder, batch.feature_lens)
+        assert plan.rows is not None and plan.packing is not None
         padded_loss, padded_grads = step_of(model, batch, None)
-        loss, grads = step_of(model, batch, rows)
-        held = int((batch.feature_lens > 0).sum())
-        assert encoded_rows[-2:] == [batch.feature_lens.numel(), max(held, 1)]
+        loss, grads = step_of(model, batch, plan)
+        held = batch.feature_lens[batch.feature_lens > 0]
+        assert encoded_rows[-2:] == [batch.feature_lens.numel(), max(len(held), 1)]
+        frames = int(encoder_frames(model.cfg, held).sum()) if len(held) else 0
+        empty = int(encoder_frames(model.cfg, torch.tensor(MIN_FEATURE_FRAMES)))
+        assert block_frames[-1] == (1, frames or empty)  # no padding in the blocks
         torch.testing.assert_close(loss, padded_loss, rtol=1e-5, atol=0)
         assert len(grads) == len(padded_grads)
         for got, want in zip(grads, padded_grads, strict=True):
@@ -465,9 +470,9 @@ def test_only_segments_that_hold_audio_are_encoded_and_the_step_is_the_same(
 
 def test_a_pipelines_first_stage_encodes_each_microbatchs_segments_with_audio(mixture):
     """Under a pipeline the schedule splits the batch into microbatches itself: the runner
-    hands the first stage each microbatch's rows with audio, read on the host, and the stage
-    takes them in microbatch order, encoding those rows alone, with the padded stage's output
-    within fp32 rounding."""
+    hands the first stage each microbatch's encoder plan, read on the host, and the stage
+    takes them in microbatch order, encoding the rows with audio alone, packed, with the padded
+    stage's output within fp32 rounding."""
     checks = check_sources(
         read_sources(mixture[0], "data.input_cfg"), MIXTURE_BUDGET, AudioLimits(16000), print
     )
@@ -478,22 +483,23 @@ def test_a_pipelines_first_stage_encodes_each_microbatchs_segments_with_audio(mi
     stage = PipelinePart(model, range(model.cfg.n_layers), first=True, last=True).eval()
     encoded_rows = []
     stage.encoder.register_forward_pre_hook(lambda _m, args: encoded_rows.append(len(args[0])))
-    queued = microbatch_rows(batch, 2, torch.device("cpu"))
+    queued = microbatch_plans(stage, batch, 2, torch.device("cpu"))
     half = len(batch.tokens) // 2
     micro = [Batch(*(t[i * half : (i + 1) * half] for t in batch)) for i in range(2)]
-    expected = [audio_rows(m.feature_lens) for m in micro]
-    assert [None if r is None else r.tolist() for r in queued] == [
-        None if r is None else r.tolist() for r in expected
-    ]
-    assert any(r is not None for r in expected), "no microbatch with an empty segment"
+    expected = [encoder_plan(model.cfg, stage.encoder, m.feature_lens) for m in micro]
+    for got, want in zip(queued, expected, strict=True):
+        assert (got.rows is None) == (want.rows is None)
+        assert got.rows is None or got.rows.tolist() == want.rows.tolist()
+        assert got.packing.slots.tolist() == want.packing.slots.tolist()
+    assert any(p.rows is not None for p in expected), "no microbatch with an empty segment"
     with torch.no_grad():
-        for m, rows in zip(micro, expected, strict=True):
+        for m, plan in zip(micro, expected, strict=True):
             seq_len = host_seq_len(m, model)
             layout = batch_layout(m, audio_positions(model.cfg, segments(*m[:2])[1]), seq_len)
-            stage.audio_rows = deque([rows])
+            stage.encoder_plans = deque([plan])
             held = stage(*m, token_mask=layout.token_mask)
-            assert not stage.audio_rows  # taken
+            assert not stage.encoder_plans  # taken
             padded = stage(*m, token_mask=layout.token_mask)
             torch.testing.assert_close(held, padded, rtol=1e-5, atol=1e-6)
-            rows_encoded = m.feature_lens.numel() if rows is None else len(rows)
+            rows_encoded = m.feature_lens.numel() if plan.rows is None else len(plan.rows)
             assert encoded_rows[-2:] == [rows_encoded, m.feature_lens.numel()]

@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 from train.data.prompt import Encoded
 from train.data.text import ByteTokenizer
 from train.models.batch import Batch
+from train.models.frame_packing import encoder_plan
 from train.models.kv_cache import KVCache
 from train.models.packing import (
     example_positions,
@@ -91,7 +92,8 @@ def prompt_embeddings(
     where its prompt puts them (the byte tokenizer's: the audio, then BOS), laid out as training
     lays them out."""
     features, feature_lens = segments(features, feature_lens)
-    audio, audio_lens = encode_audio(model.encoder, model.projector, features, feature_lens)
+    plan = encoder_plan(model.cfg, model.encoder, feature_lens.cpu()).to(features.device)
+    audio, audio_lens = encode_audio(model.encoder, model.projector, features, feature_lens, plan)
     device = audio.device
     tokens = pad_sequence(
         [torch.tensor(p.tokens, device=device) for p in prompts], batch_first=True

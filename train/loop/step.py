@@ -17,8 +17,9 @@ from torch import nn
 
 from train.models.batch import Batch
 from train.models.encoder_cache import encoder_keys
+from train.models.frame_packing import encoder_plan
 from train.models.loss import SALMOutput, loss_for_backward
-from train.models.packing import audio_rows, example_positions, packed_length
+from train.models.packing import example_positions, packed_length
 from train.models.salm import SALM
 
 
@@ -84,20 +85,21 @@ class WholeModelRunner:
         return out.nll_sum.float()
 
     def forward(self, batch: Batch) -> SALMOutput:
-        """The model's output for one CPU batch: its decoder length and the segments that
-        hold audio, or, when the model keeps its encoder's outputs, the batch's keys into them
-        (which skip empty segments themselves), are read on the host first."""
+        """The model's output for one CPU batch: its decoder length and the encoder's plan
+        (the segments that hold audio, their packing), or, when the model keeps its encoder's
+        outputs, the batch's keys into them (which skip empty segments themselves), are read on
+        the host first."""
         seq_len = host_seq_len(batch, self.model)
-        keys = rows = None
+        keys = plan = None
         if self.model.encoder_cache is not None:
             keys = encoder_keys(batch.features, batch.feature_lens)
         else:
-            rows = audio_rows(batch.feature_lens)
+            plan = encoder_plan(self.model.cfg, self.model.encoder, batch.feature_lens)
         return self.model(
             to_device(batch, self.device),
             seq_len=seq_len,
             encoder_keys=keys,
-            audio_rows=None if rows is None else tensor_to_device(rows, self.device),
+            encoder_plan=None if plan is None else plan.to(self.device),
         )
 
 

@@ -35,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.models.frame_packing import FramePacking, packed_attention
 from train.models.layers import inverse_frequencies, length_mask
 from train.models.shape import SALMConfig, encoder_frames
 
 PARAKEET_POSITION_BASE = 10000.0  # transformers' ParakeetEncoderRelPositionalEncoding
+FRAME_ATTENTION = "salm_frames"  # the attention implementation Whisper's blocks run here
 
 
 def transformers_class(family: str) -> type[nn.Module]:
@@ -63,8 +65,27 @@ def pretrained_encoder(cfg: SALMConfig) -> nn.Module:
     config = getattr(config, "encoder_config", config)  # a ParakeetForCTC's
     encoder = transformers_class(cfg.encoder)(config)
     if cfg.encoder == "whisper":
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(FRAME_ATTENTION, frame_attention)
+        encoder.config._attn_implementation = FRAME_ATTENTION
         return WhisperSpeechEncoder(cfg, encoder)
     return ParakeetSpeechEncoder(cfg, encoder)
+
+
+def frame_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+    """transformers' attention interface for Whisper's blocks here: SDPA's, as transformers
+    runs it, on padded rows; on packed frames (their (R, 1, 1, T') slots, long, for a mask:
+    ``WhisperSpeechEncoder.packed``) attention within each segment."""
+    if attention_mask is None or attention_mask.dtype != torch.long:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw
+        )
+    heads = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, heads, head_dim)
+    dropout_p = dropout if module.training else 0.0
+    return packed_attention(*heads, attention_mask[:, 0, 0], scaling, dropout_p)[None], None
 
 
 def key_mask(lens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -79,7 +100,9 @@ def key_mask(lens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class WhisperSpeechEncoder(nn.Module):
     """Whisper's encoder (conv1, conv2, embed_positions, layers, layer_norm) on actual lengths."""
 
-    block_dims = ((0, 1), (0, 3))  # a block's x (B, T, d) and key mask (B, 1, 1, T)
+    # A block's x (B, T, d) and key mask (B, 1, 1, T), or packed: (1, N, d) and slots (R, 1, 1, T').
+    block_dims = ((0, 1), (0, 3))
+    packs_frames = True  # train.models.frame_packing
 
     def __init__(self, cfg: SALMConfig, encoder: nn.Module) -> None:
         super().__init__()
@@ -91,13 +114,18 @@ class WhisperSpeechEncoder(nn.Module):
         self.dropout = encoder.dropout
         self.max_frames = cfg.enc_positions * cfg.enc_subsampling
 
-    def forward(self, features, feature_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, features, feature_lens, packing: FramePacking | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``packing``: run the segments as one packed sequence, the same output."""
         frames = features.shape[1]
         if frames > self.max_frames:
             raise ValueError(
                 f"a Whisper encoder takes at most {self.max_frames} feature frames (30 s); "
                 f"this batch has {frames}: keep utterances at most 30 s long"
             )
+        if packing is not None:
+            return self.packed(features, feature_lens, packing)
         valid = length_mask(feature_lens, frames)[:, None, :]
         x = F.gelu(self.conv1(features.transpose(1, 2) * valid)) * valid
         x = F.gelu(self.conv2(x)).transpose(1, 2)
@@ -108,6 +136,17 @@ class WhisperSpeechEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.layer_norm(x), lens
+
+    def packed(self, features, feature_lens, packing: FramePacking):
+        valid = packing.level_masks[0]
+        x = F.gelu(self.conv1(packing.pack_features(features).T[None])) * valid
+        x = packing.frames(F.gelu(self.conv2(x)).transpose(1, 2))  # (1, N, d)
+        x = x + self.embed_positions.weight[packing.frame_pos]
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        slots = packing.slots[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, slots)
+        return packing.unpack(self.layer_norm(x)), encoder_frames(self.cfg, feature_lens)
 
 
 class FrozenStatisticsNorm(nn.Module):

@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.loop.step import host_seq_len, tensor_to_device, to_device
+from train.loop.step import host_seq_len, to_device
 from train.models.batch import Batch
 from train.models.context import shard_sequence
+from train.models.frame_packing import EncoderPlan, encoder_plan
 from train.models.loss import aux_weight
-from train.models.packing import audio_rows, batch_layout, segments
+from train.models.packing import batch_layout, segments
 from train.models.salm import SALM, embed_inputs
 from train.models.shape import PAD_ID, audio_positions
 from train.parallel.pipeline_plan import MULTI_STAGE_SCHEDULES, PipelinePlan
@@ -98,17 +99,17 @@ class PipelinePart(nn.Module):
         # Set per step by the runner: dp_size / global sequences, for the balance loss.
         self.aux_scale = 0.0
         self.aux_total: torch.Tensor | None = None  # this step's weighted balance-loss sum
-        # The first stage's: each microbatch's segments that hold audio, read on the host by
-        # the runner (train.models.packing.audio_rows), taken in microbatch order, the order in
-        # which every schedule runs a stage's forwards.
-        self.audio_rows: deque[torch.Tensor | None] = deque()
+        # The first stage's: each microbatch's encoder plan (the segments that hold audio, their
+        # packing), read on the host by the runner (train.models.frame_packing.encoder_plan),
+        # taken in microbatch order, the order in which every schedule runs a stage's forwards.
+        self.encoder_plans: deque[EncoderPlan] = deque()
 
     def forward(self, *inputs: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
         if self.encoder is not None:
             cp = 1 if self.llm.cp_mesh is None else self.llm.cp_mesh.size()
             batch, seq_len = Batch(*inputs), token_mask.shape[1] * cp
-            rows = self.audio_rows.popleft() if self.audio_rows else None
-            x, _ = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len, rows)
+            plan = self.encoder_plans.popleft() if self.encoder_plans else None
+            x, _ = embed_inputs(self.encoder, self.projector, self.llm.embed, batch, seq_len, plan)
             (x,) = self.llm.enter(x)
         else:
             (x,) = inputs
@@ -266,7 +267,9 @@ class PipelineRunner:
         schedule = self._schedule(batch, seq_len)
         for part in self.parts:
             if part.encoder is not None:  # the first stage's
-                part.audio_rows = microbatch_rows(batch, self.plan.microbatches, self.device)
+                part.encoder_plans = microbatch_plans(
+                    part, batch, self.plan.microbatches, self.device
+                )
         batch = to_device(batch, self.device)
         feature_lens = segments(batch.features, batch.feature_lens)[1]
         layout = batch_layout(batch, audio_positions(self.parts[0].cfg, feature_lens), seq_len)
@@ -282,18 +285,17 @@ class PipelineRunner:
         return schedule, inputs, kwargs
 
 
-def microbatch_rows(
-    batch: Batch, microbatches: int, device: torch.device
-) -> deque[torch.Tensor | None]:
-    """Each microbatch's segments that hold audio (``train.models.packing.audio_rows``), from
-    the CPU batch that the schedule splits into ``microbatches`` equal runs of examples (a
-    multiple of them: ``pad_examples``), on ``device``."""
+def microbatch_plans(
+    stage: PipelinePart, batch: Batch, microbatches: int, device: torch.device
+) -> deque[EncoderPlan]:
+    """Each microbatch's encoder plan (``train.models.frame_packing.encoder_plan``) for the
+    first ``stage``, from the CPU batch that the schedule splits into ``microbatches`` equal runs
+    of examples (a multiple of them: ``pad_examples``), on ``device``."""
     size = len(batch.feature_lens) // microbatches
-    found: deque[torch.Tensor | None] = deque()
-    for start in range(0, len(batch.feature_lens), size):
-        rows = audio_rows(batch.feature_lens[start : start + size])
-        found.append(None if rows is None else tensor_to_device(rows, device))
-    return found
+    return deque(
+        encoder_plan(stage.cfg, stage.encoder, batch.feature_lens[start : start + size]).to(device)
+        for start in range(0, len(batch.feature_lens), size)
+    )
 
 
 def merged_view(parts: list[nn.Module]) -> nn.Module:

@@ -30,6 +30,12 @@ from train.models.context import (
     shard_sequence,
 )
 from train.models.encoder_cache import EncoderCache, EncoderKeys
+from train.models.frame_packing import (
+    MIN_FEATURE_FRAMES,
+    EncoderPlan,
+    FramePacking,
+    packed_attention,
+)
 from train.models.head_loss import head_loss
 from train.models.hf_encoder import pretrained_encoder
 from train.models.layers import apply_rope, length_mask, rope_tables
@@ -57,8 +63,6 @@ from train.parallel.dims import BASE_SEQ_MULTIPLE, DEFAULT_LOSS_CHUNK
 
 if TYPE_CHECKING:
     from train.models.kv_cache import KVCache
-
-MIN_FEATURE_FRAMES = 16  # what the encoder always gets (``encode_audio``)
 
 
 class Attention(nn.Module):
@@ -96,7 +100,9 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=qk_norm_eps)
 
     def forward(self, x, cos, sin, mask: torch.Tensor | None) -> torch.Tensor:
-        """``mask``: (B, T) keys that may be attended (encoder); None for causal attention."""
+        """``mask``: (B, T) keys that may be attended (encoder); None for causal attention; for
+        an encoder running packed frames (``x`` of one row), their slots (long: a
+        ``FramePacking``'s), which keep each segment's frames to themselves."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
@@ -106,6 +112,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.kv_cache is not None:
             y = self.kv_cache.attend(q, k, v)
+        elif mask is not None and mask.dtype == torch.long:
+            y = packed_attention(q[0], k[0], v[0], mask)[None]
         elif self.cp_mesh is not None:
             k, v = gather_sequence(k, self.cp_mesh), gather_sequence(v, self.cp_mesh)
             cp, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
@@ -182,6 +190,7 @@ class AudioEncoder(nn.Module):
     """Conv2d subsampling x4 over (time, mel), then bidirectional transformer blocks."""
 
     block_dims = BLOCK_DIMS
+    packs_frames = True  # runs a FramePacking's one sequence (train.models.frame_packing)
 
     def __init__(self, cfg: SALMConfig) -> None:
         super().__init__()
@@ -200,9 +209,14 @@ class AudioEncoder(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.head_dim = cfg.enc_dim // cfg.enc_heads
 
-    def forward(self, features, feature_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, features, feature_lens, packing: FramePacking | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, n_mels) -> (B, ceil(T/4), enc_dim) and lengths; padded frames are zeroed
-        after each conv so a frame near the end never sees how much padding follows it."""
+        after each conv so a frame near the end never sees how much padding follows it.
+        ``packing``: run the segments as one packed sequence, the same output."""
+        if packing is not None:
+            return self.packed(features, feature_lens, packing)
         x = features * length_mask(feature_lens, features.shape[1])[..., None]
         x = x.unsqueeze(1)
         lens = feature_lens
@@ -219,6 +233,21 @@ class AudioEncoder(nn.Module):
         for layer in self.layers:
             x, _ = layer(x, cos, sin, mask, None)
         return self.norm(x), lens
+
+    def packed(self, features, feature_lens, packing: FramePacking):
+        x = packing.pack_features(features)[None, None]  # (1, 1, L, n_mels)
+        for level, conv in enumerate((self.conv1, self.conv2), start=1):
+            x = F.relu(conv(x))
+            if level < len(packing.level_masks) - 1:
+                x = x * packing.level_masks[level][None, None, :, None]
+        x = packing.frames(x.permute(0, 2, 1, 3).flatten(2))  # (1, N, C * F')
+        x = self.conv_out(x)
+        longest = packing.slots.shape[1]
+        cos, sin = rope_tables(longest, self.head_dim, self.rope_theta, x.device)
+        cos, sin = cos[packing.frame_pos], sin[packing.frame_pos]
+        for layer in self.layers:
+            x, _ = layer(x, cos, sin, packing.slots, None)
+        return packing.unpack(self.norm(x)), subsampled_lens(feature_lens, 2)
 
 
 def llm_attention(cfg: SALMConfig) -> Attention:
@@ -358,13 +387,13 @@ def embed_inputs(
     embed: nn.Embedding,
     batch: Batch,
     seq_len: int,
-    audio_rows: torch.Tensor | None = None,
+    plan: EncoderPlan | None = None,
 ) -> tuple[torch.Tensor, SequenceLayout]:
     """The decoder's input (B, seq_len, d): each example's tokens with its projected audio
-    segments where they go, then zeros; and where each lies. ``audio_rows``: the segments that
-    hold audio (``train.models.packing.audio_rows``), the only ones encoded."""
+    segments where they go, then zeros; and where each lies. ``plan``: the segments that hold
+    audio, the only ones encoded, and how they are packed (``encode_audio``)."""
     features, feature_lens = segments(batch.features, batch.feature_lens)
-    audio, audio_lens = encode_audio(encoder, projector, features, feature_lens, audio_rows)
+    audio, audio_lens = encode_audio(encoder, projector, features, feature_lens, plan)
     layout = batch_layout(batch, audio_lens, seq_len)
     return splice(audio, embed(batch.tokens), layout), layout
 
@@ -374,23 +403,28 @@ def encode_audio(
     projector: Projector,
     features: torch.Tensor,
     feature_lens: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    plan: EncoderPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projected audio (B, K, A, d) of each example's segments (B, K, T, bins), and its
     lengths (B, K): every segment of the batch encoded on its own, as one batch. Features
     shorter than ``MIN_FEATURE_FRAMES`` (a batch of text-only examples has none) are
     zero-padded to it: the encoder runs on every batch, so every rank of a sharded encoder runs
     the same collectives in every step whatever its batch holds; segments without frames get
-    none. ``rows``: the flat (B x K) indices of the segments to encode, known on the host
-    (``train.models.packing.audio_rows``); the others, which hold no audio, are zeros without
-    being encoded."""
+    none. ``plan`` (``train.models.frame_packing.encoder_plan``, read on the host): its rows
+    are the flat (B x K) indices of the segments to encode (the others, which hold no audio,
+    are zeros without being encoded), its packing how the encoder packs their frames."""
     B, K = feature_lens.shape
     flat, lens = features.flatten(0, 1), feature_lens.flatten()
+    rows = None if plan is None else plan.rows
     if rows is not None:
         flat, lens = flat.index_select(0, rows), lens.index_select(0, rows)
-    if flat.shape[1] < MIN_FEATURE_FRAMES:
-        flat = F.pad(flat, (0, 0, 0, MIN_FEATURE_FRAMES - flat.shape[1]))
-    audio, audio_lens = projector(*encoder(flat, lens))
+    if plan is not None and plan.packing is not None:
+        encoded = encoder(flat, lens, plan.packing)
+    else:
+        if flat.shape[1] < MIN_FEATURE_FRAMES:
+            flat = F.pad(flat, (0, 0, 0, MIN_FEATURE_FRAMES - flat.shape[1]))
+        encoded = encoder(flat, lens)
+    audio, audio_lens = projector(*encoded)
     if rows is not None:
         audio = audio.new_zeros((B * K, *audio.shape[1:])).index_copy(0, rows, audio)
         audio_lens = audio_lens.new_zeros(B * K).index_copy(0, rows, audio_lens)
@@ -424,14 +458,14 @@ class SALM(nn.Module):
         batch: Batch,
         seq_len: int | None = None,
         encoder_keys: EncoderKeys | None = None,
-        audio_rows: torch.Tensor | None = None,
+        encoder_plan: EncoderPlan | None = None,
     ) -> SALMOutput:
         """``seq_len``: the packed decoder length, ``packed_length`` of the batch's lengths
         while they are still on the host (the training step passes it, so that nothing is read
         back from the device); None computes it here from the lengths given. ``encoder_keys``:
         the batch's keys into ``encoder_cache``, which then gives the encoder's frames.
-        ``audio_rows``: the segments that hold audio, read on the host as well (None: encode
-        every segment, empty ones too)."""
+        ``encoder_plan``: the segments that hold audio and how the encoder packs them, read on
+        the host as well (None: encode every segment, empty ones too, padded)."""
         if seq_len is None:
             audio = example_positions(self.cfg, batch.feature_lens)
             seq_len = packed_length(longest_example(audio, batch.token_lens), self.seq_multiple)
@@ -439,7 +473,7 @@ class SALM(nn.Module):
         if self.encoder_cache is not None and encoder_keys is not None:
             encoder = partial(self.encoder_cache.encode, encoder_keys)
         x, layout = embed_inputs(
-            encoder, self.projector, self.llm.embed, batch, seq_len, audio_rows
+            encoder, self.projector, self.llm.embed, batch, seq_len, encoder_plan
         )
         x, token_mask, labels = self.llm.enter(x, layout.token_mask, layout.labels)
         x, aux = self.llm(x, token_mask, head=False)
