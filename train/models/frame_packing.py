@@ -103,9 +103,9 @@ def packed_attention(
 
 
 def frame_packing(cfg: SALMConfig, lens: torch.Tensor) -> FramePacking:
-    """The plan for segments of ``lens`` (R,) feature frames (CPU). A
-    batch without any audio packs one segment of ``MIN_FEATURE_FRAMES`` zeros instead, so the
-    encoder still runs and every rank's sharded encoder joins the same collectives."""
+    """The plan for segments of ``lens`` (R,) feature frames (CPU). A batch without any audio
+    packs one segment of ``MIN_FEATURE_FRAMES`` zeros instead, so the encoder still runs and
+    every rank's sharded encoder joins the same collectives."""
     stride = cfg.enc_subsampling
     halvings = stride.bit_length() - 1
     lens = lens.to(torch.long).cpu()
