@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from train.models.batch import Batch
+from train.models.batch import Batch, tensor_to_device
 from train.models.encoder_cache import encoder_keys
 from train.models.frame_packing import encoder_plan
 from train.models.loss import SALMOutput, loss_for_backward
@@ -26,13 +26,6 @@ from train.models.salm import SALM
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """A CPU batch on ``device``, copied asynchronously from pinned memory on CUDA."""
     return Batch(*(None if t is None else tensor_to_device(t, device) for t in batch))
-
-
-def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on ``device``: from pinned memory on CUDA, so the copy does not wait."""
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def host_seq_len(batch: Batch, model: nn.Module) -> int:

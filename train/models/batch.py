@@ -45,3 +45,10 @@ class Batch(NamedTuple):
         """Every field a tensor (the pipeline's stages take a fixed list of them)."""
         audio_at, target_mask = self.prompt()
         return self._replace(audio_at=audio_at, target_mask=target_mask)
+
+
+def tensor_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``: from pinned memory on CUDA, so the copy does not wait."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

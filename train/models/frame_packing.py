@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from train.models.batch import tensor_to_device
 from train.models.packing import audio_rows
 from train.models.shape import SALMConfig, encoder_frames, subsampled_lens
 
@@ -36,19 +37,17 @@ class FramePacking:
     feature_row: torch.Tensor  # (F,) the real feature frames' rows
     feature_at: torch.Tensor  # (F,) and their frames in the row
     feature_dst: torch.Tensor  # (F,) their positions in the packed features
-    level_masks: tuple[torch.Tensor, ...]  # per halving k = 0.. : (L / 2**k,) frames in a segment
+    # Per stride-2 convolution k = 0, 1, ..: its input's (L / 2**k,) frames inside a segment.
+    level_masks: tuple[torch.Tensor, ...]
     frame_src: torch.Tensor  # (N,) the encoder frames' positions in the last level
     frame_pos: torch.Tensor  # (N,) each frame's position within its segment
     slots: torch.Tensor  # (R, T') each padded frame's index among the N, -1 on padding
 
     def to(self, device: torch.device) -> FramePacking:
-        if device.type == "cpu":
-            return self
-
         def moved(value):
             if isinstance(value, tuple):
-                return tuple(moved(v) for v in value)
-            return value.pin_memory().to(device, non_blocking=True)
+                return tuple(tensor_to_device(v, device) for v in value)
+            return tensor_to_device(value, device)
 
         return FramePacking(**{f.name: moved(getattr(self, f.name)) for f in fields(self)})
 
@@ -115,11 +114,11 @@ def frame_packing(cfg: SALMConfig, lens: torch.Tensor) -> FramePacking:
     spans = (encoded + stride - 1) // stride * stride + stride  # a segment, then >= s zeros
     offsets = torch.cumsum(spans, 0) - spans
     length = int(spans.sum())
-    rows = torch.arange(len(lens), device=CPU)
-    feature_row = rows.repeat_interleave(lens)
+    row_ids = torch.arange(len(lens), device=CPU)
+    feature_row = row_ids.repeat_interleave(lens)
     feature_at = within(lens)
     masks = []
-    for level in range(halvings + 1):
+    for level in range(halvings):  # the last level is gathered (frame_src), not masked
         level_lens = subsampled_lens(encoded, level)
         at = (offsets // 2**level).repeat_interleave(level_lens) + within(level_lens)
         masks.append(
@@ -127,7 +126,7 @@ def frame_packing(cfg: SALMConfig, lens: torch.Tensor) -> FramePacking:
         )
     out_lens = encoder_frames(cfg, encoded)
     frame_pos = within(out_lens)
-    frame_row = rows.repeat_interleave(out_lens)
+    frame_row = row_ids.repeat_interleave(out_lens)
     longest = int(out_lens.max())
     slots = torch.full((len(lens), longest), -1, dtype=torch.long, device=CPU)
     slots[frame_row, frame_pos] = torch.arange(len(frame_pos), device=CPU)
@@ -157,9 +156,7 @@ class EncoderPlan:
     packing: FramePacking | None
 
     def to(self, device: torch.device) -> EncoderPlan:
-        rows = self.rows
-        if rows is not None and device.type != "cpu":
-            rows = rows.pin_memory().to(device, non_blocking=True)
+        rows = None if self.rows is None else tensor_to_device(self.rows, device)
         return EncoderPlan(rows, None if self.packing is None else self.packing.to(device))
 
 

@@ -68,7 +68,7 @@ def pretrained_encoder(cfg: SALMConfig) -> nn.Module:
         from transformers import AttentionInterface
 
         AttentionInterface.register(FRAME_ATTENTION, frame_attention)
-        encoder.config._attn_implementation = FRAME_ATTENTION
+        encoder.set_attn_implementation(FRAME_ATTENTION)
         return WhisperSpeechEncoder(cfg, encoder)
     return ParakeetSpeechEncoder(cfg, encoder)
 

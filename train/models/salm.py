@@ -236,10 +236,8 @@ class AudioEncoder(nn.Module):
 
     def packed(self, features, feature_lens, packing: FramePacking):
         x = packing.pack_features(features)[None, None]  # (1, 1, L, n_mels)
-        for level, conv in enumerate((self.conv1, self.conv2), start=1):
-            x = F.relu(conv(x))
-            if level < len(packing.level_masks) - 1:
-                x = x * packing.level_masks[level][None, None, :, None]
+        x = F.relu(self.conv1(x)) * packing.level_masks[1][None, None, :, None]
+        x = F.relu(self.conv2(x))
         x = packing.frames(x.permute(0, 2, 1, 3).flatten(2))  # (1, N, C * F')
         x = self.conv_out(x)
         longest = packing.slots.shape[1]
